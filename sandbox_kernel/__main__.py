@@ -1,0 +1,12 @@
+"""`python -m sandbox_kernel`: the kernel itself, or the CLI when given a subcommand."""
+
+import sys
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("install", "run", "check"):
+        from sandbox_kernel.cli import main as cli_main
+
+        sys.exit(cli_main())
+    from sandbox_kernel.app import main
+
+    main()

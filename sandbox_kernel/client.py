@@ -1,0 +1,332 @@
+"""Python client: start a sandboxed kernel and run code (or a `main()` call) in it.
+
+    with Sandbox() as sb:
+        ex = sb.run("def main(x):\n    print('hi')\n    return {'y': x * 2}", inputs={"x": 21})
+        ex.result  # {'y': 42}; ex.stdout == 'hi\\n'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager, KernelManager
+
+from .install import DEFAULT_NAME, kernel_json
+from .policy import SandboxPolicy
+
+_ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
+GRACE_SECONDS = 5.0  # how long an interrupted kernel gets to come back before it is restarted
+_POLL = 0.2
+
+
+@dataclass
+class ExecutionError:
+    """An error raised by the code, by `main`, or by the sandbox around them."""
+
+    name: str
+    value: str
+    traceback: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Execution:
+    """Everything one `run` produced, each kind of output kept apart."""
+
+    result: dict | None = None
+    text: str | None = None
+    logs: list[dict[str, str]] = field(default_factory=list)
+    displays: list[dict[str, Any]] = field(default_factory=list)
+    error: ExecutionError | None = None
+    duration: float = 0.0
+    state_lost: bool = False
+
+    @property
+    def stdout(self) -> str:
+        """Everything the code printed to stdout."""
+        return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        """Everything the code printed to stderr."""
+        return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stderr")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole execution as JSON-able values."""
+        return {**asdict(self), "stdout": self.stdout, "stderr": self.stderr}
+
+
+Callback = Callable[[Any], None] | None
+
+
+class _Collector:
+    """Turns the IOPub messages of one request into an Execution."""
+
+    def __init__(self, msg_id: str, on_stdout: Callback, on_stderr: Callback,
+                 on_display: Callback) -> None:
+        self.msg_id = msg_id
+        self.execution = Execution()
+        self.callbacks = {"stdout": on_stdout, "stderr": on_stderr, "display": on_display}
+        self.idle = False
+
+    def feed(self, msg: dict[str, Any]) -> None:
+        if msg.get("parent_header", {}).get("msg_id") != self.msg_id:
+            return
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        ex = self.execution
+        if kind == "stream":
+            ex.logs.append({"name": content["name"], "text": content["text"]})
+            self._call(content["name"], content["text"])
+        elif kind in ("display_data", "update_display_data"):
+            ex.displays.append(content["data"])
+            self._call("display", content["data"])
+        elif kind == "execute_result":
+            data = content["data"]
+            ex.text = data.get("text/plain")
+            json_data = data.get("application/json")
+            ex.result = json_data if isinstance(json_data, dict) else None
+        elif kind == "error":
+            ex.error = ExecutionError(content["ename"], content["evalue"],
+                                      [_ANSI.sub("", line) for line in content["traceback"]])
+        elif kind == "status" and content["execution_state"] == "idle":
+            self.idle = True
+
+    def _call(self, name: str, payload: Any) -> None:
+        callback = self.callbacks.get(name)
+        if callback:
+            callback(payload)
+
+
+def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: str) -> dict:
+    meta: dict[str, Any] = {}
+    if inputs is not None:
+        meta["entrypoint"] = entrypoint
+        meta["inputs"] = inputs
+    if timeout is not None:
+        meta["timeout"] = timeout
+    return {"sandbox": meta} if meta else {}
+
+
+def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float | None,
+                     entrypoint: str) -> dict[str, Any]:
+    msg = client.session.msg("execute_request", {
+        "code": code, "silent": False, "store_history": True,
+        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+    msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint))
+    return msg
+
+
+_LOST = {  # why a kernel was given up on -> the error the Execution reports
+    "died": ("KernelDied", "the kernel process died"),
+    "hung": ("TimeoutError", "the kernel did not return to idle after an interrupt"),
+}
+
+
+class _Watchdog:
+    """Decides, between messages, whether to interrupt or give up on the kernel."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout + GRACE_SECONDS
+        self.interrupted_at: float | None = None
+
+    def check(self, alive: bool) -> str | None:
+        """None (keep waiting), "interrupt", or why the kernel is lost ("died", "hung")."""
+        now = time.monotonic()
+        if not alive:
+            return "died"
+        if self.interrupted_at is not None:
+            return "hung" if now > self.interrupted_at + GRACE_SECONDS else None
+        if self.deadline is not None and now > self.deadline:
+            self.interrupted_at = now
+            return "interrupt"
+        return None
+
+    def finish(self, execution: Execution, lost: str | None) -> Execution:
+        execution.duration = time.monotonic() - self.started
+        if lost:
+            name, why = _LOST[lost]
+            execution.error = ExecutionError(
+                name, f"{why}; it was restarted and its state (variables, imports) was lost")
+            execution.state_lost = True
+        return execution
+
+
+class _PackageSpecs(KernelSpecManager):
+    """Serves a kernelspec built from this package, for sandboxes started without installing."""
+
+    def __init__(self, policy: SandboxPolicy, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)"))
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return self.spec
+
+
+def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None) -> dict[str, Any]:
+    if kernel_name is None:
+        return {"kernel_name": "sandbox-package",
+                "kernel_spec_manager": _PackageSpecs(policy or SandboxPolicy())}
+    if policy is not None:
+        raise ValueError("give either kernel_name (an installed policy) or policy, not both")
+    return {"kernel_name": kernel_name}
+
+
+class Sandbox:
+    """A sandboxed kernel whose state persists across `run` calls; use it as a context manager."""
+
+    def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
+                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0) -> None:
+        self.manager = KernelManager(**_manager_kwargs(kernel_name, policy))
+        self.startup_timeout = startup_timeout
+        self.client: Any = None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Sandbox:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the kernel and wait until it answers."""
+        self.manager.start_kernel()
+        self._connect()
+
+    def _connect(self) -> None:
+        self.client = self.manager.client()
+        self.client.start_channels()
+        try:
+            self.client.wait_for_ready(timeout=self.startup_timeout)
+        except RuntimeError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Shut the kernel down."""
+        if self.client is not None:
+            self.client.stop_channels()
+        if self.manager.has_kernel:
+            self.manager.shutdown_kernel(now=True)
+
+    def restart(self) -> None:
+        """Replace the kernel with a fresh one; all state is lost."""
+        self.client.stop_channels()
+        self.manager.restart_kernel(now=True)
+        self._connect()
+
+    def interrupt(self) -> None:
+        """Interrupt the code that is running."""
+        self.manager.interrupt_kernel()
+
+    def kernel_info(self) -> dict[str, Any]:
+        """The kernel_info_reply content, including the sandbox's policy and layers."""
+        with self._lock:
+            return self.client.kernel_info(reply=True, timeout=self.startup_timeout)["content"]
+
+    def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
+            on_stdout: Callback = None, on_stderr: Callback = None, on_display: Callback = None,
+            entrypoint: str = "main") -> Execution:
+        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
+        with self._lock:
+            watchdog = _Watchdog(timeout)
+            msg = _execute_request(self.client, code, inputs, timeout, entrypoint)
+            collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
+            self.client.shell_channel.send(msg)
+            lost = None
+            while not collector.idle and not lost:
+                try:
+                    collector.feed(self.client.get_iopub_msg(timeout=_POLL))
+                    continue
+                except queue.Empty:
+                    pass
+                verdict = watchdog.check(self.manager.is_alive())
+                if verdict == "interrupt":
+                    self.interrupt()
+                else:
+                    lost = verdict
+            if lost:
+                self.restart()
+            return watchdog.finish(collector.execution, lost)
+
+
+class AsyncSandbox:
+    """The asyncio twin of Sandbox."""
+
+    def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
+                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0) -> None:
+        self.manager = AsyncKernelManager(**_manager_kwargs(kernel_name, policy))
+        self.startup_timeout = startup_timeout
+        self.client: Any = None
+        self._lock = asyncio.Lock()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start the kernel and wait until it answers."""
+        await self.manager.start_kernel()
+        await self._connect()
+
+    async def _connect(self) -> None:
+        self.client = self.manager.client()
+        self.client.start_channels()
+        try:
+            await self.client.wait_for_ready(timeout=self.startup_timeout)
+        except RuntimeError:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Shut the kernel down."""
+        if self.client is not None:
+            self.client.stop_channels()
+        if self.manager.has_kernel:
+            await self.manager.shutdown_kernel(now=True)
+
+    async def restart(self) -> None:
+        """Replace the kernel with a fresh one; all state is lost."""
+        self.client.stop_channels()
+        await self.manager.restart_kernel(now=True)
+        await self._connect()
+
+    async def interrupt(self) -> None:
+        """Interrupt the code that is running."""
+        await self.manager.interrupt_kernel()
+
+    async def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
+                  on_stdout: Callback = None, on_stderr: Callback = None,
+                  on_display: Callback = None, entrypoint: str = "main") -> Execution:
+        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
+        async with self._lock:
+            watchdog = _Watchdog(timeout)
+            msg = _execute_request(self.client, code, inputs, timeout, entrypoint)
+            collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
+            self.client.shell_channel.send(msg)
+            lost = None
+            while not collector.idle and not lost:
+                try:
+                    collector.feed(await self.client.get_iopub_msg(timeout=_POLL))
+                    continue
+                except queue.Empty:
+                    pass
+                verdict = watchdog.check(await self.manager.is_alive())
+                if verdict == "interrupt":
+                    await self.interrupt()
+                else:
+                    lost = verdict
+            if lost:
+                await self.restart()
+            return watchdog.finish(collector.execution, lost)

@@ -1,0 +1,92 @@
+"""Clear messages for calls the sandbox refused.
+
+The filter answers a refused call with a bare EPERM, which Python shows as "Operation not
+permitted". These wrappers call the real function first and, only when the kernel really refused
+it, re-raise a PermissionError that says which rule refused it and what would allow it. They are a
+courtesy, not a layer: calling the unwrapped function still hits the same filter.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+PROCESSES = ("creating processes is not allowed in the sandbox (no policy flag allows it: "
+             "run external programs outside the kernel)")
+NETWORK_OFF = ("the network is off in this sandbox; start the kernel with --allow-network "
+               "(or install the kernelspec with --allow-network) to allow it")
+NETWORK_KINDS = ("the sandbox only allows AF_INET/AF_INET6 stream and datagram sockets, even "
+                 "with --allow-network")
+
+_SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
+
+
+def _denied(what: str, why: str) -> PermissionError:
+    message = f"Operation not permitted: the sandbox blocked {what}: {why}"
+    exc = PermissionError(errno.EPERM, message)
+    exc.sandbox_rule = why  # type: ignore[attr-defined]  # marks it as already explained
+    return exc
+
+
+def _unexplained(exc: PermissionError) -> bool:
+    return exc.errno == errno.EPERM and not hasattr(exc, "sandbox_rule")
+
+
+def _explain(original: Callable[..., Any], what: str, why: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except PermissionError as exc:
+            if not _unexplained(exc):
+                raise
+            raise _denied(what, why) from None
+
+    return wrapper
+
+
+def _explain_system(original: Callable[[str], int]) -> Callable[[str], int]:
+    @functools.wraps(original)
+    def system(command: str) -> int:
+        status = original(command)
+        if status == _SHELL_FAILED:
+            raise _denied("os.system()", PROCESSES)
+        return status
+
+    return system
+
+
+def _explain_socket(allow_network: bool) -> Callable[..., None]:
+    original = socket.socket.__init__
+
+    @functools.wraps(original)
+    def __init__(self: socket.socket, family: Any = -1, type: Any = -1, *args: Any,
+                 **kwargs: Any) -> None:
+        try:
+            original(self, family, type, *args, **kwargs)
+        except PermissionError as exc:
+            if not _unexplained(exc):
+                raise
+            why = NETWORK_KINDS if allow_network else NETWORK_OFF
+            raise _denied("creating a socket", why) from None
+
+    return __init__
+
+
+def install(allow_network: bool) -> None:
+    """Wrap the usual ways Python creates processes and sockets."""
+    import _posixsubprocess
+    import subprocess
+
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve"):
+        if hasattr(os, name):
+            setattr(os, name, _explain(getattr(os, name), f"os.{name}()", PROCESSES))
+    os.system = _explain_system(os.system)
+    fork_exec = _explain(_posixsubprocess.fork_exec, "starting a subprocess", PROCESSES)
+    _posixsubprocess.fork_exec = fork_exec  # multiprocessing looks it up here
+    subprocess._fork_exec = fork_exec  # type: ignore[attr-defined]  # subprocess keeps a copy
+    socket.socket.__init__ = _explain_socket(allow_network)  # type: ignore[method-assign]

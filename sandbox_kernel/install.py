@@ -1,0 +1,59 @@
+"""Writing the kernelspec that Jupyter uses to start the sandboxed kernel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from jupyter_client.kernelspec import KernelSpecManager
+
+from .policy import SandboxPolicy
+
+DEFAULT_NAME = "sandbox"
+DEFAULT_DISPLAY_NAME = "Python 3 (sandbox)"
+
+
+class InstallError(Exception):
+    """The kernelspec could not be written; the message says why and what to do."""
+
+
+def template_dir() -> Path:
+    """The kernelspec template: inside the wheel, or at the top of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernelspec", here.parent / "kernelspec"):
+        if (candidate / "kernel.json").is_file():
+            return candidate
+    raise InstallError(f"the kernelspec template is missing next to {here}; reinstall the package")
+
+
+def kernel_json(policy: SandboxPolicy, display_name: str) -> dict:
+    """kernel.json for this interpreter, with the policy both in argv and in the metadata."""
+    spec = json.loads((template_dir() / "kernel.json").read_text())
+    argv = [sys.executable if arg == "{python}" else arg for arg in spec["argv"]]
+    spec["argv"] = argv + policy.to_argv()
+    spec["display_name"] = display_name
+    spec["metadata"]["sandbox_kernel"]["policy"] = policy.as_dict()
+    return spec
+
+
+def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
+            display_name: str = DEFAULT_DISPLAY_NAME, user: bool = False,
+            prefix: str | None = None) -> str:
+    """Install the kernelspec `name`(replacing one of that name); return its directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for logo in template_dir().glob("logo-*"):
+            shutil.copy(logo, tmp)
+        Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(policy, display_name), indent=2))
+        try:
+            return KernelSpecManager().install_kernel_spec(
+                tmp, kernel_name=name, user=user, prefix=prefix)
+        except ValueError as exc:  # jupyter_client's check of the name
+            raise InstallError(f"invalid kernel name {name!r}: {exc}") from exc
+        except OSError as exc:
+            where = prefix or ("the user's Jupyter data dir" if user else "the system Jupyter dir")
+            raise InstallError(
+                f"cannot write the kernelspec to {where}: {exc.strerror or exc}; choose --user, "
+                "--sys-prefix or a writable --prefix") from exc

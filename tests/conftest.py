@@ -1,0 +1,56 @@
+"""Shared fixtures: isolated Jupyter dirs, installed kernelspecs, and kernels to share."""
+
+import os
+import tempfile
+from pathlib import Path
+
+# Isolate every Jupyter and IPython path before jupyter_client is imported anywhere, so the
+# tests never read or write the real user's Jupyter dirs.
+_ROOT = Path(tempfile.mkdtemp(prefix="sandbox-kernel-tests-"))
+for _var, _sub in (("JUPYTER_DATA_DIR", "data"), ("JUPYTER_CONFIG_DIR", "config"),
+                   ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython"),
+                   ("HOME", "home")):
+    (_ROOT / _sub).mkdir()
+    os.environ[_var] = str(_ROOT / _sub)
+os.environ.pop("JUPYTER_PATH", None)
+
+import pytest  # noqa: E402
+
+from sandbox_kernel.client import Sandbox  # noqa: E402
+from sandbox_kernel.install import install  # noqa: E402
+from sandbox_kernel.policy import SandboxPolicy  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def jupyter_root():
+    """The temporary directory holding this test session's Jupyter dirs."""
+    return _ROOT
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernelspecs():
+    """The kernelspecs the tests start kernels from, installed into the temporary data dir."""
+    install(SandboxPolicy(), name="sandbox", user=True)
+    install(SandboxPolicy(allow_network=True), name="sandbox-net", user=True)
+
+
+@pytest.fixture(scope="session")
+def sandbox(kernelspecs):
+    """One kernel shared by tests that leave no trace in it."""
+    with Sandbox("sandbox") as sb:
+        yield sb
+
+
+@pytest.fixture(scope="session")
+def net_sandbox(kernelspecs):
+    """A shared kernel started with --allow-network."""
+    with Sandbox("sandbox-net") as sb:
+        yield sb
+
+
+@pytest.fixture
+def fresh_sandbox(kernelspecs):
+    """A kernel of its own, for tests that break or taint it."""
+    with Sandbox("sandbox") as sb:
+        yield sb
+

@@ -1,0 +1,29 @@
+"""Snippets and assertions shared by the tests."""
+
+# Defines raw(nr, *args) -> (return value, errno) inside a kernel: the syscall as the attacker
+# would make it, bypassing Python's own argument checks. Arguments are passed as 64-bit values.
+RAW_SYSCALL = """
+import ctypes as _ct
+_libc = _ct.CDLL(None, use_errno=True)
+_libc.syscall.restype = _ct.c_long
+def raw(nr, *args):
+    _ct.set_errno(0)
+    wide = [_ct.c_long(a) if a < 2**63 else _ct.c_ulong(a) for a in args]
+    ret = _libc.syscall(_ct.c_long(nr), *wide)
+    return ret, _ct.get_errno()
+"""
+
+
+def ok(execution):
+    """Assert an execution raised nothing and return it."""
+    assert execution.error is None, execution.error
+    return execution
+
+
+def evaluate(sandbox, code):
+    """Run code in a kernel and return the value of its last expression (a Python literal)."""
+    import ast
+
+    execution = ok(sandbox.run(code))
+    assert execution.text is not None, f"no result from {code!r}: {execution}"
+    return ast.literal_eval(execution.text)

@@ -1,0 +1,257 @@
+"""The seccomp policy, tried from inside a real sandboxed kernel: exact errnos, kernel alive."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pyseccomp
+import pytest
+
+from sandbox_kernel import seccomp
+from tests.helpers import RAW_SYSCALL, evaluate, ok
+
+NR = {name: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) for name in (
+    "getpid", "fork", "vfork", "execve", "execveat", "clone", "clone3", "kill", "tgkill",
+    "socket", "ioctl", "prlimit64", "personality", "chmod", "setuid", "mknod", "seccomp",
+    *seccomp.NEVER)}
+HIGH = 1 << 32  # a high bit the kernel drops from an int argument but seccomp would compare
+CLONE_NEWUSER = 0x10000000
+THREAD_FLAGS = 0x10000 | 0x100 | 0x800  # CLONE_THREAD | CLONE_VM | CLONE_SIGHAND
+
+pytestmark = pytest.mark.skipif(os.uname().machine != "x86_64",
+                                reason="raw syscall numbers and ABI checks are written for x86-64")
+
+
+def denied_with(sandbox, call):
+    """The (return, errno) of a raw syscall expression evaluated in the kernel."""
+    ok(sandbox.run(RAW_SYSCALL))
+    return tuple(evaluate(sandbox, call))
+
+
+def assert_blocked(execution, phrase):
+    assert execution.error is not None, "the call was not blocked"
+    assert execution.error.name == "PermissionError"
+    assert execution.error.value.startswith(
+        "[Errno 1] Operation not permitted: the sandbox blocked")
+    assert phrase in execution.error.value
+
+
+def test_allowlist_and_never_list_do_not_overlap():
+    assert not set(seccomp.ALLOWED) & set(seccomp.NEVER)
+    rules = seccomp.allowlist_rules(1234, allow_network=True)
+    assert not {r.syscall for r in rules} & set(seccomp.NEVER)
+
+
+@pytest.mark.parametrize("code, phrase", [
+    ("import subprocess; subprocess.run(['true'])", "creating processes is not allowed"),
+    ("import os; os.system('true')", "os.system()"),
+    ("import os; os.fork()", "os.fork()"),
+    ("import os; os.execv('/bin/true', ['true'])", "os.execv()"),
+    ("import os; os.posix_spawn('/bin/true', ['true'], {})", "os.posix_spawn()"),
+    ("import multiprocessing as mp; mp.get_context('spawn').Process(target=print).start()",
+     "creating processes is not allowed"),
+    ("import socket; socket.socket()", "start the kernel with --allow-network"),
+])
+def test_blocked_calls_say_why_and_the_kernel_lives(sandbox, code, phrase):
+    assert_blocked(sandbox.run(code), phrase)
+    assert evaluate(sandbox, "'still here'") == "still here"
+
+
+def test_libraries_pass_the_reason_on(sandbox):
+    ex = sandbox.run("import urllib.request; urllib.request.urlopen('http://127.0.0.1:9/')")
+    assert ex.error.name == "URLError"  # urllib wraps the PermissionError, message and all
+    assert "the sandbox blocked creating a socket" in ex.error.value
+
+
+def test_raw_process_creation_is_denied(sandbox):
+    for call, expected in [
+        (f"raw({NR['fork']})", errno.EPERM),
+        (f"raw({NR['vfork']})", errno.EPERM),
+        (f"raw({NR['execve']}, 0, 0, 0)", errno.EPERM),
+        (f"raw({NR['execveat']}, -100, 0, 0, 0, 0)", errno.EPERM),
+        (f"raw({NR['clone']}, {signal.SIGCHLD}, 0, 0, 0, 0)", errno.EPERM),
+        # a "thread" that also asks for a new user namespace
+        (f"raw({NR['clone']}, {THREAD_FLAGS | CLONE_NEWUSER}, 0, 0, 0, 0)", errno.EPERM),
+        (f"raw({NR['clone3']}, 0, 0)", errno.ENOSYS),  # glibc then falls back to clone
+    ]:
+        assert denied_with(sandbox, call) == (-1, expected), call
+
+
+def test_socket_families_without_network(sandbox):
+    import socket
+
+    for family, kind in [(socket.AF_INET, socket.SOCK_STREAM), (socket.AF_INET6, 2),
+                         (socket.AF_UNIX, 1), (socket.AF_NETLINK, 3), (socket.AF_PACKET, 3),
+                         (socket.AF_INET | HIGH, socket.SOCK_STREAM)]:
+        call = f"raw({NR['socket']}, {family}, {kind}, 0)"
+        assert denied_with(sandbox, call) == (-1, errno.EPERM), call
+    # socketpair stays: asyncio needs it for its self-pipe
+    assert evaluate(sandbox, "import socket; len(socket.socketpair())") == 2
+
+
+def test_socket_families_with_network(net_sandbox):
+    import socket
+
+    code = "import socket; s = socket.socket(); s.close(); s.family.name"
+    assert evaluate(net_sandbox, code) == "AF_INET"
+    for family, kind, expected in [
+        (socket.AF_INET | HIGH, socket.SOCK_DGRAM, 0),  # the kernel sees AF_INET: allowed
+        (socket.AF_INET, socket.SOCK_RAW, errno.EPERM),
+        (socket.AF_UNIX, socket.SOCK_STREAM, errno.EPERM),
+        (socket.AF_NETLINK, socket.SOCK_RAW, errno.EPERM),
+        (socket.AF_PACKET, socket.SOCK_RAW, errno.EPERM),
+        (socket.AF_VSOCK, socket.SOCK_STREAM, errno.EPERM),
+        (socket.AF_ALG, socket.SOCK_SEQPACKET, errno.EPERM),
+    ]:
+        ret, err = denied_with(net_sandbox, f"raw({NR['socket']}, {family}, {kind}, 0)")
+        assert err == expected, (family, kind)
+        if expected == 0:
+            ok(net_sandbox.run(f"import os; os.close({ret})"))
+    assert_blocked(net_sandbox.run("import socket; socket.socket(socket.AF_UNIX)"),
+                   "only allows AF_INET/AF_INET6")
+
+
+def test_signals_only_reach_this_process(sandbox):
+    parent = os.getpid()  # the test process is the kernel's parent
+    assert evaluate(sandbox, "import os; os.getppid()") == parent
+    own = evaluate(sandbox, "os.getpid()")
+    cases = [
+        (f"raw({NR['kill']}, {own}, 0)", (0, 0)),
+        (f"raw({NR['kill']}, {own | HIGH}, 0)", (0, 0)),  # the kernel truncates to own pid
+        (f"raw({NR['kill']}, {parent}, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['kill']}, {parent | HIGH}, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['kill']}, 0, 0)", (-1, errno.EPERM)),  # own process group
+        (f"raw({NR['kill']}, {2**64 - 1}, 0)", (-1, errno.EPERM)),  # -1: every process
+        (f"raw({NR['tgkill']}, {parent}, {parent}, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['prlimit64']}, {parent}, 7, 0, 0)", (-1, errno.EPERM)),
+    ]
+    for call, expected in cases:
+        assert denied_with(sandbox, call) == expected, call
+
+
+def test_limits_can_be_read_not_raised(sandbox):
+    code = ("import resource\nsoft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "try:\n    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))\n"
+            "    r = 'changed'\nexcept (ValueError, OSError) as e:\n    r = str(e)\nr")
+    assert evaluate(sandbox, code) == "not allowed to raise maximum limit"
+
+
+@pytest.mark.parametrize("name", ["io_uring_setup", "bpf", "userfaultfd", "perf_event_open",
+                                  "keyctl", "add_key", "mount", "umount2", "unshare", "setns",
+                                  "ptrace", "process_vm_readv", "process_vm_writev", "kexec_load",
+                                  "init_module", "finit_module", "open_by_handle_at", "seccomp",
+                                  "setuid", "mknod", "pidfd_getfd", "chroot", "pivot_root"])
+def test_never_list_returns_eperm(sandbox, name):
+    assert denied_with(sandbox, f"raw({NR[name]}, 0, 0, 0, 0, 0)") == (-1, errno.EPERM)
+
+
+def test_argument_rules(sandbox):
+    import termios
+
+    ok(sandbox.run(RAW_SYSCALL + "import os, tempfile\nr, w = os.pipe()\n"
+                   "fd, path = tempfile.mkstemp()\n"
+                   "buffers = [_ct.create_string_buffer(path.encode()), _ct.c_int()]\n"
+                   "c_path, c_int = map(_ct.addressof, buffers)\n"))
+    cases = [
+        (f"raw({NR['personality']}, 0xffffffff)", (0, 0)),  # query: allowed (PER_LINUX is 0)
+        (f"raw({NR['personality']}, 0x0040000)", (-1, errno.EPERM)),  # ADDR_NO_RANDOMIZE
+        (f"raw({NR['ioctl']}, r, {termios.TIOCSTI}, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['ioctl']}, r, {termios.TIOCSTI | HIGH}, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['ioctl']}, r, 0x541C, 0)", (-1, errno.EPERM)),  # TIOCLINUX
+        (f"raw({NR['ioctl']}, r, {termios.FIONREAD}, c_int)", (0, 0)),  # other ioctls work
+        (f"raw({NR['chmod']}, c_path, 0o4755)", (-1, errno.EPERM)),  # setuid bit
+        (f"raw({NR['chmod']}, c_path, 0o2755 | {HIGH})", (-1, errno.EPERM)),  # setgid bit
+        (f"raw({NR['chmod']}, c_path, 0o600)", (0, 0)),  # ordinary chmod still works
+        ("raw(1000)", (-1, errno.EPERM)),  # unknown syscall numbers: EPERM, not ENOSYS
+    ]
+    for call, expected in cases:
+        assert tuple(evaluate(sandbox, call)) == expected, call
+    ok(sandbox.run("os.close(r); os.close(w); os.close(fd); os.unlink(path)"))
+
+
+def test_every_thread_is_filtered_including_late_ones(sandbox):
+    code = """
+import threading, pathlib
+def modes():
+    return sorted({line.split()[1] for task in pathlib.Path('/proc/self/task').iterdir()
+                   for line in (task / 'status').read_text().splitlines()
+                   if line.startswith(('Seccomp:', 'NoNewPrivs:'))})
+late = {}
+def record():
+    late['status'] = pathlib.Path('/proc/thread-self/status').read_text()
+t = threading.Thread(target=record)
+t.start(); t.join()
+(len(list(pathlib.Path('/proc/self/task').iterdir())) > 3, modes(),
+ 'Seccomp:\\t2' in late['status'], 'Seccomp_filters:\\t2' in late['status'])
+"""
+    assert evaluate(sandbox, code) == (True, ["1", "2"], True, True)
+
+
+def test_subshell_threads_are_filtered(fresh_sandbox):
+    client = fresh_sandbox.client
+    if "kernel subshells" not in fresh_sandbox.kernel_info()["supported_features"]:
+        pytest.skip("this ipykernel has no subshells")
+    client.control_channel.send(client.session.msg("create_subshell_request", {}))
+    subshell_id = client.control_channel.get_msg(timeout=10)["content"]["subshell_id"]
+    msg = client.session.msg("execute_request", {
+        "code": "import os, threading\n"
+                "try:\n    os.fork(); r = 'forked'\nexcept PermissionError as e:\n    r = e.errno\n"
+                "(r, threading.current_thread() is threading.main_thread(),"
+                " open('/proc/thread-self/status').read().count('Seccomp:\\t2'))",
+        "silent": False, "store_history": False, "user_expressions": {}, "allow_stdin": False})
+    msg["header"]["subshell_id"] = subshell_id
+    client.shell_channel.send(msg)
+    result = None
+    while True:
+        reply = client.get_iopub_msg(timeout=20)
+        if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        if reply["msg_type"] == "execute_result":
+            result = reply["content"]["data"]["text/plain"]
+        if reply["msg_type"] == "status" and reply["content"]["execution_state"] == "idle":
+            break
+    assert result == f"({errno.EPERM}, False, 1)"
+
+
+@pytest.mark.parametrize("attack", [
+    # x32 ABI: the same syscall number with bit 30 set
+    f"raw({0x40000000} | {39})",
+    # i386 entry point: `mov eax, 20 (getpid); int 0x80; ret`, run from an executable page
+    "import mmap\nm = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "m.write(b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3')\n"
+    "_ct.CFUNCTYPE(_ct.c_long)(_ct.addressof(_ct.c_char.from_buffer(m)))()",
+])
+def test_foreign_abis_kill_the_process(fresh_sandbox, attack):
+    process = fresh_sandbox.manager.provisioner.process
+    ex = fresh_sandbox.run(RAW_SYSCALL + attack)
+    assert process.wait(timeout=10) == -signal.SIGSYS
+    assert ex.error.name == "KernelDied" and ex.state_lost
+    assert evaluate(fresh_sandbox, "'fresh kernel answers'") == "fresh kernel answers"
+
+
+# A launcher whose own filter makes seccomp() unusable, as on a host kernel without it.
+NO_SECCOMP_LAUNCHER = textwrap.dedent("""
+    import errno, os, sys
+    import pyseccomp as sc
+    f = sc.SyscallFilter(sc.ALLOW)
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "seccomp")
+    f.add_rule(sc.ERRNO(errno.EINVAL), "prctl", sc.Arg(0, sc.EQ, 22))  # PR_SET_SECCOMP
+    f.load()
+    os.execv(sys.executable, [sys.executable, "-I", "-m", "sandbox_kernel", "-f", sys.argv[1]])
+""")
+
+
+def test_fails_closed_when_seccomp_cannot_be_loaded(tmp_path):
+    from jupyter_client.connect import write_connection_file
+
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
+    result = subprocess.run([sys.executable, "-c", NO_SECCOMP_LAUNCHER, connection_file],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    lines = [line for line in result.stderr.splitlines() if "refusing to start" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("sandbox-kernel: refusing to start: seccomp: loading")
+    assert "--no-seccomp" in lines[0]
