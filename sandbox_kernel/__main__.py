@@ -7,6 +7,10 @@ if __name__ == "__main__":
         from sandbox_kernel.cli import main as cli_main
 
         sys.exit(cli_main())
+    # First, while single-threaded and before the heavy imports: a clean environment.
+    from sandbox_kernel.environment import ensure_clean
+
+    ensure_clean(sys.argv[1:])
     from sandbox_kernel.app import main
 
     main()

@@ -22,6 +22,9 @@ NETWORK_OFF = ("the network is off in this sandbox; start the kernel with --allo
 NETWORK_KINDS = ("the sandbox only allows AF_INET/AF_INET6 stream and datagram sockets, even "
                  "with --allow-network")
 
+FILE_MODES = ("changing file permissions is not allowed in the sandbox (copy files with "
+              "shutil.copyfile, which keeps the default mode)")
+
 _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
 
 
@@ -86,6 +89,9 @@ def install(allow_network: bool) -> None:
         if hasattr(os, name):
             setattr(os, name, _explain(getattr(os, name), f"os.{name}()", PROCESSES))
     os.system = _explain_system(os.system)
+    for name in ("chmod", "fchmod", "lchmod"):
+        if hasattr(os, name):
+            setattr(os, name, _explain(getattr(os, name), f"os.{name}()", FILE_MODES))
     fork_exec = _explain(_posixsubprocess.fork_exec, "starting a subprocess", PROCESSES)
     _posixsubprocess.fork_exec = fork_exec  # multiprocessing looks it up here
     subprocess._fork_exec = fork_exec  # type: ignore[attr-defined]  # subprocess keeps a copy

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LandlockError", "LandlockRules", "abi_version", "apply", "existing"]
+__all__ = ["LandlockError", "LandlockRules", "abi_version", "apply", "existing", "supported"]
 
 # Syscall numbers come from the generic table, so they are the same on every architecture.
 _SYS_LANDLOCK_CREATE_RULESET = 444
@@ -272,6 +272,15 @@ def _restrict_self(ruleset_fd: int) -> None:
             "landlock_restrict_self",
             "no_new_privs must be set, and at most 16 Landlock layers can be stacked",
         )
+
+
+def supported(abi: int) -> dict[str, list[str]]:
+    """Names of the file-system rights, network rights and scopes a Landlock ABI offers."""
+    return {
+        "fs_rights": _names(_FS_RIGHTS, _mask(_FS_RIGHTS, abi)),
+        "net_rights": _names(_NET_RIGHTS, _mask(_NET_RIGHTS, abi)),
+        "scopes": _names(_SCOPES, _mask(_SCOPES, abi)),
+    }
 
 
 def apply(rules: LandlockRules) -> dict[str, Any]:

@@ -1,12 +1,36 @@
-"""The sandbox policy: every knob a kernel is started with, as traitlets and as CLI flags."""
+"""The sandbox policy: every knob a kernel is started with, as traitlets and as CLI flags.
+
+Each configurable trait may carry a `flag` tag: the name of its command-line option, shared by
+the kernel application (traitlets), `sandbox-kernel install` and `sandbox-kernel run` (argparse).
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
-from traitlets import Bool
+from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode
 from traitlets.config import Configurable
+
+from .paths import check_grants
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512M', '2G', '1048576' (binary units; 0 means no limit)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise TraitError(f"not a size: {text!r} (use a number of bytes or e.g. 512M, 2G)")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+class ByteSize(Int):  # type: ignore[type-arg]
+    """An integer number of bytes that also accepts 512M / 2G on the command line."""
+
+    def from_string(self, s: str) -> int:
+        return parse_size(s)
 
 
 class SandboxPolicy(Configurable):
@@ -16,6 +40,63 @@ class SandboxPolicy(Configurable):
         False,
         help="Let user code create inet/inet6 TCP and UDP sockets. Off: no new sockets at all.",
     ).tag(config=True, flag="allow-network")
+
+    read_paths = List(
+        Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
+    ).tag(config=True, flag="read-path", metavar="PATH")
+
+    write_paths = List(
+        Unicode(), help="Extra paths user code may read and write (repeatable). Each must exist.",
+    ).tag(config=True, flag="write-path", metavar="PATH")
+
+    env = Dict(
+        value_trait=Unicode(), key_trait=Unicode(),
+        help="Environment variables to set for user code (repeatable NAME=VALUE).",
+    ).tag(config=True, flag="env", metavar="NAME=VALUE")
+
+    pass_env = List(
+        Unicode(), help="Variables to pass through from the launching environment (repeatable).",
+    ).tag(config=True, flag="pass-env", metavar="NAME")
+
+    memory_limit = ByteSize(
+        4 * 2**30,
+        help="Most memory user code may allocate (RLIMIT_DATA, plus no shared anonymous "
+        "memory); 0 for no limit. Accepts 512M, 2G.",
+    ).tag(config=True, flag="memory-limit", metavar="SIZE")
+
+    cpu_limit = Int(
+        0, help="CPU seconds the kernel may use over its whole life (RLIMIT_CPU); 0 for none.",
+    ).tag(config=True, flag="cpu-limit", metavar="SECONDS")
+
+    file_size_limit = ByteSize(
+        2**30, help="Largest file user code may write (RLIMIT_FSIZE); 0 for no limit.",
+    ).tag(config=True, flag="file-size-limit", metavar="SIZE")
+
+    open_files_limit = Int(
+        1024, help="Most file descriptors open at once (RLIMIT_NOFILE).",
+    ).tag(config=True, flag="open-files-limit", metavar="N")
+
+    timeout = Float(
+        0.0, help="Default seconds one execution may run before it is interrupted; 0 for none. "
+        "A request's metadata.sandbox.timeout overrides it.",
+    ).tag(config=True, flag="timeout", metavar="SECONDS")
+
+    max_output_bytes = ByteSize(
+        2**20, help="Stream output kept per execution; beyond it output is dropped and one "
+        "marker says how much. 0 for no cap.",
+    ).tag(config=True, flag="max-output", metavar="SIZE")
+
+    run_as = Unicode(
+        "auto", help="When started as root, the user to switch to after set-up: 'auto' (nobody "
+        "when it can read the interpreter, otherwise stay root with every capability "
+        "dropped), a user name, or UID[:GID].",
+    ).tag(config=True, flag="run-as", metavar="USER")
+
+    require_landlock = Bool(
+        True,
+        help="Refuse to start when Landlock cannot be applied. Turning this off runs untrusted "
+        "code with no file-system confinement: only for hosts without Landlock.",
+    ).tag(config=True, flag="no-landlock", flag_value=False)
 
     require_seccomp = Bool(
         True,
@@ -32,34 +113,73 @@ class SandboxPolicy(Configurable):
         argv = []
         for name, trait in sorted(self.traits(config=True).items()):
             value = getattr(self, name)
-            if value != trait.default():
-                argv.append(f"--SandboxPolicy.{name}={value!r}")
+            if value == trait.default():
+                continue
+            if isinstance(value, dict):
+                argv += [f"--SandboxPolicy.{name}={key}={item}" for key, item in value.items()]
+            elif isinstance(value, list):
+                argv += [f"--SandboxPolicy.{name}={item}" for item in value]
+            else:
+                argv.append(f"--SandboxPolicy.{name}={value}")
         return argv
 
 
+def _flagged() -> list[tuple[str, Any]]:
+    return [(name, trait) for name, trait in SandboxPolicy.class_traits(config=True).items()
+            if trait.metadata.get("flag")]
+
+
 def app_flags() -> dict[str, tuple[dict[str, Any], str]]:
-    """traitlets flags (`--allow-network`, ...) for the kernel application."""
-    flags = {}
-    for name, trait in SandboxPolicy.class_traits(config=True).items():
-        flag = trait.metadata.get("flag")
-        if flag:
-            value = trait.metadata.get("flag_value", True)
-            flags[flag] = ({"SandboxPolicy": {name: value}}, trait.help)
-    return flags
+    """traitlets flags (`--allow-network`, `--no-seccomp`) for the kernel application."""
+    return {trait.metadata["flag"]: ({"SandboxPolicy": {name: trait.metadata.get(
+                "flag_value", True)}}, trait.help)
+            for name, trait in _flagged() if isinstance(trait, Bool)}
+
+
+def app_aliases() -> dict[str, str]:
+    """traitlets aliases (`--read-path P`, `--timeout S`, ...) for the kernel application."""
+    return {trait.metadata["flag"]: f"SandboxPolicy.{name}"
+            for name, trait in _flagged() if not isinstance(trait, Bool)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the policy flags to an argparse parser (install and run share them)."""
+    """Add the policy flags to an argparse parser (install, run and check share them)."""
     group = parser.add_argument_group("sandbox policy")
-    for name, trait in SandboxPolicy.class_traits(config=True).items():
-        flag = trait.metadata.get("flag")
-        if flag:
+    for name, trait in _flagged():
+        option, help_text = f"--{trait.metadata['flag']}", trait.help
+        if isinstance(trait, Bool):
             action = "store_false" if trait.metadata.get("flag_value") is False else "store_true"
-            group.add_argument(f"--{flag}", dest=name, action=action, default=trait.default(),
-                               help=trait.help)
+            group.add_argument(option, dest=name, action=action, default=None, help=help_text)
+        else:
+            repeatable = isinstance(trait, (List, Dict))
+            group.add_argument(option, dest=name, action="append" if repeatable else "store",
+                               default=None, metavar=trait.metadata.get("metavar"),
+                               help=help_text)
 
 
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:
-    """Build a validated policy from parsed argparse flags."""
-    names = SandboxPolicy.class_trait_names(config=True)
-    return SandboxPolicy(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+    """A validated policy from argparse flags, grants made absolute.
+
+    Raises TraitError for a bad value and FileNotFoundError for a grant that does not exist.
+    """
+    values: dict[str, Any] = {}
+    for name, trait in _flagged():
+        given = getattr(args, name, None)
+        if given is None:
+            continue
+        if isinstance(trait, Dict):
+            values[name] = dict(_name_value(item) for item in given)
+        elif name in ("read_paths", "write_paths"):
+            values[name] = check_grants(given)
+        elif isinstance(trait, (List, Bool)):
+            values[name] = given
+        else:
+            values[name] = trait.from_string(given)
+    return SandboxPolicy(**values)
+
+
+def _name_value(item: str) -> tuple[str, str]:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+        raise TraitError(f"expected NAME=VALUE, got {item!r}")
+    return name, value

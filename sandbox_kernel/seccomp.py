@@ -64,7 +64,7 @@ ALLOWED = (
     "fsync", "fdatasync", "sync_file_range", "syncfs",
     "utime", "utimes", "utimensat", "futimesat",
     "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
-    "sendfile", "splice", "tee", "vmsplice", "copy_file_range", "memfd_create",
+    "sendfile", "splice", "tee", "vmsplice", "copy_file_range",
     "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
     # event loops and pipes
     "pipe", "pipe2", "eventfd", "eventfd2", "signalfd", "signalfd4",
@@ -90,6 +90,10 @@ NEVER = (
     "pidfd_send_signal", "process_madvise", "process_mrelease", "tkill", "mknod", "mknodat",
     "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setfsuid",
     "setfsgid", "setgroups", "capset", "setrlimit", "chown", "fchown", "lchown", "fchownat",
+    # Landlock does not cover file modes: as the files' owner, code could chmod them anywhere.
+    "chmod", "fchmod", "fchmodat", "fchmodat2",
+    # Memory that RLIMIT_DATA does not count: memfd and SysV/POSIX shared memory.
+    "memfd_create", "memfd_secret",
     "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
     "reboot", "swapon", "swapoff", "syslog", "acct", "quotactl", "iopl", "ioperm",
     "settimeofday", "clock_settime", "adjtimex", "clock_adjtime", "sethostname",
@@ -139,7 +143,8 @@ _OWN_PROCESS_ONLY = ("sched_setaffinity", "sched_getaffinity", "sched_setparam",
 _OWN_PID_ONLY = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
 
 _LOW32 = 0xFFFFFFFF
-_SETID_BITS = 0o6000  # S_ISUID | S_ISGID
+_MAP_TYPE_AND_ANONYMOUS = 0x0F | 0x20
+_SHARED_ANONYMOUS = (0x01 | 0x20, 0x03 | 0x20)  # MAP_SHARED / MAP_SHARED_VALIDATE, anonymous
 
 
 @dataclass(frozen=True)
@@ -170,9 +175,6 @@ def allowlist_rules(pid: int, allow_network: bool) -> list[Rule]:
         rules.append(Rule("setpriority", args=(_masked(0, 0), _masked(1, target))))
     rules += [Rule("prctl", args=(_masked(0, option),)) for option in _PRCTL_OPTIONS]
     rules.append(Rule("personality", args=(_masked(0, 0xFFFFFFFF),)))  # query only
-    # chmod stays (shutil.copy needs it) but can never set the setuid or setgid bit.
-    for name, mode_arg in (("chmod", 1), ("fchmod", 1), ("fchmodat", 2)):
-        rules.append(Rule(name, args=(_masked(mode_arg, 0, _SETID_BITS),)))
     # asyncio and friends need socketpair(AF_UNIX) even when the network is off.
     rules.append(Rule("socketpair", args=(_masked(0, socket.AF_UNIX),)))
     if allow_network:
@@ -184,10 +186,13 @@ def allowlist_rules(pid: int, allow_network: bool) -> list[Rule]:
 
 def denylist_rules() -> list[Rule]:
     """Argument values refused for calls the allowlist admits."""
-    return [
-        Rule("ioctl", action="eperm", args=(_masked(1, request),))
-        for request in (termios.TIOCSTI, getattr(termios, "TIOCLINUX", 0x541C))
-    ]
+    # Injecting keystrokes into a terminal the kernel inherited.
+    rules = [Rule("ioctl", action="eperm", args=(_masked(1, request),))
+             for request in (termios.TIOCSTI, getattr(termios, "TIOCLINUX", 0x541C))]
+    # Shared anonymous memory escapes RLIMIT_DATA, the memory limit.
+    rules += [Rule("mmap", action="eperm", args=(_masked(3, flags, _MAP_TYPE_AND_ANONYMOUS),))
+              for flags in _SHARED_ANONYMOUS]
+    return rules
 
 
 def available() -> str | None:

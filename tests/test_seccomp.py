@@ -15,7 +15,8 @@ from tests.helpers import RAW_SYSCALL, evaluate, ok
 
 NR = {name: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) for name in (
     "getpid", "fork", "vfork", "execve", "execveat", "clone", "clone3", "kill", "tgkill",
-    "socket", "ioctl", "prlimit64", "personality", "chmod", "setuid", "mknod", "seccomp",
+    "fchmod", "fchmodat2", "mmap", "memfd_create", "socket", "ioctl", "prlimit64",
+    "personality", "chmod", "setuid", "mknod", "seccomp",
     *seccomp.NEVER)}
 HIGH = 1 << 32  # a high bit the kernel drops from an int argument but seccomp would compare
 CLONE_NEWUSER = 0x10000000
@@ -54,6 +55,7 @@ def test_allowlist_and_never_list_do_not_overlap():
     ("import multiprocessing as mp; mp.get_context('spawn').Process(target=print).start()",
      "creating processes is not allowed"),
     ("import socket; socket.socket()", "start the kernel with --allow-network"),
+    ("import os; os.chmod(os.getcwd(), 0o700)", "changing file permissions is not allowed"),
 ])
 def test_blocked_calls_say_why_and_the_kernel_lives(sandbox, code, phrase):
     assert_blocked(sandbox.run(code), phrase)
@@ -162,9 +164,15 @@ def test_argument_rules(sandbox):
         (f"raw({NR['ioctl']}, r, {termios.TIOCSTI | HIGH}, 0)", (-1, errno.EPERM)),
         (f"raw({NR['ioctl']}, r, 0x541C, 0)", (-1, errno.EPERM)),  # TIOCLINUX
         (f"raw({NR['ioctl']}, r, {termios.FIONREAD}, c_int)", (0, 0)),  # other ioctls work
-        (f"raw({NR['chmod']}, c_path, 0o4755)", (-1, errno.EPERM)),  # setuid bit
-        (f"raw({NR['chmod']}, c_path, 0o2755 | {HIGH})", (-1, errno.EPERM)),  # setgid bit
-        (f"raw({NR['chmod']}, c_path, 0o600)", (0, 0)),  # ordinary chmod still works
+        # file modes cannot change at all (Landlock does not cover chmod on paths)
+        (f"raw({NR['chmod']}, c_path, 0o4755)", (-1, errno.EPERM)),
+        (f"raw({NR['chmod']}, c_path, 0o600)", (-1, errno.EPERM)),
+        (f"raw({NR['fchmod']}, fd, 0o777)", (-1, errno.EPERM)),
+        (f"raw({NR['fchmodat2']}, -100, c_path, 0o777, 0)", (-1, errno.EPERM)),
+        # shared anonymous memory would escape the memory limit; private mappings are fine
+        (f"raw({NR['mmap']}, 0, 4096, 3, 0x21, -1, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['mmap']}, 0, 4096, 3, 0x23 | {HIGH}, -1, 0)", (-1, errno.EPERM)),
+        (f"raw({NR['memfd_create']}, c_path, 0)", (-1, errno.EPERM)),
         ("raw(1000)", (-1, errno.EPERM)),  # unknown syscall numbers: EPERM, not ENOSYS
     ]
     for call, expected in cases:
@@ -220,7 +228,8 @@ def test_subshell_threads_are_filtered(fresh_sandbox):
     # x32 ABI: the same syscall number with bit 30 set
     f"raw({0x40000000} | {39})",
     # i386 entry point: `mov eax, 20 (getpid); int 0x80; ret`, run from an executable page
-    "import mmap\nm = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "import mmap\nm = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE,\n"
+    "              prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
     "m.write(b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3')\n"
     "_ct.CFUNCTYPE(_ct.c_long)(_ct.addressof(_ct.c_char.from_buffer(m)))()",
 ])

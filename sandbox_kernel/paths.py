@@ -1,0 +1,65 @@
+"""Which paths user code may read and write: the input of the Landlock layer."""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+from .landlock import existing
+
+# What the interpreter, the C libraries and the scientific stack read at run time. Optional:
+# whichever exist on this host are granted read-only. Not /etc as a whole (shadow, ssh keys),
+# not /proc as a whole (other processes), not /sys/fs/cgroup.
+SYSTEM_READ_ONLY = (
+    "/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt/conda",
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
+    "/etc/timezone", "/etc/ssl", "/etc/ca-certificates", "/etc/pki", "/etc/fonts",
+    "/etc/matplotlibrc", "/etc/mime.types", "/etc/nsswitch.conf", "/etc/hosts",
+    "/etc/resolv.conf", "/etc/gai.conf", "/etc/host.conf", "/etc/services", "/etc/protocols",
+    "/etc/os-release", "/etc/passwd", "/etc/group", "/etc/locale.alias", "/etc/xdg",
+    "/dev/urandom", "/dev/random", "/dev/zero",
+    "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg", "/proc/version",
+    "/proc/sys/kernel/osrelease", "/proc/sys/vm/overcommit_memory",
+    "/sys/devices/system/cpu",
+)
+SYSTEM_READ_WRITE = ("/dev/null", "/dev/full")
+
+
+def interpreter_paths() -> list[str]:
+    """The running interpreter's prefixes, stdlib, site-packages and import path."""
+    candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  os.path.dirname(os.path.realpath(sys.executable))]
+    candidates += [value for key, value in sysconfig.get_paths().items() if key != "scripts"]
+    candidates += [entry for entry in sys.path if entry]
+    return list(existing(dict.fromkeys(os.path.realpath(p) for p in candidates)))
+
+
+def own_proc_dir() -> str:
+    """/proc/<pid> of this process (what /proc/self and /proc/thread-self resolve into)."""
+    return f"/proc/{os.getpid()}"
+
+
+def read_only(extra: Iterable[str], connection_file: str) -> list[str]:
+    """Everything granted read-only: system, interpreter, this process's /proc, grants."""
+    granted = [*existing(SYSTEM_READ_ONLY), *interpreter_paths(), own_proc_dir(),
+               os.path.realpath(connection_file), *extra]
+    return list(dict.fromkeys(granted))
+
+
+def read_write(extra: Iterable[str], scratch_dir: str) -> list[str]:
+    """Everything granted read-write: the scratch, /dev/null, grants."""
+    return list(dict.fromkeys([scratch_dir, *existing(SYSTEM_READ_WRITE), *extra]))
+
+
+def check_grants(paths: Iterable[str]) -> list[str]:
+    """Absolute forms of the policy's grants; a missing one is an error naming it."""
+    resolved = []
+    for path in paths:
+        absolute = Path(path).expanduser().resolve()
+        if not absolute.exists():
+            raise FileNotFoundError(f"granted path does not exist: {path}")
+        resolved.append(str(absolute))
+    return resolved

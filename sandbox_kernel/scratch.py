@@ -1,0 +1,102 @@
+"""The kernel's private scratch directory: its cwd and HOME, gone when the kernel is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+
+
+class ScratchError(RuntimeError):
+    """The scratch directory is missing, foreign or unsafe."""
+
+
+def root() -> Path:
+    """Where every scratch directory of this user lives (one per kernel)."""
+    return Path(tempfile.gettempdir()) / f"sandbox-kernel-{os.geteuid()}"
+
+
+def _safe_root() -> Path:
+    base = root()
+    try:
+        base.mkdir(mode=0o711)
+    except FileExistsError:
+        pass
+    info = base.lstat()
+    # Someone else could have planted the directory (or a link) in the shared /tmp.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise ScratchError(f"{base} is not a directory owned by uid {os.geteuid()} and "
+                           "writable only by it; remove it and start the kernel again")
+    os.chmod(base, 0o711)  # others may reach their own scratch after a privilege drop, not list
+    return base
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(base: Path) -> list[str]:
+    """Remove the scratch directories of kernels that are no longer running."""
+    removed = []
+    for entry in base.iterdir():
+        parts = entry.name.split("-")
+        if len(parts) == 3 and parts[0] == "kernel" and parts[1].isdigit():
+            if not _alive(int(parts[1])):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(str(entry))
+    return removed
+
+
+def create() -> str:
+    """A new scratch directory for this process, after sweeping away stale ones."""
+    base = _safe_root()
+    remove_stale(base)
+    return tempfile.mkdtemp(prefix=f"kernel-{os.getpid()}-", dir=base)
+
+
+def is_own(path: str) -> bool:
+    """True when path is a scratch directory this very process created before re-executing."""
+    # After the re-exec TMPDIR is the scratch itself, so the parent is checked by name and owner.
+    candidate = Path(path)
+    try:
+        info, parent = candidate.lstat(), candidate.parent.lstat()
+    except OSError:
+        return False
+    return (candidate.parent.name == root().name and parent.st_uid == os.geteuid()
+            and not parent.st_mode & 0o022 and stat.S_ISDIR(info.st_mode)
+            and info.st_uid == os.geteuid()
+            and candidate.name.startswith(f"kernel-{os.getpid()}-"))
+
+
+def start_reaper(path: str) -> int:
+    """Fork a tiny process that deletes path once this process has ended; return its fd.
+
+    The kernel cannot delete its own scratch: Landlock grants it nothing on the parent
+    directory. So, before any confinement, a child waits for the end of a pipe whose write end
+    the kernel keeps (inheritable, across its re-exec) until it exits, however it exits.
+    """
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:
+        try:
+            os.setsid()  # survive the kernel's process group being killed
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # do not hold the launcher's pipes open
+                os.dup2(null, fd)
+            os.closerange(3, read_end)
+            os.closerange(read_end + 1, 65536)
+            while os.read(read_end, 1):
+                pass
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os._exit(0)
+    os.close(read_end)
+    os.set_inheritable(write_end, True)
+    return write_end

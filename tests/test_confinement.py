@@ -1,0 +1,305 @@
+"""Confinement beyond seccomp: environment, Landlock, scratch, limits, timeout, output cap."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel import scratch
+from sandbox_kernel.client import Sandbox
+from sandbox_kernel.policy import SandboxPolicy
+from tests.helpers import evaluate, ok
+
+OUTPUT_CAP = 1000
+
+
+@pytest.fixture(scope="module")
+def grants(tmp_path_factory):
+    """A read-only and a read-write directory to grant, and a secret in the real HOME."""
+    base = tmp_path_factory.mktemp("grants")
+    (base / "ro").mkdir()
+    (base / "ro" / "data.txt").write_text("readable")
+    (base / "rw").mkdir()
+    secret = Path(os.environ["HOME"]) / "secret.txt"
+    secret.write_text("do not read")
+    return base
+
+
+@pytest.fixture(scope="module")
+def confined(grants):
+    """A kernel with grants, a passed and a set variable, and a small output cap and memory."""
+    os.environ["SECRET_TOKEN"] = "s3cret-from-the-server"
+    os.environ["PASSED_TOKEN"] = "passed-on-purpose"
+    policy = SandboxPolicy(read_paths=[str(grants / "ro")], write_paths=[str(grants / "rw")],
+                           pass_env=["PASSED_TOKEN"], env={"SET_BY_POLICY": "yes"},
+                           max_output_bytes=OUTPUT_CAP, memory_limit=512 * 2**20)
+    try:
+        with Sandbox(None, policy=policy) as sb:
+            yield sb
+    finally:
+        del os.environ["SECRET_TOKEN"], os.environ["PASSED_TOKEN"]
+
+
+def errno_of(sandbox, code):
+    """The errno of the OSError that code raises in the kernel (None when it raises nothing)."""
+    wrapped = f"try:\n{textwrap.indent(code, '    ')}\n    _e = None\n" \
+              "except OSError as exc:\n    _e = exc.errno\n_e"
+    return evaluate(sandbox, wrapped)
+
+
+def test_launching_environment_does_not_leak(confined):
+    code = ("import os\nraw = open('/proc/self/environ', 'rb').read()\n"
+            "('SECRET_TOKEN' in os.environ, b'SECRET_TOKEN' in raw, b's3cret' in raw,"
+            " os.environ.get('PASSED_TOKEN'), os.environ.get('SET_BY_POLICY'),"
+            " os.environ['HOME'] == os.getcwd())")
+    assert evaluate(confined, code) == (False, False, False, "passed-on-purpose", "yes", True)
+
+
+@pytest.mark.parametrize("code", [
+    "open(os.path.join(os.environ.get('REAL_HOME', '{home}'), 'secret.txt')).read()",
+    "os.listdir('{runtime}')",
+    "open('{other_connection_file}').read()",
+    "open('/tmp/written-by-sandbox', 'w')",
+    "open('/etc/shadow').read()",
+    "open('/proc/{parent}/environ').read()",
+    "open('/proc/1/cmdline').read()",
+    "os.listdir('/sys/fs/cgroup')",
+    "open('{site_packages}/sitecustomize.py', 'w')",
+    "open('{grants}/ro/new.txt', 'w')",
+    "os.truncate('{grants}/ro/data.txt', 0)",
+    "os.rename('{grants}/rw/moved.txt', '{grants}/ro/moved.txt')",
+])
+def test_file_system_outside_the_grants_is_denied(confined, sandbox, grants, code):
+    import sysconfig
+
+    ok(confined.run(f"import os\nopen('{grants}/rw/moved.txt', 'w').close()"))
+    code = code.format(home=os.environ["HOME"], runtime=os.environ["JUPYTER_RUNTIME_DIR"],
+                       other_connection_file=sandbox.manager.connection_file,
+                       parent=os.getpid(), site_packages=sysconfig.get_paths()["purelib"],
+                       grants=grants)
+    assert errno_of(confined, "import os\n" + code) == errno.EACCES
+    assert not Path("/tmp/written-by-sandbox").exists()
+    assert (grants / "ro" / "data.txt").read_text() == "readable"
+
+
+def test_scratch_and_grants_work(confined, grants):
+    code = f"""
+import os, matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+open("notes.txt", "w").write("in scratch")
+open("{grants}/rw/out.txt", "w").write("granted")
+fig, ax = plt.subplots(); ax.plot([1, 3, 2]); fig.savefig("chart.png"); plt.close(fig)
+(open("{grants}/ro/data.txt").read(), open("notes.txt").read(), open("chart.png", "rb").read(8),
+ os.path.dirname(os.path.abspath("notes.txt")) == os.environ["SANDBOX_KERNEL_SCRATCH"])
+"""
+    assert evaluate(confined, code) == ("readable", "in scratch", b"\x89PNG\r\n\x1a\n", True)
+    assert (grants / "rw" / "out.txt").read_text() == "granted"
+
+
+@pytest.mark.parametrize("schedule", [
+    "get_ipython().kernel.iopub_thread.io_loop.add_callback(attempt)",
+    "get_ipython().kernel.control_thread.io_loop.add_callback(attempt)",
+    "threading.Thread(target=attempt).start()",
+])
+def test_other_kernel_threads_are_confined_too(confined, schedule):
+    code = f"""
+import threading, os
+done = threading.Event(); outcome = {{}}
+def attempt():
+    try:
+        open(os.path.join('{os.environ["HOME"]}', 'secret.txt')).read(); outcome['r'] = 'read'
+    except OSError as exc:
+        outcome['r'] = (exc.errno, threading.current_thread() is threading.main_thread())
+    done.set()
+{schedule}
+done.wait(10)
+outcome['r']
+"""
+    assert evaluate(confined, code) == (errno.EACCES, False)
+
+
+def test_memory_limit_gives_memory_error(confined):
+    for bomb in ("bytearray(700 * 2**20)", "import numpy; numpy.ones(100_000_000)",
+                 "[bytes(2**20) for _ in range(800)]"):
+        ex = confined.run(bomb)
+        assert ex.error is not None and ex.error.name == "MemoryError", bomb
+    assert evaluate(confined, "len(bytearray(100 * 2**20))") == 100 * 2**20  # under the limit
+
+
+def test_shared_memory_cannot_sidestep_the_limit(confined):
+    assert errno_of(confined, "import mmap\nmmap.mmap(-1, 2**30)") == errno.EPERM
+    assert errno_of(confined, "import os\nos.memfd_create('x')") == errno.EPERM
+
+
+def test_output_cap_drops_with_one_marker(confined):
+    ex = ok(confined.run("print('x' * 5000)\nimport os, sys\nsys.stdout.flush()\n"
+                         "os.write(1, b'y' * 3000)"))
+    assert ex.stdout == "x" * OUTPUT_CAP
+    assert ex.stderr.count("output limit of 1,000 bytes per execution reached") == 1
+    assert "7,001 more bytes were dropped" in ex.stderr
+    # the next execution has its own budget
+    assert ok(confined.run("print('fresh')")).stdout == "fresh\n"
+
+
+def test_timeout_from_metadata_keeps_the_kernel_and_its_state(confined):
+    ok(confined.run("kept = 'state'"))
+    ex = confined.run("while True:\n    pass", timeout=1)
+    assert ex.error.name == "ExecutionTimeout"
+    assert "longer than its 1 s limit (metadata.sandbox.timeout)" in ex.error.value
+    # swallowing exceptions does not help: the limit is a BaseException, and it repeats
+    ex = confined.run("while True:\n    try:\n        sum(range(1000))\n"
+                      "    except Exception:\n        pass", timeout=1)
+    assert ex.error.name == "ExecutionTimeout"
+    assert evaluate(confined, "kept") == "state"
+
+
+def test_policy_timeout_applies_without_metadata():
+    with Sandbox(None, policy=SandboxPolicy(timeout=1)) as sb:
+        ex = sb.run("import time\ntime.sleep(30)")
+        assert ex.error.name == "ExecutionTimeout"
+        assert "(the kernel's --timeout)" in ex.error.value
+        assert evaluate(sb, "1 + 1") == 2
+
+
+def test_planted_startup_files_do_not_run_after_restart(fresh_sandbox):
+    code = """
+import os, sysconfig
+ip = get_ipython()
+planted = []
+home_startup = os.path.expanduser('~/.ipython/profile_default/startup')
+for folder in (ip.profile_dir.startup_dir, home_startup):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, '00-plant.py'), 'w') as f:
+        f.write('PLANTED = True\\n')
+    planted.append(folder)
+try:
+    open(os.path.join(sysconfig.get_paths()['purelib'], 'zz-plant.pth'), 'w')
+    pth = 'written'
+except PermissionError as exc:
+    pth = exc.errno
+(len(planted), pth)
+"""
+    assert evaluate(fresh_sandbox, code) == (2, errno.EACCES)
+    fresh_sandbox.restart()
+    assert fresh_sandbox.run("PLANTED").error.name == "NameError"
+
+
+def test_scratch_is_removed_at_shutdown_and_stale_ones_are_swept(kernelspecs):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = scratch.root() / f"kernel-{dead.pid}-stale"
+    stale.mkdir(parents=True)
+    with Sandbox("sandbox") as sb:
+        path = Path(sb.kernel_info()["sandbox"]["layers"]["scratch"])
+        assert path.is_dir() and path.parent == scratch.root()
+        assert not stale.exists()
+    for _ in range(50):  # the reaper removes it just after the kernel process ends
+        if not path.exists():
+            break
+        time.sleep(0.1)
+    assert not path.exists()
+
+
+def test_kernel_info_reports_every_layer(sandbox):
+    layers = sandbox.kernel_info()["sandbox"]["layers"]
+    assert layers["landlock"]["active"] is True and layers["landlock"]["abi"] >= 1
+    assert layers["landlock"]["net"]["connect_tcp"] == "denied"
+    assert layers["limits"]["core"] == {"soft": 0, "hard": 0}
+    assert layers["limits"]["nofile"]["soft"] == 1024
+    privileges = layers["privileges"]
+    if os.geteuid() == 0:
+        # Either switched to an unprivileged user or, where it cannot read the interpreter,
+        # stayed root with every capability gone.
+        if privileges["dropped"]:
+            assert privileges["uid"] != 0
+        else:
+            assert privileges["capabilities"] == "none"
+        caps = evaluate(sandbox, "[l.split()[1] for l in open('/proc/self/status')"
+                                 " if l.startswith(('CapEff', 'CapPrm', 'CapBnd'))]")
+        assert caps == ["0000000000000000"] * 3
+
+
+# A launcher whose own filter hides Landlock (ENOSYS), as on a host kernel without it.
+NO_LANDLOCK_LAUNCHER = textwrap.dedent("""
+    import errno, os, sys
+    import pyseccomp as sc
+    f = sc.SyscallFilter(sc.ALLOW)
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "landlock_create_ruleset")
+    f.load()
+    os.execv(sys.executable, [sys.executable, "-I", *sys.argv[1:]])
+""")
+
+
+def run_launched(tmp_path, *args, launcher=NO_LANDLOCK_LAUNCHER):
+    return subprocess.run([sys.executable, "-c", launcher, *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def start_kernel_directly(tmp_path, *policy_args):
+    from jupyter_client.connect import write_connection_file
+
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
+    return connection_file, ["-m", "sandbox_kernel", "-f", connection_file, *policy_args]
+
+
+def test_refuses_to_start_without_landlock(tmp_path):
+    _, args = start_kernel_directly(tmp_path)
+    result = run_launched(tmp_path, *args)
+    assert result.returncode == 3
+    lines = [line for line in result.stderr.splitlines() if "refusing to start" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith("sandbox-kernel: refusing to start: landlock: Landlock is not "
+                               "supported")
+    assert lines[0].endswith("start the kernel with --no-landlock")
+
+
+def test_no_landlock_starts_on_purpose_and_says_so(tmp_path):
+    from jupyter_client.blocking import BlockingKernelClient
+
+    connection_file, args = start_kernel_directly(tmp_path, "--no-landlock")
+    process = subprocess.Popen([sys.executable, "-c", NO_LANDLOCK_LAUNCHER, *args])
+    client = BlockingKernelClient(connection_file=connection_file)
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        layers = client.kernel_info(reply=True, timeout=30)["content"]["sandbox"]["layers"]
+        assert layers["landlock"] == {"active": False, "reason": "off by policy (--no-landlock)"}
+        assert layers["seccomp"]["active"] is True
+        client.shutdown()
+        assert process.wait(timeout=30) == 0
+    finally:
+        client.stop_channels()
+        if process.poll() is None:
+            process.kill()
+
+
+def test_missing_grant_refuses_to_start(tmp_path):
+    _, args = start_kernel_directly(tmp_path, f"--read-path={tmp_path / 'missing'}")
+    result = subprocess.run([sys.executable, "-I", *args], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 3
+    assert f"granted path does not exist: {tmp_path / 'missing'}" in result.stderr
+
+
+def test_check_reports_the_host_and_fails_when_unenforceable(tmp_path):
+    result = subprocess.run(["sandbox-kernel", "check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["seccomp"]["available"] is True
+    assert report["landlock"]["abi"] >= 1 and "truncate" in report["landlock"]["fs_rights"]
+    assert report["rlimits"]["NOFILE"] and report["uid"] == os.geteuid()
+    assert report["problems"] == []
+    hidden = run_launched(tmp_path, "-m", "sandbox_kernel", "check")
+    assert hidden.returncode == 1
+    assert json.loads(hidden.stdout)["landlock"]["abi"] == 0
+    assert "cannot enforce: landlock" in hidden.stderr
+    relaxed = run_launched(tmp_path, "-m", "sandbox_kernel", "check", "--no-landlock")
+    assert relaxed.returncode == 0
