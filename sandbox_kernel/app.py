@@ -72,7 +72,7 @@ class SandboxKernelApp(IPKernelApp):
             self.refuse_to_start("no private scratch directory: start the kernel with "
                                  "`python -I -m sandbox_kernel`, which creates one")
         os.chdir(scratch_dir)
-        self.layers["scratch"] = scratch_dir
+        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
         policy = self.policy
         try:
             read_grants = paths.check_grants(policy.read_paths)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from . import scratch
+from .policy import DEFAULT_SCRATCH_SIZE, parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -26,6 +27,7 @@ PASSED_THROUGH = (
 
 _ENV_OPTIONS = ("--SandboxPolicy.env", "--env")
 _PASS_OPTIONS = ("--SandboxPolicy.pass_env", "--pass-env")
+_SIZE_OPTIONS = ("--SandboxPolicy.scratch_size", "--scratch-size")
 
 
 def _option_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
@@ -68,7 +70,12 @@ def ensure_clean(argv: Sequence[str]) -> str:
     if scratch.is_own(current) and dict(os.environ) == allowed(current, argv, os.environ):
         return current
     scratch_dir = scratch.create()
-    scratch.start_reaper(scratch_dir)
+    keep = scratch.start_reaper(scratch_dir)
+    sizes = _option_values(argv, _SIZE_OPTIONS)
+    scratch.mount_quota(scratch_dir, parse_size(sizes[-1]) if sizes else DEFAULT_SCRATCH_SIZE)
+    # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 65536)
     env = allowed(scratch_dir, argv, os.environ)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     raise AssertionError("unreachable: execve returned")

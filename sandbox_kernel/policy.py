@@ -16,6 +16,7 @@ from traitlets.config import Configurable
 from .paths import check_grants
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+DEFAULT_SCRATCH_SIZE = 2**30
 
 
 def parse_size(text: str) -> int:
@@ -71,6 +72,12 @@ class SandboxPolicy(Configurable):
     file_size_limit = ByteSize(
         2**30, help="Largest file user code may write (RLIMIT_FSIZE); 0 for no limit.",
     ).tag(config=True, flag="file-size-limit", metavar="SIZE")
+
+    scratch_size = ByteSize(
+        DEFAULT_SCRATCH_SIZE,
+        help="Most bytes all files in the scratch directory may hold, as a private tmpfs "
+        "(needs root; elsewhere only --file-size-limit bounds each file). 0: no tmpfs.",
+    ).tag(config=True, flag="scratch-size", metavar="SIZE")
 
     open_files_limit = Int(
         1024, help="Most file descriptors open at once (RLIMIT_NOFILE).",

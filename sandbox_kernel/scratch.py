@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import stat
 import tempfile
 from pathlib import Path
+
+
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 
 
 class ScratchError(RuntimeError):
@@ -74,6 +79,35 @@ def is_own(path: str) -> bool:
             and not parent.st_mode & 0o022 and stat.S_ISDIR(info.st_mode)
             and info.st_uid == os.geteuid()
             and candidate.name.startswith(f"kernel-{os.getpid()}-"))
+
+
+def mount_quota(path: str, size: int) -> bool:
+    """Make path a private tmpfs of at most size bytes (root only); False when not possible.
+
+    RLIMIT_FSIZE bounds one file, not how many there are. A tmpfs in the kernel's own mount
+    namespace bounds them all, and vanishes with the kernel.
+    """
+    if not size or os.geteuid() != 0:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    private = _MS_REC | _MS_PRIVATE
+    options = f"size={size},mode=0700".encode()
+    if (libc.unshare(_CLONE_NEWNS) != 0
+            or libc.mount(None, b"/", None, private, None) != 0
+            or libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options)):
+        raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: "
+                           f"{os.strerror(ctypes.get_errno())}")
+    return True
+
+
+def quota(path: str) -> int | None:
+    """The size of the tmpfs on path, or None when path is on an ordinary file system."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        device, mount_point, fs_type, *_ = line.split()
+        if mount_point == path and fs_type == "tmpfs":
+            stats = os.statvfs(path)
+            return stats.f_blocks * stats.f_frsize
+    return None
 
 
 def start_reaper(path: str) -> int:

@@ -17,6 +17,7 @@ from sandbox_kernel.policy import SandboxPolicy
 from tests.helpers import evaluate, ok
 
 OUTPUT_CAP = 1000
+SCRATCH_SIZE = 32 * 2**20
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def confined(grants):
     os.environ["PASSED_TOKEN"] = "passed-on-purpose"
     policy = SandboxPolicy(read_paths=[str(grants / "ro")], write_paths=[str(grants / "rw")],
                            pass_env=["PASSED_TOKEN"], env={"SET_BY_POLICY": "yes"},
-                           max_output_bytes=OUTPUT_CAP, memory_limit=512 * 2**20)
+                           max_output_bytes=OUTPUT_CAP, memory_limit=512 * 2**20,
+                           scratch_size=SCRATCH_SIZE)
     try:
         with Sandbox(None, policy=policy) as sb:
             yield sb
@@ -138,6 +140,70 @@ def test_shared_memory_cannot_sidestep_the_limit(confined):
     assert errno_of(confined, "import os\nos.memfd_create('x')") == errno.EPERM
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the scratch tmpfs needs root")
+def test_scratch_quota_bounds_all_files_together(confined):
+    code = """
+import errno, os
+written = 0
+try:
+    for i in range(10):
+        with open(f"fill-{i}.bin", "wb") as f:
+            f.write(bytes(8 * 2**20))
+        written += 1
+    outcome = None
+except OSError as exc:
+    outcome = exc.errno
+for i in range(10):
+    if os.path.exists(f"fill-{i}.bin"):
+        os.unlink(f"fill-{i}.bin")
+(written, outcome)
+"""
+    written, outcome = evaluate(confined, code)
+    assert outcome == errno.ENOSPC and written == 3  # 32 MiB hold three 8 MiB files, not four
+    layers = confined.kernel_info()["sandbox"]["layers"]
+    assert layers["scratch"]["quota"] == SCRATCH_SIZE
+
+
+LIST_OPEN_FILES = """
+import os
+targets = []
+for fd in os.listdir('/proc/self/fd'):
+    try:
+        targets.append(os.readlink(f'/proc/self/fd/{fd}'))
+    except OSError:  # the descriptor listdir itself used
+        pass
+print(sorted(targets))
+"""
+
+
+def test_inherited_descriptors_are_closed(tmp_path):
+    from jupyter_client.blocking import BlockingKernelClient
+    from jupyter_client.connect import write_connection_file
+
+    secret = tmp_path / "inherited-secret.txt"
+    secret.write_text("launcher's file")
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
+    with open(secret) as leaked:
+        process = subprocess.Popen([sys.executable, "-I", "-m", "sandbox_kernel", "-f",
+                                    connection_file], pass_fds=[leaked.fileno()])
+    client = BlockingKernelClient(connection_file=connection_file)
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        seen = []
+        client.execute_interactive(LIST_OPEN_FILES, timeout=30,
+                                   output_hook=lambda m: seen.append(m["content"].get("text", "")))
+        assert "[" in "".join(seen)
+        assert str(secret) not in "".join(seen)
+        client.shutdown()
+        process.wait(timeout=30)
+    finally:
+        client.stop_channels()
+        if process.poll() is None:
+            process.kill()
+
+
 def test_output_cap_drops_with_one_marker(confined):
     ex = ok(confined.run("print('x' * 5000)\nimport os, sys\nsys.stdout.flush()\n"
                          "os.write(1, b'y' * 3000)"))
@@ -197,7 +263,7 @@ def test_scratch_is_removed_at_shutdown_and_stale_ones_are_swept(kernelspecs):
     stale = scratch.root() / f"kernel-{dead.pid}-stale"
     stale.mkdir(parents=True)
     with Sandbox("sandbox") as sb:
-        path = Path(sb.kernel_info()["sandbox"]["layers"]["scratch"])
+        path = Path(sb.kernel_info()["sandbox"]["layers"]["scratch"]["path"])
         assert path.is_dir() and path.parent == scratch.root()
         assert not stale.exists()
     for _ in range(50):  # the reaper removes it just after the kernel process ends
