@@ -9,7 +9,6 @@ import stat
 import tempfile
 from pathlib import Path
 
-
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 
@@ -103,7 +102,7 @@ def mount_quota(path: str, size: int) -> bool:
 def quota(path: str) -> int | None:
     """The size of the tmpfs on path, or None when path is on an ordinary file system."""
     for line in Path("/proc/self/mounts").read_text().splitlines():
-        device, mount_point, fs_type, *_ = line.split()
+        _, mount_point, fs_type, *_ = line.split()
         if mount_point == path and fs_type == "tmpfs":
             stats = os.statvfs(path)
             return stats.f_blocks * stats.f_frsize
