@@ -1,0 +1,592 @@
+"""The hostile-code suite: attacks run in real sandboxed kernels, each with its exact outcome.
+
+Every case names what it attacks, the code, the secure outcome and the layer that stops it;
+docs/SECURITY.md carries the same table (`python -m tests.test_hostile` prints it) and a test
+keeps the two equal. Safety while testing: signals are probed with signal 0 only, every bomb is
+bounded by count, size or time, and canaries live in a temporary directory this module owns.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyseccomp
+import pytest
+
+from sandbox_kernel.client import Sandbox
+from sandbox_kernel.policy import SandboxPolicy
+from tests.helpers import RAW_SYSCALL, evaluate, ok
+
+EPERM, EACCES = (-1, errno.EPERM), ("PermissionError", errno.EACCES)
+DENIED = ("PermissionError", errno.EPERM)
+HIGH = 1 << 32  # set in a 64-bit register, dropped by the kernel from an int argument
+CANARY_TEXT = "host data the sandbox must not touch"
+
+
+def nr(name: str) -> int:
+    """This architecture's number of a system call."""
+    return pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attack: its id, group, what it tries, code whose value is the outcome, and more."""
+
+    id: str
+    group: str
+    attack: str
+    code: str
+    expect: Any
+    layer: str
+    kernel: str = "hostile"  # "hostile" (network off) or "net" (--allow-network)
+
+
+# Code run once in each kernel: raw syscalls, an outcome catcher, and some handy values.
+PRELUDE = RAW_SYSCALL + """
+import os, ctypes, socket, threading
+libc = ctypes.CDLL(None, use_errno=True)
+PPID = os.getppid()
+def trap(fn):
+    try:
+        fn()
+        return "ok"
+    except BaseException as exc:
+        return (type(exc).__name__, getattr(exc, "errno", None))
+def in_thread(fn):
+    box = []
+    t = threading.Thread(target=lambda: box.append(trap(fn)))
+    t.start(); t.join()
+    return box[0]
+def cstr(text):
+    buf = ctypes.create_string_buffer(text.encode())
+    _keep.append(buf)
+    return ctypes.addressof(buf)
+_keep = []
+def thread_bomb(limit):
+    stop, started = threading.Event(), []
+    try:
+        for _ in range(limit):
+            t = threading.Thread(target=stop.wait, daemon=True)
+            t.start()
+            started.append(t)
+        return "ok"
+    except BaseException as exc:
+        return (type(exc).__name__, getattr(exc, "errno", None))
+    finally:
+        stop.set()
+        for t in started:
+            t.join()
+def descriptor_bomb(limit):
+    fds = []
+    try:
+        return trap(lambda: [fds.append(os.open('/dev/null', os.O_RDONLY)) for _ in range(limit)])
+    finally:
+        for fd in fds:
+            os.close(fd)
+def fill_scratch(megabytes):
+    try:
+        return trap(lambda: [open(f'fill-{i}', 'wb').write(bytes(2**20)) for i in range(megabytes)])
+    finally:
+        for name in os.listdir('.'):
+            if name.startswith('fill-'):
+                os.unlink(name)
+"""
+
+AF_VSOCK, AF_ALG = 40, 38
+CLONE_THREAD_FLAGS = 0x10000 | 0x100 | 0x800  # CLONE_THREAD | CLONE_VM | CLONE_SIGHAND
+
+CASES = [
+    # --- process creation ---
+    Case("P01", "process", "subprocess.run", "trap(lambda: __import__('subprocess').run(['true']))",
+         DENIED, "seccomp: clone without CLONE_THREAD"),
+    Case("P02", "process", "os.system", "trap(lambda: os.system('true'))", DENIED,
+         "seccomp: clone"),
+    Case("P03", "process", "os.fork", "trap(os.fork)", DENIED, "seccomp: clone"),
+    Case("P04", "process", "os.posix_spawn",
+         "trap(lambda: os.posix_spawn('/bin/true', ['true'], {}))", DENIED,
+         "seccomp: clone3 ENOSYS, then clone"),
+    Case("P05", "process", "os.execv replaces the image",
+         "trap(lambda: os.execv('/bin/sh', ['sh']))", DENIED, "seccomp: execve"),
+    # pty.fork falls back from forkpty to opening /dev/ptmx itself, which Landlock refuses.
+    Case("P06", "process", "pty.fork", "trap(lambda: __import__('pty').fork())", ("OSError", None),
+         "seccomp: clone; Landlock: /dev/ptmx"),
+    Case("P07", "process", "multiprocessing, fork context",
+         "trap(lambda: __import__('multiprocessing').get_context('fork')"
+         ".Process(target=print).start())", DENIED, "seccomp: clone"),
+    Case("P08", "process", "libc fork() through ctypes",
+         "(libc.fork(), ctypes.get_errno())", (-1, errno.EPERM), "seccomp: clone"),
+    Case("P09", "process", "libc execv() through ctypes",
+         "(libc.execv(b'/bin/sh', None), ctypes.get_errno())", (-1, errno.EPERM),
+         "seccomp: execve"),
+    Case("P10", "process", "raw fork", f"raw({nr('fork')})", EPERM, "seccomp"),
+    Case("P11", "process", "raw vfork", f"raw({nr('vfork')})", EPERM, "seccomp"),
+    Case("P12", "process", "raw clone(SIGCHLD)",
+         f"raw({nr('clone')}, {signal.SIGCHLD}, 0, 0, 0, 0)",
+         EPERM, "seccomp: CLONE_THREAD required"),
+    Case("P13", "process", "raw clone with high bits set in flags",
+         f"raw({nr('clone')}, {signal.SIGCHLD | HIGH}, 0, 0, 0, 0)", EPERM,
+         "seccomp: compares the kernel's 32 bits"),
+    Case("P14", "process", "a 'thread' in a new user namespace",
+         f"raw({nr('clone')}, {CLONE_THREAD_FLAGS | 0x10000000}, 0, 0, 0, 0)", EPERM,
+         "seccomp: namespace flags"),
+    Case("P15", "process", "raw clone3", f"raw({nr('clone3')}, 0, 0)", (-1, errno.ENOSYS),
+         "seccomp: ENOSYS so libc falls back to clone"),
+    Case("P16", "process", "raw execveat",
+         f"raw({nr('execveat')}, -100, cstr('/bin/true'), 0, 0, 0)", EPERM, "seccomp"),
+    Case("P17", "process", "memfd-based exec: memfd_create",
+         f"raw({nr('memfd_create')}, cstr('x'), 0)", EPERM, "seccomp"),
+    Case("P18", "process", "exec of an open file (execveat AT_EMPTY_PATH)",
+         f"raw({nr('execveat')}, os.open('/bin/true', os.O_RDONLY), cstr(''), 0, 0, 0x1000)",
+         EPERM, "seccomp"),
+    Case("P19", "process", "fork from another thread", "in_thread(os.fork)", DENIED,
+         "seccomp (TSYNC: every thread)"),
+    # --- network ---
+    Case("N01", "network", "socket.socket()", "trap(lambda: __import__('socket').socket())",
+         DENIED, "seccomp: socket"),
+    Case("N02", "network", "UDP over IPv6",
+         "trap(lambda: __import__('socket').socket(socket.AF_INET6, socket.SOCK_DGRAM))",
+         DENIED, "seccomp: socket"),
+    Case("N03", "network", "AF_UNIX socket to a host service",
+         "trap(lambda: __import__('socket').socket(socket.AF_UNIX))", DENIED, "seccomp: socket"),
+    Case("N04", "network", "raw netlink socket", f"raw({nr('socket')}, 16, 3, 0)", EPERM,
+         "seccomp"),
+    Case("N05", "network", "raw packet socket", f"raw({nr('socket')}, 17, 3, 768)", EPERM,
+         "seccomp"),
+    Case("N06", "network", "vsock", f"raw({nr('socket')}, {AF_VSOCK}, 1, 0)", EPERM, "seccomp"),
+    Case("N07", "network", "AF_ALG crypto socket", f"raw({nr('socket')}, {AF_ALG}, 5, 0)", EPERM,
+         "seccomp"),
+    Case("N08", "network", "AF_INET with high bits set",
+         f"raw({nr('socket')}, {socket.AF_INET | HIGH}, 1, 0)", EPERM,
+         "seccomp: masked comparison"),
+    Case("N09", "network", "HTTP to a server listening on loopback",
+         "trap(lambda: __import__('urllib.request').request.urlopen("
+         "'http://127.0.0.1:{port}/', timeout=5))", ("URLError", None), "seccomp: socket"),
+    Case("N10", "network", "read the Jupyter server's token file",
+         "trap(lambda: open('{runtime}/jpserver-424242.json').read())", EACCES, "Landlock"),
+    Case("N11", "network", "a token in the launching environment",
+         "'JUPYTER_TOKEN' in os.environ or b'JUPYTER_TOKEN' in open('/proc/self/environ', 'rb')"
+         ".read()", False, "clean exec"),
+    Case("N12", "network", "with --allow-network: HTTP to the loopback server",
+         "__import__('urllib.request').request.urlopen('http://127.0.0.1:{port}/', "
+         "timeout=5).read()", b"served", "allowed by policy", kernel="net"),
+    Case("N13", "network", "with --allow-network: listen on a TCP port",
+         "trap(lambda: __import__('socket').create_server(('127.0.0.1', 0)))", EACCES,
+         "Landlock: bind only on the kernel's ports", kernel="net"),
+    Case("N14", "network", "with --allow-network: AF_UNIX socket",
+         "trap(lambda: __import__('socket').socket(socket.AF_UNIX))", DENIED, "seccomp",
+         kernel="net"),
+    Case("N15", "network", "with --allow-network: raw IP socket",
+         f"raw({nr('socket')}, 2, 3, 1)", EPERM, "seccomp: stream/dgram only", kernel="net"),
+    Case("N16", "network", "with --allow-network: netlink",
+         f"raw({nr('socket')}, 16, 3, 0)", EPERM, "seccomp", kernel="net"),
+    # --- file system ---
+    Case("F01", "files", "read a secret in the real HOME",
+         "trap(lambda: open('{home}/secret.txt').read())", EACCES, "Landlock"),
+    Case("F02", "files", "list the Jupyter runtime dir", "trap(lambda: os.listdir('{runtime}'))",
+         EACCES, "Landlock"),
+    Case("F03", "files", "read another kernel's connection file",
+         "trap(lambda: open('{other_connection_file}').read())", EACCES, "Landlock"),
+    Case("F04", "files", "read /etc/shadow", "trap(lambda: open('/etc/shadow').read())", EACCES,
+         "Landlock"),
+    Case("F05", "files", "overwrite a host file", "trap(lambda: open('{canary}', 'w'))", EACCES,
+         "Landlock"),
+    Case("F06", "files", "truncate a host file", "trap(lambda: os.truncate('{canary}', 0))",
+         EACCES, "Landlock"),
+    Case("F07", "files", "delete a host file", "trap(lambda: os.unlink('{canary}'))", EACCES,
+         "Landlock"),
+    # Landlock answers EXDEV when a file would move across its rules without REFER rights.
+    Case("F08", "files", "rename a host file into scratch",
+         "trap(lambda: os.rename('{canary}', 'stolen'))", ("OSError", errno.EXDEV), "Landlock"),
+    Case("F09", "files", "hard-link a host file into scratch",
+         "trap(lambda: os.link('{canary}', 'linked'))", ("OSError", errno.EXDEV), "Landlock"),
+    Case("F10", "files", "write through a symlink made in scratch",
+         "(os.symlink('{canary}', 'via-link'), trap(lambda: open('via-link', 'w')))[1]", EACCES,
+         "Landlock"),
+    Case("F11", "files", "chmod a host file", "trap(lambda: os.chmod('{canary}', 0o777))",
+         DENIED, "seccomp: chmod family"),
+    Case("F12", "files", "chown a host file", "trap(lambda: os.chown('{canary}', 0, 0))", DENIED,
+         "seccomp"),
+    Case("F13", "files", "set an extended attribute",
+         "trap(lambda: os.setxattr('{canary}', 'user.x', b'1'))", DENIED, "seccomp"),
+    Case("F14", "files", "plant a .pth file in site-packages",
+         "trap(lambda: open(__import__('sysconfig').get_paths()['purelib'] + '/evil.pth', 'w'))",
+         EACCES, "Landlock"),
+    Case("F15", "files", "plant sitecustomize.py in the stdlib",
+         "trap(lambda: open(os.path.dirname(os.__file__) + '/sitecustomize.py', 'w'))", EACCES,
+         "Landlock"),
+    Case("F16", "files", "make a device node", "trap(lambda: os.mknod('disk', 0o600 | 0o60000,"
+         " os.makedev(254, 0)))", DENIED, "seccomp: mknod"),
+    Case("F17", "files", "read a block device", "trap(lambda: open('/dev/vda', 'rb'))", EACCES,
+         "Landlock"),
+    Case("F18", "files", "read the kernel log device", "trap(lambda: open('/dev/kmsg'))", EACCES,
+         "Landlock"),
+    Case("F19", "files", "one file past --file-size-limit",
+         "trap(lambda: open('big.bin', 'wb').write(bytes(5 * 2**20)))", ("OSError", errno.EFBIG),
+         "rlimit FSIZE"),
+    Case("F20", "files", "write into /dev/shm", "trap(lambda: open('/dev/shm/x', 'w'))", EACCES,
+         "Landlock"),
+    Case("F21", "files", "write a kernel tunable in /proc/sys",
+         "trap(lambda: open('/proc/sys/kernel/hostname', 'w'))", EACCES, "Landlock"),
+    Case("F22", "files", "write outside scratch from another thread",
+         "in_thread(lambda: open('{canary}', 'a'))", EACCES, "Landlock (before any thread)"),
+    # --- privilege and other processes ---
+    Case("X01", "processes", "signal the parent (signal 0)", "trap(lambda: os.kill(PPID, 0))",
+         DENIED, "seccomp: kill own pid only; Landlock signal scope"),
+    Case("X02", "processes", "signal every process (-1, signal 0)",
+         f"raw({nr('kill')}, {2**64 - 1}, 0)", EPERM, "seccomp"),
+    Case("X03", "processes", "signal the own process group", f"raw({nr('kill')}, 0, 0)", EPERM,
+         "seccomp"),
+    Case("X04", "processes", "signal the parent, pid with high bits",
+         f"raw({nr('kill')}, PPID | {HIGH}, 0)", EPERM, "seccomp: masked comparison"),
+    Case("X05", "processes", "killpg", "trap(lambda: os.killpg(os.getpgrp(), 0))", DENIED,
+         "seccomp"),
+    Case("X06", "processes", "tgkill the parent", f"raw({nr('tgkill')}, PPID, PPID, 0)", EPERM,
+         "seccomp"),
+    Case("X07", "processes", "ptrace attach to the parent", f"raw({nr('ptrace')}, 16, PPID, 0, 0)",
+         EPERM, "seccomp"),
+    Case("X08", "processes", "read the parent's memory (process_vm_readv)",
+         f"raw({nr('process_vm_readv')}, PPID, 0, 0, 0, 0, 0)", EPERM, "seccomp"),
+    Case("X09", "processes", "open the parent's /proc/pid/mem",
+         "trap(lambda: open(f'/proc/{PPID}/mem', 'rb'))", EACCES, "Landlock"),
+    Case("X10", "processes", "read the parent's environment",
+         "trap(lambda: open(f'/proc/{PPID}/environ').read())", EACCES, "Landlock"),
+    Case("X11", "processes", "read init's command line",
+         "trap(lambda: open('/proc/1/cmdline').read())", EACCES, "Landlock"),
+    Case("X12", "processes", "change the parent's limits (prlimit64)",
+         f"raw({nr('prlimit64')}, PPID, 7, cstr('x' * 16), 0)", EPERM, "seccomp"),
+    Case("X13", "processes", "renice the parent", f"raw({nr('setpriority')}, 0, PPID, 19)",
+         EPERM, "seccomp"),
+    Case("X14", "processes", "pin the parent to a CPU",
+         f"raw({nr('sched_setaffinity')}, PPID, 8, cstr('\\x01' * 8))", EPERM, "seccomp"),
+    Case("X15", "processes", "setuid(0)", f"raw({nr('setuid')}, 0)", EPERM, "seccomp"),
+    Case("X16", "processes", "raise the own memory limit",
+         "trap(lambda: __import__('resource').setrlimit(__import__('resource').RLIMIT_DATA, "
+         "(-1, -1)))", ("ValueError", None), "seccomp: prlimit64 read-only"),
+    Case("X17", "processes", "pidfd of the parent", f"raw({nr('pidfd_open')}, PPID, 0)", EPERM,
+         "seccomp"),
+    Case("X18", "processes", "signal the parent from another thread",
+         "in_thread(lambda: os.kill(PPID, 0))", DENIED, "seccomp (TSYNC)"),
+    Case("X19", "processes", "capabilities left to use",
+         "[l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapPrm'))]",
+         ["0000000000000000"] * 2, "privilege drop"),
+    # --- kernel attack surface ---
+    Case("K01", "kernel", "io_uring", f"raw({nr('io_uring_setup')}, 8, cstr('x' * 120))", EPERM,
+         "seccomp"),
+    Case("K02", "kernel", "bpf", f"raw({nr('bpf')}, 0, 0, 0)", EPERM, "seccomp"),
+    Case("K03", "kernel", "userfaultfd", f"raw({nr('userfaultfd')}, 0)", EPERM, "seccomp"),
+    Case("K04", "kernel", "perf_event_open", f"raw({nr('perf_event_open')}, 0, 0, -1, -1, 0)",
+         EPERM, "seccomp"),
+    Case("K05", "kernel", "keyrings (add_key)", f"raw({nr('add_key')}, 0, 0, 0, 0, 0)", EPERM,
+         "seccomp"),
+    Case("K06", "kernel", "new user namespace", f"raw({nr('unshare')}, 0x10000000)", EPERM,
+         "seccomp"),
+    Case("K07", "kernel", "join a namespace", f"raw({nr('setns')}, 0, 0)", EPERM, "seccomp"),
+    Case("K08", "kernel", "mount",
+         f"raw({nr('mount')}, cstr('none'), cstr('.'), cstr('tmpfs'), 0, 0)",
+         EPERM, "seccomp"),
+    Case("K09", "kernel", "personality(ADDR_NO_RANDOMIZE)", f"raw({nr('personality')}, 0x40000)",
+         EPERM, "seccomp: query only"),
+    Case("K10", "kernel", "kexec_load", f"raw({nr('kexec_load')}, 0, 0, 0, 0)", EPERM, "seccomp"),
+    Case("K11", "kernel", "load a module", f"raw({nr('init_module')}, 0, 0, 0)", EPERM, "seccomp"),
+    Case("K12", "kernel", "open_by_handle_at", f"raw({nr('open_by_handle_at')}, 0, 0, 0)", EPERM,
+         "seccomp"),
+    Case("K13", "kernel", "unknown syscall number 1000", "raw(1000)", EPERM,
+         "seccomp: default deny"),
+    Case("K14", "kernel", "TIOCSTI keystroke injection", f"raw({nr('ioctl')}, 0, 0x5412, 0)",
+         EPERM, "seccomp"),
+    Case("K15", "kernel", "TIOCSTI with high bits set",
+         f"raw({nr('ioctl')}, 0, {0x5412 | HIGH}, 0)",
+         EPERM, "seccomp: masked comparison"),
+    Case("K16", "kernel", "modify_ldt", f"raw({nr('modify_ldt')}, 0, 0, 0)", EPERM, "seccomp"),
+    Case("K17", "kernel", "stack an own seccomp filter", f"raw({nr('seccomp')}, 1, 0, 0)", EPERM,
+         "seccomp"),
+    Case("K18", "kernel", "prctl(PR_SET_SECCOMP)", f"raw({nr('prctl')}, 22, 2, 0, 0, 0)", EPERM,
+         "seccomp: prctl allowlist"),
+    Case("K19", "kernel", "read the kernel log (syslog)", f"raw({nr('syslog')}, 3, 0, 0)", EPERM,
+         "seccomp"),
+    # --- resource exhaustion ---
+    Case("R01", "resources", "one huge allocation", "trap(lambda: bytearray(2**30))",
+         ("MemoryError", None), "rlimit DATA"),
+    Case("R02", "resources", "a huge numpy array",
+         "trap(lambda: __import__('numpy').ones(200_000_000))", ("MemoryError", None),
+         "rlimit DATA"),
+    Case("R03", "resources", "many small allocations",
+         "trap(lambda: [bytes(2**20) for _ in range(1000)])", ("MemoryError", None),
+         "rlimit DATA"),
+    Case("R04", "resources", "shared anonymous memory (not counted by RLIMIT_DATA)",
+         "trap(lambda: __import__('mmap').mmap(-1, 2**30))", DENIED, "seccomp: mmap MAP_SHARED"),
+    Case("R05", "resources", "thread bomb (bounded at 3000)", "thread_bomb(3000)",
+         ("RuntimeError", None), "rlimit DATA (thread stacks)"),
+    Case("R06", "resources", "descriptor bomb (bounded at 5000)", "descriptor_bomb(5000)",
+         ("OSError", errno.EMFILE), "rlimit NOFILE"),
+    Case("R07", "resources", "fill the scratch with many files (bounded at 100 MiB)",
+         "fill_scratch(100)", ("OSError", errno.ENOSPC), "scratch tmpfs quota (root)"),
+    Case("R08", "resources", "deep recursion", "trap(lambda: (f := lambda n: f(n + 1))(0))",
+         ("RecursionError", None), "Python"),
+    # --- information leaks ---
+    Case("I01", "leaks", "a secret in the launching environment", "'HOSTILE_SECRET' in os.environ",
+         False, "clean exec"),
+    Case("I02", "leaks", "the same secret in /proc/self/environ",
+         "b'HOSTILE_SECRET' in open('/proc/self/environ', 'rb').read()", False, "clean exec"),
+    Case("I03", "leaks", "the parent's command line",
+         "trap(lambda: open(f'/proc/{PPID}/cmdline').read())", EACCES, "Landlock"),
+    Case("I04", "leaks", "init's environment", "trap(lambda: open('/proc/1/environ').read())",
+         EACCES, "Landlock"),
+    Case("I05", "leaks", "the user's Jupyter config", "trap(lambda: os.listdir('{config}'))",
+         EACCES, "Landlock"),
+    Case("I06", "leaks", "cgroup files", "trap(lambda: os.listdir('/sys/fs/cgroup'))", EACCES,
+         "Landlock"),
+    Case("I07", "leaks", "descriptors open to files outside the sandbox",
+         "[t for t in (os.readlink(f'/proc/self/fd/{n}') for n in os.listdir('/proc/self/fd')"
+         " if os.path.exists(f'/proc/self/fd/{n}')) if t.startswith('{tmp}')]", [],
+         "clean exec closes inherited descriptors"),
+]
+
+# Cases that end or hang the kernel: each has its own test below (and a row in SECURITY.md).
+SPECIAL = [
+    Case("K20", "kernel", "x32 ABI syscall", "raw(0x40000000 | 39)", "killed by SIGSYS",
+         "seccomp: foreign ABI kills"),
+    Case("K21", "kernel", "i386 entry point (int 0x80)", "int 0x80 from an executable page",
+         "killed by SIGSYS", "seccomp: foreign arch kills"),
+    Case("R09", "resources", "busy loop past the time limit", "while True: pass",
+         "ExecutionTimeout, state kept", "deadline (SIGALRM, repeating)"),
+    Case("R10", "resources", "output flood", "print('x' * 10**6) in a loop",
+         "capped + one marker", "output cap"),
+    Case("A01", "protocol", "os._exit(1)", "os._exit(1)", "KernelDied, next run fresh", "client"),
+    Case("A02", "protocol", "segfault through ctypes", "ctypes.string_at(0)",
+         "KernelDied, next run fresh", "client"),
+    Case("A03", "protocol", "stop the own process (SIGSTOP)", "os.kill(os.getpid(), SIGSTOP)",
+         "ExecutionTimeout, restarted", "client deadline"),
+    Case("A04", "protocol", "close the kernel's sockets", "os.closerange(3, 1024)",
+         "KernelDied (libzmq aborts), restarted", "client"),
+    Case("A05", "protocol", "forge an execute_result for the next request",
+         "session.send(iopub, 'execute_result', ...)", "NOT STOPPED (by design)",
+         "none: frontends must treat output as untrusted"),
+]
+
+
+class LoopbackServer:
+    """A tiny HTTP server on 127.0.0.1 that counts the requests it gets."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.requests = 0
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        self.listener.settimeout(0.5)
+        while self.listener.fileno() != -1:
+            try:
+                conn, _ = self.listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                self.requests += 1
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 6\r\n\r\nserved")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, sandbox):
+    """The host's side: canary, secrets, a loopback server, a planted token file."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    canary = tmp / "canary.txt"
+    canary.write_text(CANARY_TEXT)
+    (Path(os.environ["HOME"]) / "secret.txt").write_text("secret")
+    runtime = Path(os.environ["JUPYTER_RUNTIME_DIR"])
+    runtime.mkdir(parents=True, exist_ok=True)
+    (runtime / "jpserver-424242.json").write_text(json.dumps({"token": "stolen?"}))
+    server = LoopbackServer()
+    values = {"canary": str(canary), "home": os.environ["HOME"], "runtime": str(runtime),
+              "config": os.environ["JUPYTER_CONFIG_DIR"], "port": server.port, "tmp": str(tmp),
+              "other_connection_file": sandbox.manager.connection_file}
+    yield values
+    server.close()
+    assert canary.read_text() == CANARY_TEXT
+    assert oct(canary.stat().st_mode & 0o777) == "0o644"
+
+
+def _started(policy: SandboxPolicy) -> Sandbox:
+    os.environ["HOSTILE_SECRET"] = "do-not-leak"
+    os.environ["JUPYTER_TOKEN"] = "server-token"
+    try:
+        sb = Sandbox(None, policy=policy)
+        sb.start()
+    finally:
+        del os.environ["HOSTILE_SECRET"], os.environ["JUPYTER_TOKEN"]
+    ok(sb.run(PRELUDE))
+    return sb
+
+
+HOSTILE_POLICY = dict(memory_limit=512 * 2**20, file_size_limit=4 * 2**20, open_files_limit=256,
+                      scratch_size=64 * 2**20, max_output_bytes=10_000)
+
+
+@pytest.fixture(scope="module")
+def kernels(world):
+    """The shared hostile kernels: network off, and --allow-network."""
+    started = {"hostile": _started(SandboxPolicy(**HOSTILE_POLICY)),
+               "net": _started(SandboxPolicy(allow_network=True, **HOSTILE_POLICY))}
+    yield started
+    for sb in started.values():
+        sb.close()
+
+
+def _applies(case: Case) -> bool:
+    return os.geteuid() == 0 or case.id not in ("X19", "R07")  # root-only protections
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _applies(c)], ids=lambda c: c.id)
+def test_attack(kernels, world, case):
+    sb = kernels[case.kernel]
+    code = case.code
+    for name, value in world.items():  # not str.format: the code has braces of its own
+        code = code.replace("{" + name + "}", str(value))
+    outcome = evaluate(sb, code)
+    if isinstance(case.expect, tuple) and isinstance(outcome, list):
+        outcome = tuple(outcome)
+    assert outcome == case.expect, f"{case.id} {case.attack}: {outcome!r}"
+    assert evaluate(sb, "'alive'") == "alive"
+
+
+def test_loopback_server_only_heard_the_allowed_kernel(kernels, world):
+    # N09 never reached the server, N12 (network allowed) did exactly once.
+    assert evaluate(kernels["hostile"], "1") == 1
+    server_hits = evaluate(kernels["net"], f"__import__('urllib.request').request.urlopen("
+                                           f"'http://127.0.0.1:{world['port']}/').status")
+    assert server_hits == 200
+
+
+@pytest.fixture(scope="module")
+def victim(world):
+    """A kernel for attacks that end or hang it; the client restarts it after each."""
+    with Sandbox(None, policy=SandboxPolicy(**HOSTILE_POLICY), grace=2) as sb:
+        yield sb
+
+
+def _assert_recovered(sb: Sandbox) -> None:
+    assert evaluate(sb, "'fresh kernel answers'") == "fresh kernel answers"
+
+
+@pytest.mark.parametrize("code", [
+    RAW_SYSCALL + "raw(0x40000000 | 39)",
+    RAW_SYSCALL + "import mmap\nm = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE,"
+    " prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+    "m.write(b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3')\n"
+    "_ct.CFUNCTYPE(_ct.c_long)(_ct.addressof(_ct.c_char.from_buffer(m)))()",
+], ids=["K20", "K21"])
+def test_foreign_abi_kills(victim, code):
+    process = victim.manager.provisioner.process
+    ex = victim.run(code)
+    assert process.wait(timeout=10) == -signal.SIGSYS
+    assert ex.error.name == "KernelDied" and ex.state_lost
+    _assert_recovered(victim)
+
+
+def test_busy_loop_past_the_limit(victim):  # R09
+    ok(victim.run("kept = 41"))
+    ex = victim.run("while True:\n    pass", timeout=1)
+    assert ex.error.name == "ExecutionTimeout" and not ex.state_lost
+    assert evaluate(victim, "kept + 1") == 42
+
+
+def test_output_flood(victim):  # R10
+    ex = ok(victim.run("for _ in range(50):\n    print('x' * 10**6)"))
+    assert len(ex.stdout) == 10_000
+    assert "50,000,050 bytes" not in ex.stderr  # the cap counts what it dropped, not the total
+    assert f"{50 * (10**6 + 1) - 10_000:,} more bytes were dropped" in ex.stderr
+
+
+@pytest.mark.parametrize("code", ["import os\nos._exit(1)", "import ctypes\nctypes.string_at(0)"],
+                         ids=["A01", "A02"])
+def test_kernel_death_is_reported(victim, code):
+    ex = victim.run(code)
+    assert ex.error.name == "KernelDied" and ex.state_lost
+    assert "restarted" in ex.error.value
+    _assert_recovered(victim)
+
+
+@pytest.mark.parametrize("code, error", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSTOP)", "ExecutionTimeout"),
+    ("import os\nos.closerange(3, 1024)\nwhile True:\n    pass", "KernelDied"),
+], ids=["A03", "A04"])
+def test_unresponsive_kernel_is_replaced(victim, code, error):
+    ex = victim.run(code, timeout=1)
+    assert ex.error.name == error and ex.state_lost
+    _assert_recovered(victim)
+
+
+def test_forged_output_is_not_stopped(victim):  # A05: documented limitation
+    forge = """
+k = get_ipython().kernel
+k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'forged\\n'},
+               parent=k.get_parent())
+"""
+    ex = ok(victim.run(forge))
+    assert "forged\n" in ex.stdout  # user code can speak as its kernel; frontends must cope
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_no_stray_processes_are_left(tmp_path):
+    """A kernel that ends leaves nothing behind: not itself, not its scratch reaper."""
+    sb = Sandbox(None, policy=SandboxPolicy(**HOSTILE_POLICY))
+    sb.start()
+    connection_file = sb.manager.connection_file
+    ok(sb.run("import threading\nfor _ in range(5):\n"
+              "    threading.Thread(target=__import__('time').sleep, args=(60,)).start()"))
+    assert len(_processes_mentioning(connection_file)) == 2  # the kernel and its reaper
+    sb.close()
+    for _ in range(50):
+        if not _processes_mentioning(connection_file):
+            break
+        time.sleep(0.1)
+    assert _processes_mentioning(connection_file) == []
+
+
+def security_table() -> str:
+    """The Markdown table SECURITY.md carries, one row per case."""
+    rows = ["| id | group | attack | outcome | stopped by |", "| --- | --- | --- | --- | --- |"]
+    for case in [*CASES, *SPECIAL]:
+        outcome = case.expect
+        if isinstance(outcome, tuple) and len(outcome) == 2 and outcome[0] == -1:
+            outcome = f"-1, {errno.errorcode[outcome[1]]}"
+        elif isinstance(outcome, tuple) and outcome[1] is not None:
+            outcome = f"{outcome[0]} ({errno.errorcode[outcome[1]]})"
+        elif isinstance(outcome, tuple):
+            outcome = outcome[0]
+        rows.append(f"| {case.id} | {case.group} | {case.attack} | {outcome} | {case.layer} |")
+    return "\n".join(rows)
+
+
+def test_security_md_matches_the_suite():
+    text = (Path(__file__).parent.parent / "docs" / "SECURITY.md").read_text()
+    assert security_table() in text, "regenerate with: python -m tests.test_hostile"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(security_table() + "\n")
