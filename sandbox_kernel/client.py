@@ -8,12 +8,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import queue
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
@@ -23,7 +27,7 @@ from .install import DEFAULT_NAME, kernel_json
 from .policy import SandboxPolicy
 
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
-GRACE_SECONDS = 5.0  # how long an interrupted kernel gets to come back before it is restarted
+GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
 
 
@@ -61,6 +65,38 @@ class Execution:
     def to_dict(self) -> dict[str, Any]:
         """The whole execution as JSON-able values."""
         return {**asdict(self), "stdout": self.stdout, "stderr": self.stderr}
+
+    def save_displays(self, directory: str | Path) -> list[str]:
+        """Write each display to directory as display-N.EXT in its richest format; the paths."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        paths = []
+        for number, bundle in enumerate(self.displays, start=1):
+            kind = next((k for k in _DISPLAY_FILES if k[0] in bundle), None)
+            if kind is None:
+                continue
+            mime, extension, encoding = kind
+            path = Path(directory, f"display-{number}.{extension}")
+            path.write_bytes(_display_bytes(bundle[mime], encoding))
+            paths.append(str(path))
+        return paths
+
+
+# Richest first: (mime type, file extension, how the message carries it).
+_DISPLAY_FILES = (
+    ("image/png", "png", "base64"), ("image/jpeg", "jpg", "base64"),
+    ("image/gif", "gif", "base64"), ("image/svg+xml", "svg", "text"),
+    ("text/html", "html", "text"), ("text/markdown", "md", "text"),
+    ("text/latex", "tex", "text"), ("application/json", "json", "json"),
+    ("text/plain", "txt", "text"),
+)
+
+
+def _display_bytes(value: Any, encoding: str) -> bytes:
+    if encoding == "base64":
+        return base64.b64decode(value)
+    if encoding == "json":
+        return json.dumps(value, indent=2, ensure_ascii=False).encode()
+    return ("".join(value) if isinstance(value, list) else str(value)).encode()
 
 
 Callback = Callable[[Any], None] | None
@@ -123,18 +159,27 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
     return msg
 
 
-_LOST = {  # why a kernel was given up on -> the error the Execution reports
-    "died": ("KernelDied", "the kernel process died"),
-    "hung": ("TimeoutError", "the kernel did not return to idle after an interrupt"),
-}
+def _exit_status(manager: Any) -> str:
+    """How the kernel process ended, e.g. "exit status 1" or "killed by signal SIGSEGV"."""
+    code = getattr(getattr(manager.provisioner, "process", None), "returncode", None)
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 class _Watchdog:
     """Decides, between messages, whether to interrupt or give up on the kernel."""
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, grace: float) -> None:
         self.started = time.monotonic()
-        self.deadline = None if timeout is None else self.started + timeout + GRACE_SECONDS
+        self.timeout, self.grace = timeout, grace
+        # The kernel enforces `timeout` itself; the client steps in only if that did not work.
+        self.deadline = None if timeout is None else self.started + timeout + grace
         self.interrupted_at: float | None = None
 
     def check(self, alive: bool) -> str | None:
@@ -143,19 +188,31 @@ class _Watchdog:
         if not alive:
             return "died"
         if self.interrupted_at is not None:
-            return "hung" if now > self.interrupted_at + GRACE_SECONDS else None
+            return "hung" if now > self.interrupted_at + self.grace else None
         if self.deadline is not None and now > self.deadline:
             self.interrupted_at = now
             return "interrupt"
         return None
 
-    def finish(self, execution: Execution, lost: str | None) -> Execution:
+    def finish(self, execution: Execution, lost: str | None, manager: Any) -> Execution:
+        """Fill in the duration, and the error when the client had to step in."""
         execution.duration = time.monotonic() - self.started
-        if lost:
-            name, why = _LOST[lost]
+        restarted = "the kernel was restarted and its state (variables, imports) was lost"
+        if lost == "died":
             execution.error = ExecutionError(
-                name, f"{why}; it was restarted and its state (variables, imports) was lost")
-            execution.state_lost = True
+                "KernelDied", f"the kernel process died ({_exit_status(manager)}); {restarted}")
+        elif lost == "hung":
+            execution.error = ExecutionError(
+                "ExecutionTimeout", f"the execution ran past its {self.timeout:g} s limit and "
+                f"did not stop when interrupted; {restarted}")
+        elif self.interrupted_at is not None and execution.error is not None \
+                and execution.error.name == "KeyboardInterrupt":
+            error = execution.error
+            error.name = "ExecutionTimeout"
+            error.value = (f"the execution ran past its {self.timeout:g} s limit and was "
+                           "interrupted; the kernel and its variables are still there")
+            error.traceback.append(f"{error.name}: {error.value}")  # ends as the others do
+        execution.state_lost = lost is not None
         return execution
 
 
@@ -183,9 +240,11 @@ class Sandbox:
     """A sandboxed kernel whose state persists across `run` calls; use it as a context manager."""
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
-                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0) -> None:
+                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
+                 grace: float = GRACE_SECONDS) -> None:
         self.manager = KernelManager(**_manager_kwargs(kernel_name, policy))
         self.startup_timeout = startup_timeout
+        self.grace = grace
         self.client: Any = None
         self._lock = threading.Lock()
 
@@ -215,7 +274,8 @@ class Sandbox:
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
-            self.manager.shutdown_kernel(now=True)
+            # Graceful, so the kernel removes its scratch directory on the way out.
+            self.manager.shutdown_kernel()
 
     def restart(self) -> None:
         """Replace the kernel with a fresh one; all state is lost."""
@@ -237,7 +297,7 @@ class Sandbox:
             entrypoint: str = "main") -> Execution:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
         with self._lock:
-            watchdog = _Watchdog(timeout)
+            watchdog = _Watchdog(timeout, self.grace)
             msg = _execute_request(self.client, code, inputs, timeout, entrypoint)
             collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
             self.client.shell_channel.send(msg)
@@ -253,18 +313,21 @@ class Sandbox:
                     self.interrupt()
                 else:
                     lost = verdict
+            execution = watchdog.finish(collector.execution, lost, self.manager)
             if lost:
                 self.restart()
-            return watchdog.finish(collector.execution, lost)
+            return execution
 
 
 class AsyncSandbox:
     """The asyncio twin of Sandbox."""
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
-                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0) -> None:
+                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
+                 grace: float = GRACE_SECONDS) -> None:
         self.manager = AsyncKernelManager(**_manager_kwargs(kernel_name, policy))
         self.startup_timeout = startup_timeout
+        self.grace = grace
         self.client: Any = None
         self._lock = asyncio.Lock()
 
@@ -294,7 +357,7 @@ class AsyncSandbox:
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
-            await self.manager.shutdown_kernel(now=True)
+            await self.manager.shutdown_kernel()
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one; all state is lost."""
@@ -311,7 +374,7 @@ class AsyncSandbox:
                   on_display: Callback = None, entrypoint: str = "main") -> Execution:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
         async with self._lock:
-            watchdog = _Watchdog(timeout)
+            watchdog = _Watchdog(timeout, self.grace)
             msg = _execute_request(self.client, code, inputs, timeout, entrypoint)
             collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
             self.client.shell_channel.send(msg)
@@ -327,6 +390,7 @@ class AsyncSandbox:
                     await self.interrupt()
                 else:
                     lost = verdict
+            execution = watchdog.finish(collector.execution, lost, self.manager)
             if lost:
                 await self.restart()
-            return watchdog.finish(collector.execution, lost)
+            return execution

@@ -1,0 +1,167 @@
+"""`sandbox-kernel run`: the examples, exit statuses, --json, --save-displays, usage errors."""
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel import cli
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SUMMARY = {"label": "digits of pi", "count": 8, "total": 31, "mean": 3.875, "median": 3.5,
+           "min": 1, "max": 9}
+CHART = {"title": "Sales, first half-year", "bars": 6, "total": 100,
+         "best": {"label": "Jun", "value": 25}}
+
+
+def run(*args, stdin=None):
+    """`sandbox-kernel run ARGS` in a subprocess, as a user would type it."""
+    return subprocess.run([sys.executable, "-m", "sandbox_kernel", "run", *map(str, args)],
+                          input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def own_lines(stderr):
+    """stderr without the kernel application's own log lines (ipykernel's TCP warning)."""
+    return "".join(line for line in stderr.splitlines(keepends=True)
+                   if not line.startswith("[SandboxKernelApp]"))
+
+
+def png_size(data):
+    """(width, height) from a PNG's signature and IHDR chunk; fails on anything else."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert (length, kind) == (13, b"IHDR")
+    return struct.unpack(">II", data[16:24])
+
+
+def test_summarize_example_result_on_stdout_logs_on_stderr():
+    done = run(EXAMPLES / "summarize.py", "--inputs", f"@{EXAMPLES / 'summarize.json'}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == SUMMARY
+    assert done.stdout == json.dumps(SUMMARY, indent=2) + "\n"
+    assert own_lines(done.stderr) == "summarising 8 digits of pi\nmean of digits of pi is 3.875\n"
+
+
+def test_chart_example_json_and_saved_png(tmp_path):
+    out = tmp_path / "displays"
+    done = run(EXAMPLES / "chart.py", "--inputs", f"@{EXAMPLES / 'chart.json'}", "--json",
+               "--save-displays", out)
+    assert done.returncode == 0, done.stderr
+    assert own_lines(done.stderr) == ""
+    report = json.loads(done.stdout)
+    assert set(report) == {"result", "text", "logs", "displays", "error", "duration",
+                           "state_lost", "stdout", "stderr", "saved_displays"}
+    assert report["result"] == CHART
+    assert report["text"] == json.dumps(CHART, indent=2)
+    assert (report["stdout"], report["stderr"]) == ("drawing 6 bars\n", "")
+    assert report["logs"] == [{"name": "stdout", "text": "drawing 6 bars\n"}]
+    assert (report["error"], report["state_lost"]) == (None, False)
+    assert report["saved_displays"] == [str(out / "display-1.png")]
+    assert len(report["displays"]) == 1 and "image/png" in report["displays"][0]
+    width, height = png_size((out / "display-1.png").read_bytes())
+    assert width > 0 and height > 0
+    assert sorted(p.name for p in out.iterdir()) == ["display-1.png"]
+
+
+def test_saved_displays_are_reported_on_stderr(tmp_path):
+    done = run(EXAMPLES / "chart.py", "--inputs", '{"values": [1, 2]}', "--save-displays",
+               tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"title": "Values", "bars": 2, "total": 3,
+                                       "best": {"label": "2", "value": 2}}
+    assert own_lines(done.stderr) == (f"drawing 2 bars\n"
+                                      f"sandbox-kernel run: saved {tmp_path / 'display-1.png'}\n")
+    assert png_size((tmp_path / "display-1.png").read_bytes())[0] > 0
+
+
+def test_code_from_stdin_with_main_and_no_inputs():
+    done = run("-", stdin="def main():\n    print('hello')\n    return {'ok': True}\n")
+    assert (done.returncode, json.loads(done.stdout)) == (0, {"ok": True})
+    assert own_lines(done.stderr) == "hello\n"
+
+
+def test_a_script_without_main_just_runs():
+    done = run("-", stdin="print('just a script')\n")
+    assert (done.returncode, done.stdout) == (0, "")
+    assert own_lines(done.stderr) == "just a script\n"
+
+
+def test_an_error_in_main_exits_1_with_the_traceback_on_stderr():
+    done = run(EXAMPLES / "summarize.py", "--inputs", '{"numbers": []}')
+    assert (done.returncode, done.stdout) == (cli.CODE_FAILED, "")
+    lines = own_lines(done.stderr).splitlines()
+    assert lines[0] == "summarising 0 numbers"
+    assert lines[-1] == "ValueError: numbers is empty: give at least one number"
+
+
+def test_an_error_in_main_with_json():
+    done = run(EXAMPLES / "summarize.py", "--inputs", '{"numbers": [1], "unit": "m"}', "--json")
+    assert done.returncode == cli.CODE_FAILED
+    error = json.loads(done.stdout)["error"]
+    assert (error["name"], error["value"]) == (
+        "SignatureMismatch", "main() got the unexpected input 'unit' (it takes: numbers, label)")
+
+
+def test_timeout_exits_1_and_names_the_timeout():
+    done = run("-", "--timeout", "1", "--json", stdin="import time\ntime.sleep(60)\n")
+    assert done.returncode == cli.CODE_FAILED
+    report = json.loads(done.stdout)
+    assert report["error"]["name"] == "ExecutionTimeout"
+    assert report["state_lost"] is False
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--inputs", "{not json"], "sandbox-kernel run: --inputs is not valid JSON: Expecting "
+     "property name enclosed in double quotes: line 1 column 2 (char 1)\n"),
+    (["--inputs", "[1, 2]"], "sandbox-kernel run: --inputs must be a JSON object of main()'s "
+     "arguments by name, got list\n"),
+    (["--inputs", "@/nonexistent/inputs.json"],
+     "sandbox-kernel run: cannot read /nonexistent/inputs.json: No such file or directory\n"),
+])
+def test_bad_inputs_are_usage_errors(capsys, args, message):
+    assert cli.main(["run", str(EXAMPLES / "summarize.py"), *args]) == cli.USAGE_ERROR
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", message)
+
+
+def test_missing_file_is_a_usage_error(capsys):
+    assert cli.main(["run", "/nonexistent/job.py"]) == cli.USAGE_ERROR
+    assert capsys.readouterr().err == ("sandbox-kernel run: cannot read /nonexistent/job.py: "
+                                       "No such file or directory\n")
+
+
+def test_unusable_save_dir_is_a_usage_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = ["run", str(EXAMPLES / "summarize.py"), "--save-displays", str(blocker / "sub")]
+    assert cli.main(args) == cli.USAGE_ERROR
+    assert capsys.readouterr().err == (f"sandbox-kernel run: cannot create {blocker / 'sub'}: "
+                                       "Not a directory\n")
+
+
+def test_usage_error_exits_2_from_the_command_line():
+    done = run("/nonexistent/job.py")
+    assert (done.returncode, done.stdout) == (cli.USAGE_ERROR, "")
+    assert done.stderr == ("sandbox-kernel run: cannot read /nonexistent/job.py: "
+                           "No such file or directory\n")
+
+
+def test_policy_flags_reach_the_kernel():
+    code = ("def main():\n    import socket\n    socket.socket().close()\n"
+            "    return {'socket': 'made'}\n")
+    allowed = run("-", "--allow-network", stdin=code)
+    assert (allowed.returncode, json.loads(allowed.stdout)) == (0, {"socket": "made"})
+    denied = run("-", stdin=code)
+    assert denied.returncode == cli.CODE_FAILED
+    assert own_lines(denied.stderr).splitlines()[-1].startswith(
+        "PermissionError: [Errno 1] Operation not permitted: the sandbox blocked creating a socket")
+
+
+def test_a_kernel_that_cannot_start_exits_3():
+    done = run("-", "--memory-limit", "1M", stdin="print('never')\n")
+    assert (done.returncode, done.stdout) == (cli.KERNEL_FAILED, "")
+    assert done.stderr.splitlines()[-1].startswith("sandbox-kernel run: the kernel did not start: ")
+    assert "never" not in done.stderr
