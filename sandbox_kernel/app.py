@@ -56,6 +56,8 @@ class SandboxKernelApp(IPKernelApp):
         super().initialize(argv)
         if self.subapp is not None:
             return
+        # Switching user only now: ipykernel re-reads its root-only connection file above.
+        privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
         self.init_seccomp()
         denials.install(self.policy.allow_network)
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
@@ -79,7 +81,7 @@ class SandboxKernelApp(IPKernelApp):
             write_grants = paths.check_grants(policy.write_paths)
             self.layers["limits"] = limits.apply(policy.memory_limit, policy.cpu_limit,
                                                  policy.file_size_limit, policy.open_files_limit)
-            self.layers["privileges"] = privileges.drop(policy.run_as, scratch_dir)
+            self.layers["privileges"] = privileges.plan(policy.run_as)
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
         self.init_landlock(paths.read_only(read_grants, self.abs_connection_file),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 # Once the limit has passed, the interruption repeats at this interval, so that code which
 # swallows one exception is interrupted again (the client restarts a kernel that never yields).
@@ -21,26 +21,50 @@ class ExecutionTimeout(BaseException):
     """
 
 
-def _message(seconds: float, source: str) -> str:
+def message(seconds: float, source: str) -> str:
+    """What the user is told when the limit strikes."""
     return (f"the execution ran longer than its {seconds:g} s limit ({source}) and was "
             "interrupted; the kernel and its variables are still there")
 
 
-@contextlib.contextmanager
-def deadline(seconds: float, source: str) -> Iterator[None]:
-    """Raise ExecutionTimeout in the main thread if the block runs longer than seconds."""
-    # Signals reach only the main thread; code in subshell threads gets the client's deadline.
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _running_user_code(frame: FrameType | None, is_user_frame: Callable[[FrameType], bool]) -> bool:
+    while frame is not None:
+        if is_user_frame(frame):
+            return True
+        frame = frame.f_back
+    return False
 
-    def expire(signum: int, frame: Any) -> None:
-        raise ExecutionTimeout(_message(seconds, source))
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds, REPEAT_SECONDS)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+class Deadline:
+    """Arms SIGALRM for one execution and remembers whether it struck."""
+
+    def __init__(self, seconds: float, source: str,
+                 is_user_frame: Callable[[FrameType], bool]) -> None:
+        self.seconds, self.source, self.is_user_frame = seconds, source, is_user_frame
+        self.expired = False
+
+    def strike(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGALRM handler: interrupt the user code, wherever it is waiting."""
+        self.expired = True
+        if _running_user_code(frame, self.is_user_frame):
+            raise ExecutionTimeout(message(self.seconds, self.source))
+        # Not in user code: an async cell waiting in the event loop (ipykernel's SIGINT handler
+        # then cancels it), or the kernel's own code just after the cell, which must not be hit.
+        on_interrupt = signal.getsignal(signal.SIGINT)
+        if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
+            on_interrupt(signal.SIGINT, frame)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[Deadline]:
+        """Run the block under the limit (a no-op for no limit or outside the main thread)."""
+        # Signals reach only the main thread; code in subshell threads gets the client's deadline.
+        if self.seconds <= 0 or threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGALRM, self.strike)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds, REPEAT_SECONDS)
+        try:
+            yield self
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+from functools import partial
 from typing import Any
 
+from types import FrameType
+
+from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Dict
 
-from . import __version__
+from . import __version__, entrypoint
+from .deadline import Deadline, message
+from .output import BUDGET
 
 DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
                     "adapter as a subprocess, and the sandbox forbids creating processes")
@@ -21,6 +28,10 @@ class SandboxKernel(IPythonKernel):
 
     sandbox_info = Dict(help="Effective policy and active layers, set by the application.")
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        entrypoint.load_ipython_extension(self.shell)  # the %main magic
+
     @property
     def banner(self) -> str:  # type: ignore[override]
         return super().banner + "\nsandbox-kernel: no processes; network off unless allowed.\n"
@@ -31,6 +42,55 @@ class SandboxKernel(IPythonKernel):
         info["supported_features"] = [f for f in info["supported_features"] if f != "debugger"]
         info["sandbox"] = self.sandbox_info
         return info
+
+    def time_limit(self) -> tuple[float, str]:
+        """Seconds the current execution may run (0: no limit) and where that number came from."""
+        sandbox = self.get_parent().get("metadata", {}).get("sandbox")
+        requested = sandbox.get("timeout") if isinstance(sandbox, dict) else None
+        if isinstance(requested, (int, float)) and not isinstance(requested, bool) \
+                and requested > 0:
+            return float(requested), "metadata.sandbox.timeout"
+        return self.parent.policy.timeout, "the kernel's --timeout"
+
+    @staticmethod
+    def is_cell_frame(frame: FrameType, cells: str = get_tmp_directory()) -> bool:
+        """Whether frame runs code the user sent (ipykernel compiles cells to files in cells)."""
+        return frame.f_code.co_filename.startswith(cells)
+
+    async def do_execute(self, code: str, silent: bool, store_history: bool = True,
+                         user_expressions: dict | None = None, allow_stdin: bool = False,
+                         **kwargs: Any) -> dict[str, Any]:
+        """Run a cell within the execution's time limit and output cap."""
+        deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
+        BUDGET.reset(self.parent.policy.max_output_bytes)
+        try:
+            request = entrypoint.request_from(self.get_parent().get("metadata"))
+            run_code = partial(super().do_execute, code, silent, store_history,
+                               user_expressions, allow_stdin, **kwargs)
+            with deadline.armed():
+                reply = await (run_code() if request is None  # main(): see entrypoint.py
+                               else entrypoint.execute(self, request, run_code))
+            if deadline.expired and reply.get("ename") != "ExecutionTimeout":
+                # An async cell is cancelled rather than raised into: say why it stopped.
+                print(f"\n[sandbox-kernel: {message(deadline.seconds, deadline.source)}]",
+                      file=sys.stderr)
+            return reply
+        finally:
+            self.report_dropped_output()
+
+    def report_dropped_output(self) -> None:
+        """After an execution, say how much output the cap dropped (one marker, on stderr)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        marker = BUDGET.marker()
+        if marker and hasattr(sys.stderr, "write_uncapped"):
+            sys.stderr.write_uncapped(marker)
+            sys.stderr.flush()
+
+    def _process_children(self) -> list[Any]:
+        # ipykernel ends its children at shutdown by scanning /proc, which Landlock closes.
+        # The only child is the scratch reaper, which must outlive the kernel: report none.
+        return []
 
     async def do_debug_request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Refuse every debug request with a reason, instead of starting debugpy."""

@@ -74,8 +74,12 @@ def _drop_capabilities() -> None:
         raise PrivilegeError("could not clear the capability sets")
 
 
-def drop(run_as: str, scratch_dir: str) -> dict[str, Any]:
-    """Apply the run_as policy; call while single-threaded (capabilities are per thread)."""
+def plan(run_as: str) -> dict[str, Any]:
+    """Decide whom the kernel runs as; if it stays root, shed every capability now.
+
+    Call while single-threaded: capabilities belong to each thread, and threads started later
+    inherit the empty sets.
+    """
     if os.geteuid() != 0:
         return {"uid": os.geteuid(), "gid": os.getegid(), "dropped": False,
                 "reason": "not started as root"}
@@ -88,8 +92,15 @@ def drop(run_as: str, scratch_dir: str) -> dict[str, Any]:
         _drop_capabilities()
         return {"uid": 0, "gid": os.getegid(), "dropped": False, "capabilities": "none",
                 "reason": f"uid {uid} cannot read {missing}; stayed root without capabilities"}
+    return {"uid": uid, "gid": gid, "dropped": True}
+
+
+def switch(planned: dict[str, Any], scratch_dir: str) -> None:
+    """Become the planned user, owning the scratch (glibc applies it to every thread)."""
+    if not planned["dropped"]:
+        return
+    uid, gid = planned["uid"], planned["gid"]
     _chown_tree(scratch_dir, uid, gid)
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
-    return {"uid": uid, "gid": gid, "dropped": True}
