@@ -143,6 +143,7 @@ _OWN_PROCESS_ONLY = ("sched_setaffinity", "sched_getaffinity", "sched_setparam",
 _OWN_PID_ONLY = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
 
 _LOW32 = 0xFFFFFFFF
+_SCHED_OTHER = 0
 _MAP_TYPE_AND_ANONYMOUS = 0x0F | 0x20
 _SHARED_ANONYMOUS = (0x01 | 0x20, 0x03 | 0x20)  # MAP_SHARED / MAP_SHARED_VALIDATE, anonymous
 
@@ -173,6 +174,9 @@ def allowlist_rules(pid: int, allow_network: bool) -> list[Rule]:
         rules += [Rule(name, args=(_masked(0, target),)) for name in _OWN_PROCESS_ONLY]
         rules.append(Rule("prlimit64", args=(_masked(0, target), (2, 2**64 - 1, 0))))
         rules.append(Rule("setpriority", args=(_masked(0, 0), _masked(1, target))))
+    # Every new libzmq thread sets its own policy to SCHED_OTHER by its thread id, which a filter
+    # cannot tell from another process's pid; SCHED_OTHER can only demote, never boost.
+    rules.append(Rule("sched_setscheduler", args=(_masked(1, _SCHED_OTHER),)))
     rules += [Rule("prctl", args=(_masked(0, option),)) for option in _PRCTL_OPTIONS]
     rules.append(Rule("personality", args=(_masked(0, 0xFFFFFFFF),)))  # query only
     # asyncio and friends need socketpair(AF_UNIX) even when the network is off.

@@ -268,6 +268,9 @@ CASES = [
          EPERM, "seccomp"),
     Case("X14", "processes", "pin the parent to a CPU",
          f"raw({nr('sched_setaffinity')}, PPID, 8, cstr('\\x01' * 8))", EPERM, "seccomp"),
+    Case("X20", "processes", "make the parent idle-priority (SCHED_IDLE)",
+         "trap(lambda: os.sched_setscheduler(PPID, os.SCHED_IDLE, os.sched_param(0)))", DENIED,
+         "seccomp: only SCHED_OTHER for other ids"),
     Case("X15", "processes", "setuid(0)", f"raw({nr('setuid')}, 0)", EPERM, "seccomp"),
     Case("X16", "processes", "raise the own memory limit",
          "trap(lambda: __import__('resource').setrlimit(__import__('resource').RLIMIT_DATA, "

@@ -81,6 +81,17 @@ float(np.linalg.inv(np.eye(3) * 2).trace()), int(df.y.sum())
     assert len(pngs) == 1 and len(pngs[0]) > 1000
 
 
+def test_large_output_and_late_zmq_threads(sandbox):
+    # New libzmq threads set their own scheduling policy by thread id: once, the filter
+    # refused it and libzmq aborted the kernel on large output or a user's zmq.Context.
+    ex = ok(sandbox.run("print('x' * 2**19)"))
+    assert len(ex.stdout) == 2**19 + 1
+    code = ("import zmq\nctx = zmq.Context()\na, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)\n"
+            "a.bind('inproc://t'); b.connect('inproc://t'); a.send(b'ping')\n"
+            "got = b.recv(); a.close(); b.close(); ctx.term(); got")
+    assert evaluate(sandbox, code) == b"ping"
+
+
 def test_interrupt_stops_a_busy_loop(fresh_sandbox):
     import threading
 
