@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import sys
 from functools import partial
-from typing import Any
-
 from types import FrameType
+from typing import Any
 
 from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
