@@ -34,7 +34,7 @@ class SandboxKernelApp(IPKernelApp):
     flags = DictTrait({**kernel_flags, **app_flags()})
     aliases = DictTrait({**kernel_aliases, **app_aliases()})
 
-    kernel_class = Type(SandboxKernel, klass="ipykernel.kernelbase.Kernel",
+    kernel_class = Type(SandboxKernel, klass="ipykernel.kernelbase.Kernel",  # type: ignore[assignment]
                         help="The kernel class to run.").tag(config=True)
     outstream_class = DottedObjectName("sandbox_kernel.output.CappedOutStream",
                                        help="The stream class; it enforces the output cap.")

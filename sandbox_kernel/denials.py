@@ -52,9 +52,9 @@ def _explain(original: Callable[..., Any], what: str, why: str) -> Callable[...,
     return wrapper
 
 
-def _explain_system(original: Callable[[str], int]) -> Callable[[str], int]:
+def _explain_system(original: Callable[[Any], int]) -> Callable[[Any], int]:
     @functools.wraps(original)
-    def system(command: str) -> int:
+    def system(command: Any) -> int:
         status = original(command)
         if status == _SHELL_FAILED:
             raise _denied("os.system()", PROCESSES)
@@ -88,7 +88,7 @@ def install(allow_network: bool) -> None:
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve"):
         if hasattr(os, name):
             setattr(os, name, _explain(getattr(os, name), f"os.{name}()", PROCESSES))
-    os.system = _explain_system(os.system)
+    os.system = _explain_system(os.system)  # type: ignore[assignment]
     for name in ("chmod", "fchmod", "lchmod"):
         if hasattr(os, name):
             setattr(os, name, _explain(getattr(os, name), f"os.{name}()", FILE_MODES))

@@ -14,6 +14,7 @@ from traitlets import Dict
 from . import __version__, entrypoint
 from .deadline import Deadline, message
 from .output import BUDGET
+from .policy import SandboxPolicy
 
 DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
                     "adapter as a subprocess, and the sandbox forbids creating processes")
@@ -36,6 +37,12 @@ class SandboxKernel(IPythonKernel):
         return super().banner + "\nsandbox-kernel: no processes; network off unless allowed.\n"
 
     @property
+    def policy(self) -> SandboxPolicy:
+        """The policy of the application that started this kernel."""
+        assert self.parent is not None, "the kernel is started by SandboxKernelApp"
+        return self.parent.policy  # type: ignore[no-any-return]
+
+    @property
     def kernel_info(self) -> dict[str, Any]:
         info = super().kernel_info
         info["supported_features"] = [f for f in info["supported_features"] if f != "debugger"]
@@ -49,7 +56,7 @@ class SandboxKernel(IPythonKernel):
         if isinstance(requested, (int, float)) and not isinstance(requested, bool) \
                 and requested > 0:
             return float(requested), "metadata.sandbox.timeout"
-        return self.parent.policy.timeout, "the kernel's --timeout"
+        return self.policy.timeout, "the kernel's --timeout"
 
     @staticmethod
     def is_cell_frame(frame: FrameType, cells: str = get_tmp_directory()) -> bool:
@@ -61,7 +68,7 @@ class SandboxKernel(IPythonKernel):
                          **kwargs: Any) -> dict[str, Any]:
         """Run a cell within the execution's time limit and output cap."""
         deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
-        BUDGET.reset(self.parent.policy.max_output_bytes)
+        BUDGET.reset(self.policy.max_output_bytes)
         try:
             request = entrypoint.request_from(self.get_parent().get("metadata"))
             run_code = partial(super().do_execute, code, silent, store_history,

@@ -234,6 +234,16 @@ def test_policy_timeout_applies_without_metadata():
         assert evaluate(sb, "1 + 1") == 2
 
 
+def test_cpu_budget_ends_the_kernel_cleanly():
+    # RLIMIT_CPU covers the kernel's whole life: once spent, SIGXCPU ends the process and the
+    # client reports it (a per-execution limit is --timeout).
+    with Sandbox(None, policy=SandboxPolicy(cpu_limit=2)) as sb:
+        ex = sb.run("while True:\n    pass")
+        assert ex.error.name == "KernelDied" and ex.state_lost
+        assert "SIGXCPU" in ex.error.value
+        assert evaluate(sb, "'replaced'") == "replaced"
+
+
 def test_planted_startup_files_do_not_run_after_restart(fresh_sandbox):
     code = """
 import os, sysconfig
