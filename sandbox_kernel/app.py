@@ -65,6 +65,10 @@ class SandboxKernelApp(IPKernelApp):
     def init_sockets(self) -> None:
         """Apply the single-threaded layers first: ipykernel starts threads from here on."""
         self.init_confinement()
+        if self.transport == "tcp" and self.ip in ("127.0.0.1", "::1", "localhost"):
+            # Loopback only, every message signed with the session key: not worth a warning on
+            # every start (it lands in `sandbox-kernel run`'s output).
+            self.log.addFilter(lambda record: "without encryption" not in record.getMessage())
         super().init_sockets()
 
     def init_confinement(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import pty
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -35,17 +36,18 @@ def _denied(what: str, why: str) -> PermissionError:
     return exc
 
 
-def _unexplained(exc: PermissionError) -> bool:
-    return exc.errno == errno.EPERM and not hasattr(exc, "sandbox_rule")
+def _unexplained(exc: PermissionError, errnos: tuple[int, ...] = (errno.EPERM,)) -> bool:
+    return exc.errno in errnos and not hasattr(exc, "sandbox_rule")
 
 
-def _explain(original: Callable[..., Any], what: str, why: str) -> Callable[..., Any]:
+def _explain(original: Callable[..., Any], what: str, why: str,
+             errnos: tuple[int, ...] = (errno.EPERM,)) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return original(*args, **kwargs)
         except PermissionError as exc:
-            if not _unexplained(exc):
+            if not _unexplained(exc, errnos):
                 raise
             raise _denied(what, why) from None
 
@@ -85,9 +87,13 @@ def install(allow_network: bool) -> None:
     import _posixsubprocess
     import subprocess
 
-    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "execv", "execve"):
+    for name in ("fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
         if hasattr(os, name):
             setattr(os, name, _explain(getattr(os, name), f"os.{name}()", PROCESSES))
+    # forkpty opens /dev/ptmx (refused by Landlock) before it forks. pty.fork, and so IPython's
+    # `!cmd`, would then retry by hand and report "out of pty devices": let forkpty answer.
+    os.forkpty = _explain(os.forkpty, "os.forkpty()", PROCESSES, (errno.EPERM, errno.EACCES))
+    pty.fork = os.forkpty
     os.system = _explain_system(os.system)  # type: ignore[assignment]
     for name in ("chmod", "fchmod", "lchmod"):
         if hasattr(os, name):
