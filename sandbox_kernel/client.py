@@ -29,6 +29,7 @@ from .policy import SandboxPolicy
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
+_REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 
 @dataclass
@@ -316,7 +317,19 @@ class Sandbox:
             execution = watchdog.finish(collector.execution, lost, self.manager)
             if lost:
                 self.restart()
+            else:
+                self._take_reply(msg["header"]["msg_id"])
             return execution
+
+    def _take_reply(self, msg_id: str) -> None:
+        """Read the execute_reply (and any stale one before it) so replies do not pile up."""
+        while True:
+            try:
+                reply = self.client.get_shell_msg(timeout=_REPLY_WAIT)
+            except queue.Empty:
+                return
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return
 
 
 class AsyncSandbox:
@@ -393,4 +406,16 @@ class AsyncSandbox:
             execution = watchdog.finish(collector.execution, lost, self.manager)
             if lost:
                 await self.restart()
+            else:
+                await self._take_reply(msg["header"]["msg_id"])
             return execution
+
+    async def _take_reply(self, msg_id: str) -> None:
+        """Read the execute_reply (and any stale one before it) so replies do not pile up."""
+        while True:
+            try:
+                reply = await self.client.get_shell_msg(timeout=_REPLY_WAIT)
+            except queue.Empty:
+                return
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from . import scratch
-from .policy import DEFAULT_SCRATCH_SIZE, parse_size
+from .limits import parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -72,7 +72,8 @@ def ensure_clean(argv: Sequence[str]) -> str:
     scratch_dir = scratch.create()
     keep = scratch.start_reaper(scratch_dir)
     sizes = _option_values(argv, _SIZE_OPTIONS)
-    scratch.mount_quota(scratch_dir, parse_size(sizes[-1]) if sizes else DEFAULT_SCRATCH_SIZE)
+    quota = parse_size(sizes[-1]) if sizes else scratch.DEFAULT_SCRATCH_SIZE
+    scratch.mount_quota(scratch_dir, quota)
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     os.closerange(3, keep)
     os.closerange(keep + 1, 65536)

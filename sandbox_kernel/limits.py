@@ -8,9 +8,20 @@ anonymous mmap and memfd_create, and SysV/POSIX shared memory is refused or out 
 
 from __future__ import annotations
 
+import re
 import resource
 import signal
 from typing import Any
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '512M', '2G', '1048576' (binary units; 0 means no limit)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (use a number of bytes or e.g. 512M, 2G)")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
 def _lower(limit: int, soft: int, hard: int | None = None) -> dict[str, int]:

@@ -7,31 +7,24 @@ the kernel application (traitlets), `sandbox-kernel install` and `sandbox-kernel
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode
 from traitlets.config import Configurable
 
+from .limits import parse_size
 from .paths import check_grants
-
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-DEFAULT_SCRATCH_SIZE = 2**30
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '512M', '2G', '1048576' (binary units; 0 means no limit)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise TraitError(f"not a size: {text!r} (use a number of bytes or e.g. 512M, 2G)")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+from .scratch import DEFAULT_SCRATCH_SIZE
 
 
 class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
-        return parse_size(s)
+        try:
+            return parse_size(s)
+        except ValueError as exc:
+            raise TraitError(str(exc)) from None
 
 
 class SandboxPolicy(Configurable):

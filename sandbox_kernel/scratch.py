@@ -9,6 +9,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+DEFAULT_SCRATCH_SIZE = 2**30
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
 
