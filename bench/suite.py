@@ -1,0 +1,237 @@
+"""The measurements, in the order the table lists them, with plain and sandbox interleaved."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from bench import calls
+from bench.kernels import KINDS, Kernel
+from bench.stats import Sample
+from sandbox_kernel.client import Sandbox
+
+MB = 1_000_000
+CONCURRENCY_LEVELS = (1, 2, 4)  # the table has a row for each, measured or not
+CALL_BLOCK = 10  # warm calls and process-per-request calls alternate in blocks of this size
+SANDBOX_CALL_ROWS = ("main.small", "process.small", "main.1mb", "main.10mb",
+                     *(f"concurrency.{level}" for level in CONCURRENCY_LEVELS))
+SKIPPED_BY_QUICK = "skipped by --quick (too slow for a smoke run)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many repetitions each measurement gets."""
+
+    starts: int  # kernel starts of each kind (each also gives one peak-RSS reading)
+    executes: int  # warm execute round trips of each kind
+    calls: int  # small main() calls, and as many process-per-request calls
+    mb_calls: int  # 1 MB main() calls
+    ten_mb_calls: int  # 10 MB main() calls; 0 skips them
+    concurrency: tuple[int, ...]  # numbers of sandboxes driven at once
+    rounds: int  # repetitions of each concurrency level
+    calls_each: int  # calls per sandbox in one concurrency round
+    warmups: int = 1  # discarded repetitions before each measurement
+
+
+FULL = Plan(starts=30, executes=1000, calls=100, mb_calls=20, ten_mb_calls=6,
+            concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2)
+QUICK = Plan(starts=2, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
+             concurrency=(1, 2), rounds=2, calls_each=5)
+
+
+@dataclass
+class Results:
+    """Every sample of one run, plus what was skipped or failed and why."""
+
+    plan: Plan
+    samples: dict[str, Sample] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # row id -> why
+    failed: dict[str, str] = field(default_factory=dict)  # row id -> error
+    returns_results: bool | None = None  # does the kernel implement the main() convention?
+    findings: dict[str, list[str]] = field(default_factory=dict)  # target -> evidence lines
+
+    def sample(self, row: str, unit: str, higher_is_better: bool = False) -> Sample:
+        """The sample for a row, created on first use."""
+        if row not in self.samples:
+            self.samples[row] = Sample(unit, higher_is_better=higher_is_better)
+        return self.samples[row]
+
+
+@contextmanager
+def recording_failure(results: Results, *rows: str) -> Iterator[None]:
+    """Record an error against those rows still unmeasured, and carry on with the others."""
+    try:
+        yield
+    except Exception as exc:  # a benchmark that stops at the first error reports nothing
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        for row in rows:
+            if row not in results.samples and row not in results.skipped:
+                results.failed.setdefault(row, message)
+        traceback.print_exc()
+
+
+def _alternating(count: int) -> Iterator[tuple[int, str]]:
+    """(repetition, kind) pairs in ABAB order, so drift hits both kinds alike."""
+    for repetition in range(count):
+        for kind in KINDS:
+            yield repetition, kind
+
+
+def measure_starts(results: Results) -> None:
+    """1 and 6: start-to-ready of fresh kernels, and their peak RSS after one execute."""
+    plan = results.plan
+    for repetition, kind in _alternating(plan.warmups + plan.starts):
+        kernel = Kernel(kind)
+        try:
+            seconds = kernel.start()
+            kernel.warm_up()  # the one trivial execute
+            rss = kernel.peak_rss()
+        finally:
+            kernel.close()
+        if repetition >= plan.warmups:  # the first starts also fill the page cache
+            results.sample(f"start.{kind}", "s").add(seconds)
+            results.sample(f"rss.{kind}", "bytes").add(rss)
+
+
+def measure_executes(results: Results) -> dict[str, Kernel]:
+    """2: warm round trips of `pass`, alternating between a plain and a sandbox kernel."""
+    kernels = {kind: Kernel(kind) for kind in KINDS}
+    try:
+        for kernel in kernels.values():
+            kernel.start()
+            kernel.warm_up()
+    except BaseException:
+        for kernel in kernels.values():
+            kernel.close()
+        raise
+    plan = results.plan
+    for repetition, kind in _alternating(plan.warmups * 10 + plan.executes):
+        seconds = kernels[kind].execute("pass")
+        if repetition >= plan.warmups * 10:
+            results.sample(f"execute.{kind}", "s").add(seconds)
+    return kernels
+
+
+def measure_calls(results: Results, sandbox: Sandbox) -> None:
+    """3 and 5: small main() calls, warm in the sandbox and one fresh process each.
+
+    The two alternate in blocks, not call by call: drift still hits both, but a warm call does
+    not run while the previous child process is still being torn down.
+    """
+    plan = results.plan
+    results.returns_results = calls.kernel_returns_results(sandbox)
+    verify = results.returns_results
+    for _ in range(plan.warmups):
+        calls.call_in_sandbox(sandbox, calls.SMALL_CALL, verify)
+        calls.call_in_fresh_process(calls.SMALL_CALL)
+    for block in _blocks(plan.calls, CALL_BLOCK):
+        for _ in range(block):
+            results.sample("main.small", "s").add(
+                calls.call_in_sandbox(sandbox, calls.SMALL_CALL, verify))
+        for _ in range(block):
+            results.sample("process.small", "s").add(calls.call_in_fresh_process(calls.SMALL_CALL))
+
+
+def _blocks(total: int, size: int) -> list[int]:
+    """Block sizes that add up to total."""
+    return [min(size, total - start) for start in range(0, total, size)]
+
+
+def measure_throughput(results: Results, sandbox: Sandbox, row: str, size: int,
+                       count: int) -> None:
+    """4: MB/s of JSON moved through main(), inputs in plus result out."""
+    call = calls.echo_call(size)
+    moved = call.json_bytes(returned=bool(results.returns_results)) / MB
+    calls.call_in_sandbox(sandbox, call, bool(results.returns_results))  # warm-up
+    for _ in range(count):
+        seconds = calls.call_in_sandbox(sandbox, call, bool(results.returns_results))
+        results.sample(row, "MB/s", higher_is_better=True).add(moved / seconds)
+        results.sample(f"{row}.latency", "s").add(seconds)
+
+
+def measure_concurrency(results: Results, sandboxes: list[Sandbox]) -> None:
+    """7: calls per second with 1, 2, 4 sandboxes driven at once from their own threads."""
+    plan = results.plan
+    verify = bool(results.returns_results)
+    for level in set(CONCURRENCY_LEVELS) - set(plan.concurrency):
+        results.skipped[f"concurrency.{level}"] = SKIPPED_BY_QUICK
+    for level in plan.concurrency:
+        with recording_failure(results, f"concurrency.{level}"):
+            calls.calls_per_second(sandboxes[:level], plan.calls_each, verify)  # warm-up
+            for _ in range(plan.rounds):
+                rate = calls.calls_per_second(sandboxes[:level], plan.calls_each, verify)
+                results.sample(f"concurrency.{level}", "calls/s", higher_is_better=True).add(rate)
+
+
+def _started_sandboxes(count: int) -> list[Sandbox]:
+    sandboxes = []
+    try:
+        for _ in range(count):
+            sandbox = Sandbox(None)  # this package's kernelspec, default policy
+            sandbox.start()
+            sandboxes.append(sandbox)
+    except BaseException:
+        _close_all(sandboxes)
+        raise
+    return sandboxes
+
+
+def _close_all(sandboxes: list[Sandbox]) -> None:
+    for sandbox in sandboxes:
+        sandbox.close()
+
+
+def measure_sandbox_calls(results: Results) -> None:
+    """3, 4, 5 and 7 on one pool of warm sandboxes."""
+    plan = results.plan
+    sandboxes = _started_sandboxes(max(plan.concurrency))
+    try:
+        with recording_failure(results, "main.small", "process.small"):
+            measure_calls(results, sandboxes[0])
+        for row, size, count in (("main.1mb", MB, plan.mb_calls),
+                                 ("main.10mb", 10 * MB, plan.ten_mb_calls)):
+            if not count:
+                results.skipped[row] = SKIPPED_BY_QUICK
+                continue
+            with recording_failure(results, row):
+                measure_throughput(results, _alive(sandboxes, 0), row, size, count)
+        measure_concurrency(results, [_alive(sandboxes, i) for i in range(len(sandboxes))])
+    finally:
+        _close_all(sandboxes)
+
+
+def _alive(sandboxes: list[Sandbox], index: int) -> Sandbox:
+    """The sandbox at index, replaced by a fresh one if an earlier failure killed its kernel."""
+    if not sandboxes[index].manager.is_alive():
+        sandboxes[index].close()
+        sandboxes[index] = _started_sandboxes(1)[0]
+    return sandboxes[index]
+
+
+def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
+        progress: Callable[[str], None] = print) -> Results:
+    """Every measurement, then `explain` for the targets that were missed."""
+    results = Results(plan)
+    started = time.monotonic()
+    progress("1, 6: kernel start-to-ready and peak RSS (plain/sandbox alternating)")
+    with recording_failure(results, "start.plain", "start.sandbox", "rss.plain", "rss.sandbox"):
+        measure_starts(results)
+    progress("2: warm execute round trips")
+    kernels: dict[str, Kernel] = {}
+    try:
+        with recording_failure(results, "execute.plain", "execute.sandbox"):
+            kernels = measure_executes(results)
+        progress("3, 4, 5, 7: main() calls, throughput, process per request, concurrency")
+        with recording_failure(results, *SANDBOX_CALL_ROWS):
+            measure_sandbox_calls(results)
+        progress("profiling the targets that were missed")
+        explain(results, kernels)
+    finally:
+        for kernel in kernels.values():
+            kernel.close()
+    progress(f"done in {time.monotonic() - started:.0f} s")
+    return results
+

@@ -1,0 +1,101 @@
+"""The four targets, whether a run met them, and the profiling that explains a miss."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from bench import profiling
+from bench.kernels import PLAIN, SANDBOX, Kernel
+from bench.suite import Results
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ratio of two rows' medians and the bound it must keep."""
+
+    key: str
+    numerator: str  # row ids
+    denominator: str
+    limit: float
+    at_least: bool = False  # the ratio must be >= limit (a speed-up), not <= (an overhead)
+
+    @property
+    def text(self) -> str:
+        """The bound as the table shows it."""
+        return f"{'≥' if self.at_least else '≤'} {self.limit:g}x"
+
+
+TARGETS = (
+    Target("start", "start.sandbox", "start.plain", 1.10),
+    Target("execute", "execute.sandbox", "execute.plain", 1.05),
+    Target("speedup", "process.small", "main.small", 10.0, at_least=True),
+    Target("rss", "rss.sandbox", "rss.plain", 1.10),
+)
+TARGET_BY_ROW = {target.numerator: target for target in TARGETS}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A target's ratio in one run (None when a row is missing) and whether it was met."""
+
+    target: Target
+    ratio: float | None
+
+    @property
+    def met(self) -> bool | None:
+        """True, False, or None when it could not be measured."""
+        if self.ratio is None:
+            return None
+        if self.target.at_least:
+            return self.ratio >= self.target.limit
+        return self.ratio <= self.target.limit
+
+
+def verdict(results: Results, target: Target) -> Verdict:
+    """The target's ratio of medians in these results."""
+    top = results.samples.get(target.numerator)
+    bottom = results.samples.get(target.denominator)
+    if not top or not bottom:
+        return Verdict(target, None)
+    return Verdict(target, top.median / bottom.median)
+
+
+def _gap(results: Results, measurement: str) -> float:
+    """Sandbox median minus plain median of a measurement taken of both."""
+    samples = results.samples
+    return samples[f"{measurement}.{SANDBOX}"].median - samples[f"{measurement}.{PLAIN}"].median
+
+
+def _explain_execute(results: Results, kernels: dict[str, Kernel]) -> list[str]:
+    return profiling.explain_execute(kernels[PLAIN], kernels[SANDBOX], _gap(results, "execute"))
+
+
+EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
+    "start": lambda results, kernels: profiling.explain_start(_gap(results, "start")),
+    "execute": _explain_execute,
+    "speedup": lambda results, kernels: profiling.explain_speedup(),
+    "rss": lambda results, kernels: profiling.explain_rss(),
+}
+
+
+def explainer(mode: str) -> Callable[[Results, dict[str, Kernel]], None]:
+    """What to profile: "missed" targets, "all" of them, or "none"."""
+
+    def explain(results: Results, kernels: dict[str, Kernel]) -> None:
+        if mode == "none":
+            return
+        for target in TARGETS:
+            met = verdict(results, target).met
+            if met is None or (met and mode == "missed"):
+                continue
+            if target.key == "execute" and len(kernels) < 2:
+                continue  # the warm kernels it needs did not start
+            print(f"profiling: {target.key}", file=sys.stderr)
+            try:
+                results.findings[target.key] = EXPLAINERS[target.key](results, kernels)
+            except Exception as exc:  # evidence is a bonus; never lose the figures over it
+                results.findings[target.key] = [f"Profiling failed: {type(exc).__name__}: {exc}"]
+
+    return explain

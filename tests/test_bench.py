@@ -1,0 +1,74 @@
+"""Smoke test of the benchmark: a --quick run writes the table and the chart with every row.
+
+No timing is asserted here (timings live in bench/results); only that the benchmark runs.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS = ("start.plain", "start.sandbox", "execute.plain", "execute.sandbox", "main.small",
+        "main.1mb", "main.10mb", "process.small", "rss.plain", "rss.sandbox",
+        "concurrency.1", "concurrency.2", "concurrency.4")
+SKIPPED_IN_QUICK = {"main.10mb", "concurrency.4"}
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MEDIAN, COMPARED, MET = 1, 4, 6  # cells after the row id: label, median, p90, n, compared, ...
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One `python -m bench --quick` run (profiling every target, to exercise that code too)."""
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--profile", "all", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=110, check=False)
+    return done, out
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    """Row id -> its cells after the id."""
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"\| `([a-z0-9.]+)` \|(.*)\|$", line)
+        if match:
+            rows[match.group(1)] = [cell.strip() for cell in match.group(2).split("|")]
+    return rows
+
+
+def test_quick_run_writes_every_row(quick_run):
+    done, out = quick_run
+    rows = _rows((out / "latest.md").read_text())
+    assert set(rows) == set(ROWS), done.stderr[-3000:]
+    for row in SKIPPED_IN_QUICK:
+        assert rows[row][MEDIAN] == "skipped" and "--quick" in rows[row][COMPARED]
+    for row in set(ROWS) - SKIPPED_IN_QUICK:
+        assert rows[row][MEDIAN] != "skipped", (row, rows[row])
+
+
+def test_quick_run_measures_without_failure(quick_run):
+    done, out = quick_run
+    rows = _rows((out / "latest.md").read_text())
+    failed = {row: cells[COMPARED] for row, cells in rows.items() if cells[MEDIAN] == "FAILED"}
+    assert not failed, f"measurements failed: {failed}"
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_quick_run_reports_targets_machine_and_profiles(quick_run):
+    _done, out = quick_run
+    text = (out / "latest.md").read_text()
+    rows = _rows(text)
+    for row in ("start.sandbox", "execute.sandbox", "process.small", "rss.sandbox"):
+        assert rows[row][MET].startswith(("yes", "**NO**")), rows[row]
+    assert "nproc" in text and "Python 3." in text and "ipykernel" in text
+    for target in ("start.sandbox", "execute.sandbox", "process.small", "rss.sandbox"):
+        assert f"## `{target}`" in text  # --profile all: evidence for every target
+
+
+def test_quick_run_draws_the_chart(quick_run):
+    _done, out = quick_run
+    png = (out / "latest.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
