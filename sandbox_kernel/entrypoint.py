@@ -192,15 +192,28 @@ def check_result(value: Any, name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         got = f"None (did {name}() forget to return?)" if value is None else type(value).__name__
         raise InvalidResult(f"{name}() must return a dict, got {got}")
+    try:
+        plain = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        plain = None
+    # The C encoder's round trip is exact JSON unless it bent something on the way (it turns
+    # tuples into lists and int keys into strings): only then walk the value in Python.
+    if plain is not None and plain == value:
+        return plain  # type: ignore[no-any-return]
     problem = json_problem(value)
     if problem:
         raise InvalidResult(f"{name}() returned a value that is not JSON: {problem}")
-    # A round trip, so the message carries exactly JSON (tuples become lists, subclasses plain).
-    return json.loads(json.dumps(value, allow_nan=False))
+    return plain  # type: ignore[return-value]
+
+
+_INDENTED_UP_TO = 64 * 1024  # indenting runs in pure Python: large results stay compact
 
 
 def result_text(result: dict[str, Any]) -> str:
-    """The text/plain form of a result."""
+    """The text/plain form of a result: indented JSON, or compact JSON when it is large."""
+    compact = json.dumps(result, ensure_ascii=False)
+    if len(compact) > _INDENTED_UP_TO:
+        return compact
     return json.dumps(result, indent=2, ensure_ascii=False)
 
 

@@ -312,3 +312,12 @@ def test_main_magic_in_a_notebook_run_by_nbclient(kernelspecs):
     assert (error.output_type, error.ename) == ("error", "InvalidInputs")
     assert error.evalue == ("%main takes a JSON object of inputs: Expecting ',' delimiter: "
                             "line 1 column 8 (char 7)")
+
+
+def test_large_results_arrive_whole_as_compact_json(sandbox):
+    code = "def main(n):\n    return {'squares': [i * i for i in range(n)], 'pair': (1, 2)}"
+    ex = sandbox.run(code, inputs={"n": 100_000})
+    assert ex.error is None, ex.error
+    expected = {"squares": [i * i for i in range(100_000)], "pair": [1, 2]}
+    assert ex.result == expected
+    assert json.loads(ex.text) == expected and "\n" not in ex.text  # too big to indent
