@@ -237,17 +237,24 @@ def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None) -> di
     return {"kernel_name": kernel_name}
 
 
-class Sandbox:
-    """A sandboxed kernel whose state persists across `run` calls; use it as a context manager."""
+class _SandboxSettings:
+    """What Sandbox and AsyncSandbox are made of: a kernel manager and their limits."""
+
+    manager_class: type = KernelManager
+    lock_class: type = threading.Lock
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
                  grace: float = GRACE_SECONDS) -> None:
-        self.manager = KernelManager(**_manager_kwargs(kernel_name, policy))
+        self.manager = self.manager_class(**_manager_kwargs(kernel_name, policy))
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.client: Any = None
-        self._lock = threading.Lock()
+        self._lock = self.lock_class()
+
+
+class Sandbox(_SandboxSettings):
+    """A sandboxed kernel whose state persists across `run` calls; use it as a context manager."""
 
     def __enter__(self) -> Sandbox:
         self.start()
@@ -332,17 +339,11 @@ class Sandbox:
                 return
 
 
-class AsyncSandbox:
+class AsyncSandbox(_SandboxSettings):
     """The asyncio twin of Sandbox."""
 
-    def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
-                 policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
-                 grace: float = GRACE_SECONDS) -> None:
-        self.manager = AsyncKernelManager(**_manager_kwargs(kernel_name, policy))
-        self.startup_timeout = startup_timeout
-        self.grace = grace
-        self.client: Any = None
-        self._lock = asyncio.Lock()
+    manager_class = AsyncKernelManager
+    lock_class = asyncio.Lock
 
     async def __aenter__(self) -> AsyncSandbox:
         await self.start()
