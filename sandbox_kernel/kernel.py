@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from functools import partial
 from types import FrameType
@@ -92,6 +94,11 @@ class SandboxKernel(IPythonKernel):
         if marker and hasattr(sys.stderr, "write_uncapped"):
             sys.stderr.write_uncapped(marker)
             sys.stderr.flush()
+
+    def _send_interrupt_children(self) -> None:
+        # An interrupt_request makes ipykernel signal its process group, which the filter
+        # refuses (a group is more than this process); there are no children: signal only self.
+        os.kill(os.getpid(), signal.SIGINT)
 
     def _process_children(self) -> list[Any]:
         # ipykernel ends its children at shutdown by scanning /proc, which Landlock closes.

@@ -1,0 +1,143 @@
+"""Notebooks run in the sandbox kernel with `jupyter execute`, nbclient and papermill."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+RUN_TIMEOUT = 120  # seconds a whole notebook run may take, kernel start included
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+CELLS = {  # id: (source, tags)
+    "parameters": ("greeting = 'hello'\nn = 3", ["parameters"]),
+    "greet": ("print(f'{greeting} from the sandbox')", []),
+    "chart": ("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()", []),
+    "define-main": ("def main(x):\n    print('main got', x)\n    return {'doubled': x * 2, 'n': n}",
+                    []),
+    "call-main": ('%main {"x": 21}', []),
+    "denied": ("import subprocess\nsubprocess.run(['ls'])", ["raises-exception"]),
+    "after": ("print('still running')", []),
+}
+
+
+def write_notebook(path: Path) -> Path:
+    """The test notebook: print, chart, %main, a sandbox denial, and a cell after it."""
+    nb = nbformat.v4.new_notebook(metadata={
+        "kernelspec": {"name": "sandbox", "display_name": "Python 3 (sandbox)",
+                       "language": "python"},
+        "language_info": {"name": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(source, id=cell_id, metadata={"tags": tags})
+                for cell_id, (source, tags) in CELLS.items()]
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def notebook(kernelspecs, tmp_path) -> Path:
+    """The test notebook, written to a fresh directory."""
+    return write_notebook(tmp_path / "sandboxed.ipynb")
+
+
+def outputs_by_cell(nb: nbformat.NotebookNode) -> dict[str, list]:
+    """Each of the test notebook's cells' outputs, by cell id, streams merged."""
+    return {cell.id: merged_streams(cell.outputs) for cell in nb.cells if cell.get("id") in CELLS}
+
+
+def merged_streams(outputs: list) -> list:
+    """Outputs with consecutive chunks of one stream joined, as JupyterLab shows them.
+
+    ipykernel flushes stdout on a 0.2 s timer, so now and then one print() arrives in two chunks.
+    """
+    merged: list = []
+    for output in outputs:
+        last = merged[-1] if merged else {}
+        if output["output_type"] == "stream" and last.get("output_type") == "stream" \
+                and last["name"] == output["name"]:
+            merged[-1] = {**last, "text": last["text"] + output["text"]}
+        else:
+            merged.append(output)
+    return merged
+
+
+def assert_sandboxed_outputs(nb: nbformat.NotebookNode, greeting: str, n: int) -> None:
+    """The saved notebook holds every cell's expected output, the denial included."""
+    outputs = outputs_by_cell(nb)
+    assert outputs["greet"] == [{"output_type": "stream", "name": "stdout",
+                                 "text": f"{greeting} from the sandbox\n"}]
+    assert_one_png(outputs["chart"])
+    assert outputs["define-main"] == []
+    assert_main_result(outputs["call-main"], {"doubled": 42, "n": n})
+    assert_denied(outputs["denied"])
+    assert outputs["after"] == [{"output_type": "stream", "name": "stdout",
+                                 "text": "still running\n"}]
+
+
+def assert_one_png(outputs: list) -> None:
+    """One display_data holding a real PNG image."""
+    assert [output["output_type"] for output in outputs] == ["display_data"]
+    data = outputs[0]["data"]
+    assert base64.b64decode(data["image/png"])[:8] == PNG_SIGNATURE
+    assert data["text/plain"] == "<Figure size 640x480 with 1 Axes>"
+
+
+def assert_main_result(outputs: list, expected: dict) -> None:
+    """What main printed, then its dict as one JSON execute_result."""
+    assert outputs[0] == {"output_type": "stream", "name": "stdout", "text": "main got 21\n"}
+    assert [output["output_type"] for output in outputs[1:]] == ["execute_result"]
+    data = outputs[1]["data"]
+    assert set(data) == {"application/json", "text/plain"}
+    assert data["application/json"] == expected
+    assert json.loads(data["text/plain"]) == expected
+    assert outputs[1]["metadata"] == {"sandbox": {"entrypoint": "main"}}
+
+
+def assert_denied(outputs: list) -> None:
+    """One error output: the sandbox's PermissionError."""
+    assert [output["output_type"] for output in outputs] == ["error"]
+    assert outputs[0]["ename"] == "PermissionError"
+    assert "the sandbox blocked starting a subprocess" in outputs[0]["evalue"]
+
+
+def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run a Jupyter command line with this session's isolated environment."""
+    return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+
+
+def test_jupyter_execute(notebook):
+    executed = notebook.with_name("executed.ipynb")
+    result = run(["jupyter", "execute", "--kernel_name=sandbox", f"--output={executed.name}",
+                  notebook.name], cwd=notebook.parent)
+    assert result.returncode == 0, result.stderr
+    assert_sandboxed_outputs(nbformat.read(executed, as_version=4), "hello", 3)
+
+
+def test_nbclient(notebook):
+    nb = nbformat.read(notebook, as_version=4)
+    client = NotebookClient(nb, kernel_name="sandbox", timeout=RUN_TIMEOUT,
+                            resources={"metadata": {"path": str(notebook.parent)}})
+    client.execute()
+    nbformat.write(nb, notebook)
+    assert_sandboxed_outputs(nbformat.read(notebook, as_version=4), "hello", 3)
+
+
+def test_papermill_with_parameters(notebook):
+    executed = notebook.with_name("papermill.ipynb")
+    result = run(["papermill", notebook.name, executed.name, "-k", "sandbox",
+                  "-p", "greeting", "hi", "-p", "n", "5", "--no-progress-bar"],
+                 cwd=notebook.parent)
+    # papermill fails a run that has any error output, even in a raises-exception cell; it still
+    # runs every cell and saves the notebook.
+    assert result.returncode == 1
+    assert "PapermillExecutionError" in result.stderr
+    nb = nbformat.read(executed, as_version=4)
+    injected = [cell.source for cell in nb.cells if "injected-parameters" in cell.metadata.tags]
+    assert injected == ['# Parameters\ngreeting = "hi"\nn = 5\n']
+    assert_sandboxed_outputs(nb, "hi", 5)
