@@ -88,12 +88,11 @@ class SandboxKernel(IPythonKernel):
 
     def report_dropped_output(self) -> None:
         """After an execution, say how much output the cap dropped (one marker, on stderr)."""
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # The budget is spent at write() time, so it is exact without a flush here (a flush waits
+        # for the IOPub thread; ipykernel flushes once the reply is ready anyway).
         marker = BUDGET.marker()
         if marker and hasattr(sys.stderr, "write_uncapped"):
             sys.stderr.write_uncapped(marker)
-            sys.stderr.flush()
 
     def _send_interrupt_children(self) -> None:
         # An interrupt_request makes ipykernel signal its process group, which the filter
