@@ -12,11 +12,13 @@ from .landlock import existing
 
 # What the interpreter, the C libraries and the scientific stack read at run time. Optional:
 # whichever exist on this host are granted read-only. Not /etc as a whole (shadow, ssh keys),
+# not /etc/ssl or /etc/pki as a whole (private keys, readable by a uid-0 kernel as their owner),
 # not /proc as a whole (other processes), not /sys/fs/cgroup.
 SYSTEM_READ_ONLY = (
     "/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt/conda",
     "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
-    "/etc/timezone", "/etc/ssl", "/etc/ca-certificates", "/etc/pki", "/etc/fonts",
+    "/etc/timezone", "/etc/ssl/certs", "/etc/ssl/openssl.cnf", "/etc/ca-certificates",
+    "/etc/pki/tls/certs", "/etc/pki/ca-trust", "/etc/pki/tls/openssl.cnf", "/etc/fonts",
     "/etc/matplotlibrc", "/etc/mime.types", "/etc/nsswitch.conf", "/etc/hosts",
     "/etc/resolv.conf", "/etc/gai.conf", "/etc/host.conf", "/etc/services", "/etc/protocols",
     "/etc/os-release", "/etc/passwd", "/etc/group", "/etc/locale.alias", "/etc/xdg",
