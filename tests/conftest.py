@@ -1,12 +1,15 @@
 """Shared fixtures: isolated Jupyter dirs, installed kernelspecs, and kernels to share."""
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 # Isolate every Jupyter and IPython path before jupyter_client is imported anywhere, so the
 # tests never read or write the real user's Jupyter dirs.
 _ROOT = Path(tempfile.mkdtemp(prefix="sandbox-kernel-tests-"))
+atexit.register(shutil.rmtree, _ROOT, True)  # after pytest, once every kernel is gone
 for _var, _sub in (("JUPYTER_DATA_DIR", "data"), ("JUPYTER_CONFIG_DIR", "config"),
                    ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython"),
                    ("HOME", "home")):
