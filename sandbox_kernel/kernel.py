@@ -61,9 +61,9 @@ class SandboxKernel(IPythonKernel):
         return self.policy.timeout, "the kernel's --timeout"
 
     @staticmethod
-    def is_cell_frame(frame: FrameType, cells: str = get_tmp_directory()) -> bool:
-        """Whether frame runs code the user sent (ipykernel compiles cells to files in cells)."""
-        return frame.f_code.co_filename.startswith(cells)
+    def is_cell_frame(frame: FrameType) -> bool:
+        """Whether frame runs code the user sent (ipykernel names cells by a per-kernel dir)."""
+        return frame.f_code.co_filename.startswith(get_tmp_directory())
 
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False,
