@@ -86,6 +86,21 @@ def thread_bomb(limit):
         stop.set()
         for t in started:
             t.join()
+def kernel_tcp_fds():
+    fds = []
+    for name in os.listdir('/proc/self/fd'):
+        try:
+            if os.readlink(f'/proc/self/fd/{name}').startswith('socket:'):
+                probe = socket.socket(fileno=os.dup(int(name)))
+                if probe.family == socket.AF_INET:
+                    fds.append(int(name))
+                probe.close()
+        except OSError:
+            pass
+    return fds
+def children():
+    pid = os.getpid()
+    return [int(c) for c in open(f'/proc/{pid}/task/{pid}/children').read().split()]
 def descriptor_bomb(limit):
     fds = []
     try:
@@ -150,6 +165,9 @@ CASES = [
     Case("P19", "process", "fork from another thread", "in_thread(os.fork)", DENIED,
          "seccomp (TSYNC: every thread)"),
     # --- network ---
+    Case("N17", "network", "connect out through one of the kernel's own TCP sockets",
+         "sorted({trap(lambda: socket.socket(fileno=os.dup(fd)).connect(('127.0.0.1', {port})))"
+         " for fd in kernel_tcp_fds()})", [EACCES], "Landlock: TCP connect"),
     Case("N01", "network", "socket.socket()", "trap(lambda: __import__('socket').socket())",
          DENIED, "seccomp: socket"),
     Case("N02", "network", "UDP over IPv6",
@@ -279,6 +297,9 @@ CASES = [
     Case("X20", "processes", "make the parent idle-priority (SCHED_IDLE)",
          "trap(lambda: os.sched_setscheduler(PPID, os.SCHED_IDLE, os.sched_param(0)))", DENIED,
          "seccomp: only SCHED_OTHER for other ids"),
+    Case("X21", "processes", "signal the scratch reaper (the kernel's own child)",
+         "[trap(lambda: os.kill(child, 0)) for child in children()]", [DENIED],
+         "seccomp: own pid only"),
     Case("X15", "processes", "setuid(0)", f"raw({nr('setuid')}, 0)", EPERM, "seccomp"),
     Case("X16", "processes", "raise the own memory limit",
          "trap(lambda: __import__('resource').setrlimit(__import__('resource').RLIMIT_DATA, "
