@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -42,17 +43,24 @@ class Deadline:
                  is_user_frame: Callable[[FrameType], bool]) -> None:
         self.seconds, self.source, self.is_user_frame = seconds, source, is_user_frame
         self.expired = False
+        self.task: asyncio.Task[object] | None = None
+
+    def error(self) -> ExecutionTimeout:
+        """The exception that tells the user the limit struck."""
+        return ExecutionTimeout(message(self.seconds, self.source))
 
     def strike(self, signum: int, frame: FrameType | None) -> None:
         """The SIGALRM handler: interrupt the user code, wherever it is waiting."""
         self.expired = True
         if _running_user_code(frame, self.is_user_frame):
-            raise ExecutionTimeout(message(self.seconds, self.source))
-        # Not in user code: an async cell waiting in the event loop (ipykernel's SIGINT handler
-        # then cancels it), or the kernel's own code just after the cell, which must not be hit.
-        on_interrupt = signal.getsignal(signal.SIGINT)
-        if callable(on_interrupt) and on_interrupt is not signal.default_int_handler:
-            on_interrupt(signal.SIGINT, frame)
+            raise self.error()
+        # Not in user code. While ipykernel runs an async cell (or an async main) it has its own
+        # SIGINT handler in place, and the cell waits in the event loop: cancel the execution's
+        # task, which cancels what it awaits. Otherwise this is the kernel's own code just after
+        # the cell, which must not be hit.
+        async_in_flight = signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        if self.task is not None and async_in_flight:
+            self.task.get_loop().call_soon_threadsafe(self.task.cancel)
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[Deadline]:
@@ -61,6 +69,10 @@ class Deadline:
         if self.seconds <= 0 or threading.current_thread() is not threading.main_thread():
             yield self
             return
+        try:
+            self.task = asyncio.current_task()
+        except RuntimeError:  # no event loop: nothing async to cancel
+            self.task = None
         previous = signal.signal(signal.SIGALRM, self.strike)
         signal.setitimer(signal.ITIMER_REAL, self.seconds, REPEAT_SECONDS)
         try:
@@ -68,3 +80,7 @@ class Deadline:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            if self.expired and self.task is not None:
+                # Python 3.11+ counts cancellations; this one was ours, and it is handled.
+                while getattr(self.task, "cancelling", lambda: 0)():
+                    self.task.uncancel()  # type: ignore[attr-defined]

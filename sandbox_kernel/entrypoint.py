@@ -282,8 +282,14 @@ def _show_error(shell: Any, exc: BaseException, reply: dict[str, Any]) -> dict[s
 
 
 async def execute(kernel: Any, request: Request,
-                  run_code: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-    """Run the code, then the entrypoint; publish its dict or show its error; return the reply."""
+                  run_code: Callable[[], Awaitable[dict[str, Any]]],
+                  translate: Callable[[BaseException], BaseException] = lambda exc: exc,
+                  ) -> dict[str, Any]:
+    """Run the code, then the entrypoint; publish its dict or show its error; return the reply.
+
+    translate picks the error to show for the one main raised (the kernel shows a cancellation
+    by its time limit as that limit).
+    """
     with _last_value_hidden(kernel.shell):
         reply = await run_code()
     if reply["status"] != "ok":
@@ -291,7 +297,7 @@ async def execute(kernel: Any, request: Request,
     try:
         result = await _call(kernel, request)
     except BaseException as exc:  # main's own errors, KeyboardInterrupt and SystemExit included
-        return _show_error(kernel.shell, exc, reply)
+        return _show_error(kernel.shell, translate(exc), reply)
     finally:
         # Shows the figures main drew (matplotlib-inline flushes them on post_execute).
         kernel.shell.events.trigger("post_execute")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -14,7 +15,7 @@ from ipykernel.ipkernel import IPythonKernel
 from traitlets import Dict
 
 from . import __version__, entrypoint
-from .deadline import Deadline, message
+from .deadline import Deadline
 from .output import BUDGET
 from .policy import SandboxPolicy
 
@@ -33,6 +34,9 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         entrypoint.load_ipython_extension(self.shell)  # the %main magic
+        self.deadline: Deadline | None = None
+        self.shell.set_custom_exc(  # type: ignore[union-attr]
+            (asyncio.CancelledError,), self.show_cancelled)
 
     @property
     def banner(self) -> str:  # type: ignore[override]
@@ -69,7 +73,7 @@ class SandboxKernel(IPythonKernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **kwargs: Any) -> dict[str, Any]:
         """Run a cell within the execution's time limit and output cap."""
-        deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
+        self.deadline = deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
         BUDGET.reset(self.policy.max_output_bytes)
         try:
             request = entrypoint.request_from(self.get_parent().get("metadata"))
@@ -77,14 +81,26 @@ class SandboxKernel(IPythonKernel):
                                user_expressions, allow_stdin, **kwargs)
             with deadline.armed():
                 reply = await (run_code() if request is None  # main(): see entrypoint.py
-                               else entrypoint.execute(self, request, run_code))
-            if deadline.expired and reply.get("ename") != "ExecutionTimeout":
-                # An async cell is cancelled rather than raised into: say why it stopped.
-                print(f"\n[sandbox-kernel: {message(deadline.seconds, deadline.source)}]",
-                      file=sys.stderr)
+                               else entrypoint.execute(self, request, run_code,
+                                                       self.translate_error))
+            if deadline.expired and reply.get("ename") == "CancelledError":
+                reply.update(ename="ExecutionTimeout", evalue=str(deadline.error()))
             return reply
         finally:
             self.report_dropped_output()
+
+    def translate_error(self, error: BaseException) -> BaseException:
+        """The error to show: an async cell cancelled by the time limit shows the limit."""
+        expired = self.deadline is not None and self.deadline.expired
+        if expired and isinstance(error, asyncio.CancelledError):
+            return self.deadline.error()  # type: ignore[union-attr]
+        return error
+
+    def show_cancelled(self, shell: Any, etype: type, value: BaseException, tb: Any,
+                       tb_offset: int | None = None) -> None:
+        """IPython's handler for a cancelled cell: show it as what cancelled it."""
+        shown = self.translate_error(value)
+        shell.showtraceback((type(shown), shown, tb), tb_offset=tb_offset)
 
     def report_dropped_output(self) -> None:
         """After an execution, say how much output the cap dropped (one marker, on stderr)."""

@@ -205,8 +205,10 @@ def test_inherited_descriptors_are_closed(tmp_path):
 
 
 def test_output_cap_drops_with_one_marker(confined):
-    ex = ok(confined.run("print('x' * 5000)\nimport os, sys\nsys.stdout.flush()\n"
-                         "os.write(1, b'y' * 3000)"))
+    # Output written to file descriptor 1 reaches the kernel through a pipe thread; the short
+    # sleep keeps it inside this execution, as it would be for any C library printing mid-cell.
+    ex = ok(confined.run("print('x' * 5000)\nimport os, sys, time\nsys.stdout.flush()\n"
+                         "os.write(1, b'y' * 3000)\ntime.sleep(0.3)"))
     assert ex.stdout == "x" * OUTPUT_CAP
     assert ex.stderr.count("output limit of 1,000 bytes per execution reached") == 1
     assert "7,001 more bytes were dropped" in ex.stderr
@@ -224,6 +226,23 @@ def test_timeout_from_metadata_keeps_the_kernel_and_its_state(confined):
                       "    except Exception:\n        pass", timeout=1)
     assert ex.error.name == "ExecutionTimeout"
     assert evaluate(confined, "kept") == "state"
+
+
+@pytest.mark.parametrize("code, inputs", [
+    ("import asyncio\nawait asyncio.sleep(60)", None),
+    ("async def main():\n    import asyncio\n    await asyncio.sleep(60)", {}),
+    ("def main():\n    while True:\n        pass", {}),
+], ids=["async-cell", "async-main", "main"])
+def test_timeout_reaches_async_cells_and_main(confined, code, inputs):
+    # An async cell waits in the event loop, where no exception can be raised into it: the
+    # kernel cancels the execution instead, and still reports the limit.
+    ok(confined.run("kept_too = 'yes'"))
+    ex = confined.run(code, inputs=inputs, timeout=1)
+    assert ex.error.name == "ExecutionTimeout" and not ex.state_lost
+    assert ex.error.traceback[-1].startswith("ExecutionTimeout: the execution ran longer than")
+    assert evaluate(confined, "kept_too") == "yes"
+    assert evaluate(confined, "import asyncio\nawait asyncio.sleep(0.01)\n'loop fine'") == \
+        "loop fine"
 
 
 def test_policy_timeout_applies_without_metadata():
