@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from sandbox_kernel import seccomp
+from sandbox_kernel.confine import seccomp
 
 
 def serve() -> None:

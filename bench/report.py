@@ -144,7 +144,7 @@ METHOD = """\
 - **Throughput**: bytes of JSON of the inputs plus the returned dict, divided by the call's
   wall-clock time (1 MB = 10^6 bytes). Payloads are lists of small records.
 - **Process per request**: `python -I bench/_child.py` per call: reads the request on stdin,
-  loads the kernel's seccomp filter (`sandbox_kernel.seccomp.install`), runs the same code and
+  loads the kernel's seccomp filter (`confine.seccomp.install`), runs the same code and
   `main()`, prints the JSON. Warm calls and per-request calls alternate in blocks of 10.
 - **Peak RSS**: `VmHWM` of the kernel process after start-to-ready and one `pass`, one reading
   per fresh kernel of the start-up measurement.

@@ -8,7 +8,7 @@ if __name__ == "__main__":
 
         sys.exit(cli_main())
     # First, while single-threaded and before the heavy imports: a clean environment.
-    from sandbox_kernel.environment import ensure_clean
+    from sandbox_kernel.confine.environment import ensure_clean
 
     ensure_clean(sys.argv[1:])
     from sandbox_kernel.app import main

@@ -19,8 +19,8 @@ from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
 
-from . import denials, landlock, limits, paths, privileges, scratch, seccomp
-from .environment import SCRATCH_VAR
+from .confine import denials, landlock, limits, paths, privileges, scratch, seccomp
+from .confine.environment import SCRATCH_VAR
 from .kernel import SandboxKernel
 from .policy import SandboxPolicy, app_aliases, app_flags
 

@@ -6,7 +6,7 @@ import os
 import resource
 from typing import Any
 
-from . import landlock, privileges, seccomp
+from .confine import landlock, privileges, seccomp
 from .policy import SandboxPolicy
 
 

@@ -12,9 +12,9 @@ from typing import Any
 from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode
 from traitlets.config import Configurable
 
-from .limits import parse_size
-from .paths import check_grants
-from .scratch import DEFAULT_SCRATCH_SIZE
+from .confine.limits import parse_size
+from .confine.paths import check_grants
+from .confine.scratch import DEFAULT_SCRATCH_SIZE
 
 
 class ByteSize(Int):  # type: ignore[type-arg]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel import scratch
 from sandbox_kernel.client import Sandbox
+from sandbox_kernel.confine import scratch
 from sandbox_kernel.policy import SandboxPolicy
 from tests.helpers import evaluate, ok
 

@@ -1,4 +1,4 @@
-"""Tests for sandbox_kernel.landlock.
+"""Tests for sandbox_kernel.confine.landlock.
 
 Landlock can never be lifted, so every restricted scenario runs in a child interpreter that
 applies the rules, tries operations and prints one JSON line. Outcomes are "ok" or
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_kernel.landlock import LandlockError, LandlockRules, abi_version, existing
+from sandbox_kernel.confine.landlock import LandlockError, LandlockRules, abi_version, existing
 
 REPO = str(Path(__file__).resolve().parents[1])
 ABI = abi_version()
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(ABI == 0, reason="Landlock is not supported or i
 # that late imports and shared libraries keep working.
 PRELUDE = """
 import errno, json, os, socket, sys, threading
-from sandbox_kernel import landlock as ll
+from sandbox_kernel.confine import landlock as ll
 
 P = json.loads(sys.argv[1])
 SYSTEM = ll.existing([sys.prefix, sys.base_prefix, "/usr", "/lib", "/lib64", "/etc"])
@@ -121,7 +121,7 @@ def test_landlock_error_is_oserror() -> None:
 
 
 def test_struct_layouts_match_uapi() -> None:
-    from sandbox_kernel import landlock
+    from sandbox_kernel.confine import landlock
 
     assert ctypes.sizeof(landlock._RulesetAttr) == 24
     assert ctypes.sizeof(landlock._PathBeneathAttr) == 12  # packed in the UAPI header

@@ -10,7 +10,7 @@ import textwrap
 import pyseccomp
 import pytest
 
-from sandbox_kernel import seccomp
+from sandbox_kernel.confine import seccomp
 from tests.helpers import RAW_SYSCALL, evaluate, ok
 
 NR = {name: pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) for name in (
