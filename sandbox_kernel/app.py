@@ -19,7 +19,7 @@ from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
 
-from .confine import denials, landlock, limits, paths, privileges, scratch, seccomp
+from .confine import denials, landlock, limits, paths, privileges, promises, scratch, seccomp
 from .confine.environment import SCRATCH_VAR
 from .kernel import SandboxKernel
 from .policy import SandboxPolicy, app_aliases, app_flags
@@ -83,13 +83,30 @@ class SandboxKernelApp(IPKernelApp):
         try:
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
-            self.layers["limits"] = limits.apply(policy.memory_limit, policy.cpu_limit,
-                                                 policy.file_size_limit, policy.open_files_limit)
             self.layers["privileges"] = privileges.plan(policy.run_as)
+            self.layers["limits"] = limits.apply(
+                policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
+                policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
+        self.init_promises()
         self.init_landlock(paths.read_only(read_grants, self.abs_connection_file),
                            paths.read_write(write_grants, scratch_dir))
+
+    def init_promises(self) -> None:
+        """Refuse to start unless every promise of the policy is kept by some layer here."""
+        policy = self.policy
+        host = promises.Host(
+            landlock_abi=landlock.abi_version(policy.landlock_abi),
+            landlock_on=policy.require_landlock, seccomp_reason=seccomp.available(),
+            seccomp_on=policy.require_seccomp, allow_network=policy.allow_network,
+            max_threads=policy.max_threads, memory_limit=policy.memory_limit,
+            uid=self.layers["privileges"]["uid"])
+        judged = promises.evaluate(host)
+        reason = promises.refusal(judged)
+        if reason:
+            self.refuse_to_start(reason)
+        self.layers["promises"] = [promise.as_dict() for promise in judged]
 
     def init_landlock(self, read_only: list[str], read_write: list[str]) -> None:
         """Restrict files, TCP ports and IPC scopes (fail closed)."""
@@ -101,7 +118,7 @@ class SandboxKernelApp(IPKernelApp):
         rules = landlock.LandlockRules(
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
-            connect_tcp=self.policy.allow_network)
+            connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
         try:
             self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
         except landlock.LandlockError as exc:
@@ -114,13 +131,16 @@ class SandboxKernelApp(IPKernelApp):
         if not self.policy.require_seccomp:
             self.layers["seccomp"] = {"active": False, "reason": "off by policy (--no-seccomp)"}
             return
+        landlock_layer = self.layers["landlock"]
+        abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         try:
-            seccomp.install(os.getpid(), self.policy.allow_network)
+            seccomp.install(os.getpid(), self.policy.allow_network, abi)
         except seccomp.SeccompError as exc:
             self.refuse_to_start(
                 f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
                 "kernel with --no-seccomp")
-        self.layers["seccomp"] = {"active": True, **seccomp.describe(self.policy.allow_network)}
+        self.layers["seccomp"] = {"active": True,
+                                  **seccomp.describe(self.policy.allow_network, abi)}
 
     def refuse_to_start(self, reason: str) -> NoReturn:
         """Exit before any user code runs, with one line on the real stderr."""

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
+import pwd
 import resource
 from typing import Any
 
-from .confine import landlock, privileges, seccomp
+from .confine import landlock, privileges, promises, seccomp
 from .policy import SandboxPolicy
 
 
-def _landlock() -> dict[str, Any]:
-    abi = landlock.abi_version()
-    return {"abi": abi, **landlock.supported(abi)}
+def _landlock(policy: SandboxPolicy) -> dict[str, Any]:
+    abi = landlock.abi_version(policy.landlock_abi)
+    return {"abi": abi, "host_abi": landlock.abi_version(), **landlock.supported(abi)}
 
 
 def _rlimits() -> dict[str, Any]:
@@ -23,31 +24,81 @@ def _rlimits() -> dict[str, Any]:
             for name in ("DATA", "AS", "CPU", "FSIZE", "NOFILE", "CORE", "NPROC")}
 
 
-def _problems(policy: SandboxPolicy, seccomp_reason: str | None, abi: int) -> list[str]:
-    problems = []
-    if seccomp_reason and policy.require_seccomp:
-        problems.append(f"seccomp: {seccomp_reason} (or relax with --no-seccomp)")
-    if not abi and policy.require_landlock:
-        problems.append("landlock: not available on this kernel (or relax with --no-landlock)")
-    if os.geteuid() == 0 and policy.run_as != "auto":
-        try:
-            missing = privileges.can_run_as(*privileges.resolve(policy.run_as))
-        except privileges.PrivilegeError as exc:
-            missing = str(exc)
-        if missing:
-            problems.append(f"--run-as {policy.run_as}: cannot read {missing}")
+def _user_code_uid(policy: SandboxPolicy) -> tuple[int, str | None]:
+    """The uid user code would run as (as privileges.plan decides), and why not, if it cannot."""
+    if os.geteuid() != 0:
+        return os.geteuid(), None
+    try:
+        uid, gid = privileges.resolve("65534" if policy.run_as == "auto" else policy.run_as)
+        missing = privileges.can_run_as(uid, gid)
+    except privileges.PrivilegeError as exc:
+        return 0, str(exc)
+    if not missing:
+        return uid, None
+    if policy.run_as == "auto":
+        return 0, None  # stays root without capabilities
+    return 0, f"--run-as {policy.run_as}: cannot read {missing}"
+
+
+def _problems(policy: SandboxPolicy, judged: list[promises.Promise],
+              run_as_problem: str | None) -> list[str]:
+    problems = [promise.describe() for promise in judged if promise.missing]
+    if run_as_problem:
+        problems.append(run_as_problem)
     return problems
 
 
 def host_report(policy: SandboxPolicy) -> dict[str, Any]:
-    """Each layer's support on this host, the effective policy, and what cannot be enforced."""
+    """Each layer's support on this host, each promise's keeper, and what cannot be enforced."""
     seccomp_reason = seccomp.available()
-    lock = _landlock()
+    lock = _landlock(policy)
+    uid, run_as_problem = _user_code_uid(policy)
+    judged = promises.evaluate(promises.Host(
+        landlock_abi=lock["abi"], landlock_on=policy.require_landlock,
+        seccomp_reason=seccomp_reason, seccomp_on=policy.require_seccomp,
+        allow_network=policy.allow_network, max_threads=policy.max_threads,
+        memory_limit=policy.memory_limit, uid=uid))
     return {
         "seccomp": {"available": seccomp_reason is None, "reason": seccomp_reason},
         "landlock": lock,
         "rlimits": _rlimits(),
         "uid": os.geteuid(),
+        "user_code_uid": uid,
+        "promises": [promise.as_dict() for promise in judged],
         "policy": policy.as_dict(),
-        "problems": _problems(policy, seccomp_reason, lock["abi"]),
+        "problems": _problems(policy, judged, run_as_problem),
     }
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no account"
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The report as a few lines a person reads: layers, then each promise and its keeper."""
+    lock, filt = report["landlock"], report["seccomp"]
+    capped = f" (capped by --landlock-abi; host: {lock['host_abi']})" \
+        if lock["abi"] != lock["host_abi"] else ""
+    uid = report["user_code_uid"]
+    lines = [
+        "layers on this host:",
+        f"  seccomp:  {'available' if filt['available'] else 'NOT available: ' + filt['reason']}",
+        f"  Landlock: ABI {lock['abi']}{capped}" if lock["abi"] else
+        f"  Landlock: NOT available{capped}",
+        f"  user code runs as: uid {uid} ({_user_name(uid)})",
+        "promises of this policy, and what keeps them:",
+    ]
+    for item in report["promises"]:
+        if item["enforced_by"]:
+            lines.append(f"  ok       {item['promise']}: {' + '.join(item['enforced_by'])}")
+        elif item["waived_by"]:
+            lines.append(f"  waived   {item['promise']}: by {item['waived_by']}")
+        else:
+            lines.append(f"  MISSING  {item['promise']}: needs {' or '.join(item['needs'])}; "
+                         f"waive with {item['waiver']}")
+    lines.append("the kernel will start" if not report["problems"] else
+                 "the kernel will refuse to start (see MISSING above)")
+    return "\n".join(lines)

@@ -31,7 +31,7 @@ def _install(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     report = check.host_report(policy.from_arguments(args))
-    print(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else check.summary(report))
     for problem in report["problems"]:
         print(f"sandbox-kernel check: cannot enforce: {problem}", file=sys.stderr)
     return 1 if report["problems"] else 0
@@ -162,6 +162,8 @@ def parser() -> argparse.ArgumentParser:
     run_cmd.set_defaults(handler=_run)
 
     check = sub.add_parser("check", help="what this host supports and the effective policy")
+    check.add_argument("--json", action="store_true",
+                       help="print the whole report as one JSON object, for machines")
     policy.add_arguments(check)
     check.set_defaults(handler=_check)
     return top

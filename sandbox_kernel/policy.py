@@ -76,6 +76,17 @@ class SandboxPolicy(Configurable):
         1024, help="Most file descriptors open at once (RLIMIT_NOFILE).",
     ).tag(config=True, flag="open-files-limit", metavar="N")
 
+    max_threads = Int(
+        512, help="Most threads the kernel process may run at once (RLIMIT_NPROC of the uid "
+        "user code runs as); past it, starting a thread raises RuntimeError. 0 for no bound.",
+    ).tag(config=True, flag="max-threads", metavar="N")
+
+    landlock_abi = Int(
+        -1, help="Act as if the host's Landlock ABI were at most N (0: as if it had none), to "
+        "see how the sandbox behaves on older hosts; never more than the host offers. "
+        "-1: the host's.",
+    ).tag(config=True, flag="landlock-abi", metavar="N")
+
     timeout = Float(
         0.0, help="Default seconds one execution may run before it is interrupted; 0 for none. "
         "A request's metadata.sandbox.timeout overrides it.",

@@ -140,7 +140,7 @@ def test_best_effort_on_older_and_newer_abis(dirs: dict[str, str], simulated_abi
         pytest.skip(f"kernel offers ABI {ABI}")
     result = run_child(
         """
-        ll.abi_version = lambda: P["abi"]
+        ll._host_abi = lambda: P["abi"]
         report = ll.apply(ll.LandlockRules(read_only=SYSTEM + (P["ro"],), read_write=(P["rw"],),
                                            bind_tcp_ports=(1234,)))
         report["read_other"] = attempt(lambda: read(P["other"] + "/file.txt"))

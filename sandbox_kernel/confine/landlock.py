@@ -123,6 +123,7 @@ class LandlockRules:
     connect_tcp: bool = False
     scope_signals: bool = True
     scope_abstract_unix: bool = True
+    abi_cap: int = -1  # act as if the host's ABI were at most this (see abi_version)
 
 
 def _syscall(number: int, *args: ctypes.c_long | ctypes.c_void_p) -> int:
@@ -139,8 +140,17 @@ def _fail(err: int, what: str, fix: str) -> LandlockError:
     return LandlockError(err, f"{what} failed ({os.strerror(err)}): {fix}")
 
 
-def abi_version() -> int:
-    """Landlock ABI the running kernel offers; 0 when Landlock is unsupported or disabled."""
+def abi_version(cap: int = -1) -> int:
+    """Landlock ABI the running kernel offers; 0 when Landlock is unsupported or disabled.
+
+    A cap >= 0 makes the kernel look older than it is (never newer): min(host ABI, cap). It lets
+    tests and operators see how the sandbox behaves on hosts with an older Landlock.
+    """
+    host = _host_abi()
+    return host if cap < 0 else min(host, cap)
+
+
+def _host_abi() -> int:
     result = _syscall(
         _SYS_LANDLOCK_CREATE_RULESET,
         ctypes.c_void_p(None),
@@ -286,7 +296,7 @@ def supported(abi: int) -> dict[str, list[str]]:
 def apply(rules: LandlockRules) -> dict[str, Any]:
     """Restrict the calling thread (and its future children) with these rules; return a report."""
     _require_single_thread()
-    abi = abi_version()
+    abi = abi_version(rules.abi_cap)
     if abi == 0:
         raise LandlockError(
             "Landlock is not supported or is disabled on this kernel (or a seccomp filter blocks "

@@ -3,11 +3,19 @@
 Memory uses RLIMIT_DATA, not RLIMIT_AS: address-space limits break thread creation (every thread
 reserves a large stack and glibc arenas reserve 64 MiB each), while RLIMIT_DATA counts what is
 actually private and writable. It misses shared mappings, so the seccomp filter refuses shared
-anonymous mmap and memfd_create, and SysV/POSIX shared memory is refused or out of reach.
+anonymous mmap, MAP_GROWSDOWN and memfd_create, and SysV/POSIX shared memory is refused or out of
+reach.
+
+Threads use RLIMIT_NPROC, which the kernel checks at every clone() against the number of tasks
+the caller's real uid has host-wide. A kernel with a uid of its own therefore gets exactly its
+bound. One that shares its uid gets the bound on top of the tasks the uid had at start-up: the
+uid as a whole cannot pass that sum through this kernel, however many of its tasks come and go.
+uid 0 is exempt from RLIMIT_NPROC, so it bounds nothing there.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 import signal
@@ -38,8 +46,34 @@ def _lower(limit: int, soft: int, hard: int | None = None) -> dict[str, int]:
     return {"soft": new_soft, "hard": new_hard}
 
 
-def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int) -> dict[str, Any]:
-    """Apply the policy's limits (0 means no limit) and report them."""
+def tasks_of(uid: int) -> int:
+    """Tasks (threads) the real uid has now, as far as /proc shows them."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as status:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+        except OSError:  # gone meanwhile, or hidden from us
+            continue
+        if int(fields["Uid"].split()[0]) == uid:
+            count += int(fields["Threads"])
+    return count
+
+
+def thread_bound(max_threads: int, uid: int) -> int:
+    """RLIMIT_NPROC that lets this (single-threaded) process run max_threads threads as uid."""
+    others = tasks_of(uid) - (1 if uid == os.getuid() else 0)
+    return max(others, 0) + max_threads
+
+
+def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int,
+          max_threads: int = 0, uid: int | None = None) -> dict[str, Any]:
+    """Apply the policy's limits (0 means no limit) and report them.
+
+    uid is whom user code will run as: RLIMIT_NPROC counts that uid's tasks.
+    """
     report: dict[str, Any] = {"core": _lower(resource.RLIMIT_CORE, 0)}
     if memory:
         report["data"] = _lower(resource.RLIMIT_DATA, memory)
@@ -51,4 +85,7 @@ def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int) -> dic
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         report["fsize"] = _lower(resource.RLIMIT_FSIZE, file_size)
     report["nofile"] = _lower(resource.RLIMIT_NOFILE, open_files)
+    if max_threads and uid:
+        report["nproc"] = _lower(resource.RLIMIT_NPROC, thread_bound(max_threads, uid))
+        report["nproc"]["threads"] = max_threads
     return report

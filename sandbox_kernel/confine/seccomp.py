@@ -55,23 +55,23 @@ ALLOWED = (
     # files (Landlock decides which paths)
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
     "preadv2", "pwritev2", "open", "openat", "openat2", "creat", "close", "close_range",
-    "lseek", "dup", "dup2", "dup3", "fcntl", "flock", "ioctl",
+    "lseek", "dup", "dup2", "dup3", "flock", "ioctl",
     "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs",
     "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getcwd", "chdir", "fchdir",
     "getdents", "getdents64", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat",
     "rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat",
-    "truncate", "ftruncate", "fallocate", "fadvise64", "readahead",
+    "ftruncate", "fallocate", "fadvise64", "readahead",
     "fsync", "fdatasync", "sync_file_range", "syncfs",
     "utime", "utimes", "utimensat", "futimesat",
     "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
     "sendfile", "splice", "tee", "vmsplice", "copy_file_range",
-    "inotify_init", "inotify_init1", "inotify_add_watch", "inotify_rm_watch",
+    "inotify_rm_watch",
     # event loops and pipes
     "pipe", "pipe2", "eventfd", "eventfd2", "signalfd", "signalfd4",
     "poll", "ppoll", "select", "pselect6",
     "epoll_create", "epoll_create1", "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2",
-    # operations on sockets that already exist (creation is decided below)
-    "bind", "listen", "connect", "accept", "accept4", "shutdown",
+    # operations on sockets that already exist (creation, bind, listen, connect: below)
+    "accept", "accept4", "shutdown",
     "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg",
     "getsockname", "getpeername", "getsockopt", "setsockopt",
     # may only tighten this process further
@@ -101,6 +101,11 @@ NEVER = (
     "shmget", "shmat", "shmctl", "shmdt", "semget", "semop", "semctl", "semtimedop",
     "msgget", "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink", "mq_timedsend",
     "mq_timedreceive", "mq_notify", "mq_getsetattr", "ioprio_set", "mlockall", "vhangup",
+    # Listening servers: the kernel's own sockets are bound before the filter is loaded, and
+    # Landlock's port rule ignores the address (any host address) and UDP (any port).
+    "bind", "listen",
+    # inotify watches paths Landlock does not check and takes from a per-user instance quota.
+    "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
 )
 
 # Namespace and other flags a thread-creating clone() must not carry.
@@ -146,6 +151,39 @@ _LOW32 = 0xFFFFFFFF
 _SCHED_OTHER = 0
 _MAP_TYPE_AND_ANONYMOUS = 0x0F | 0x20
 _SHARED_ANONYMOUS = (0x01 | 0x20, 0x03 | 0x20)  # MAP_SHARED / MAP_SHARED_VALIDATE, anonymous
+# Stack-like mappings are accounted as stack, not data: each grows to RLIMIT_STACK unseen by
+# RLIMIT_DATA, and there is no limit on how many exist.
+_MAP_GROWSDOWN = 0x0100
+_SOCK_TYPE_MASK = 0xF  # the rest of socket()'s type argument is SOCK_NONBLOCK / SOCK_CLOEXEC
+_MSG_FASTOPEN = 0x20000000  # sendto/sendmsg that connect a TCP socket first
+_O_ACCMODE_AND_TRUNC = 0o3 | 0o1000
+_O_TRUNC = 0o1000
+_LANDLOCK_TRUNCATE_ABI = 3
+
+# fcntl commands that act on this process's own descriptors only. Missing on purpose:
+# F_SETOWN (allowed below for this process only) and F_SETOWN_EX, whose signals (F_SETSIG,
+# SIGIO, SIGURG) go to any process the owner names; F_NOTIFY (dnotify) and F_SETLEASE, which
+# watch or block other processes' access to files.
+_FCNTL_COMMANDS = (
+    0, 1, 2, 3, 4,  # F_DUPFD, F_GETFD, F_SETFD, F_GETFL, F_SETFL
+    5, 6, 7,  # F_GETLK, F_SETLK, F_SETLKW
+    9, 10, 11, 16,  # F_GETOWN, F_SETSIG, F_GETSIG, F_GETOWN_EX
+    36, 37, 38,  # F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
+    1025, 1027, 1028, 1030,  # F_GETLEASE, F_DUPFD_QUERY, F_CREATED_QUERY, F_DUPFD_CLOEXEC
+    1031, 1032, 1033, 1034,  # F_SETPIPE_SZ, F_GETPIPE_SZ, F_ADD_SEALS, F_GET_SEALS
+    1035, 1036, 1037, 1038,  # F_GET/SET_RW_HINT, F_GET/SET_FILE_RW_HINT
+)
+_F_SETOWN = 8
+
+# ioctls refused on any descriptor: keystroke injection, and the ones that make a descriptor or
+# a terminal signal a process (the owner of a socket, a terminal's process group and session).
+_IOCTLS_REFUSED = (
+    termios.TIOCSTI, getattr(termios, "TIOCLINUX", 0x541C),
+    0x8901,  # FIOSETOWN
+    0x8902,  # SIOCSPGRP
+    termios.TIOCSPGRP, termios.TIOCSCTTY, termios.TIOCNOTTY,
+    termios.TIOCSWINSZ,  # SIGWINCH to the terminal's foreground process group
+)
 
 
 @dataclass(frozen=True)
@@ -163,8 +201,12 @@ def _masked(arg: int, value: int, mask: int = _LOW32) -> tuple[int, int, int]:
     return (arg, mask, value)
 
 
-def allowlist_rules(pid: int, allow_network: bool) -> list[Rule]:
-    """The allowlist filter's rules for a kernel process with this pid."""
+def allowlist_rules(pid: int, allow_network: bool, landlock_abi: int = 0) -> list[Rule]:
+    """The allowlist filter's rules for a kernel process with this pid.
+
+    landlock_abi is the Landlock ABI in force (0: none); rules that stand in for rights an
+    older Landlock lacks depend on it.
+    """
     rules = [Rule(name) for name in ALLOWED]
     rules.append(Rule("clone", args=(_masked(0, _CLONE_THREAD, _CLONE_THREAD | _CLONE_FORBIDDEN),)))
     # glibc falls back from clone3 to clone on ENOSYS; clone3's flags live in memory we cannot see.
@@ -174,29 +216,63 @@ def allowlist_rules(pid: int, allow_network: bool) -> list[Rule]:
         rules += [Rule(name, args=(_masked(0, target),)) for name in _OWN_PROCESS_ONLY]
         rules.append(Rule("prlimit64", args=(_masked(0, target), (2, 2**64 - 1, 0))))
         rules.append(Rule("setpriority", args=(_masked(0, 0), _masked(1, target))))
+        # 0 clears the owner; a positive pid other than ours, or a negative process group,
+        # would be signalled by the descriptor (F_SETSIG + O_ASYNC) whatever kill() allows.
+        rules.append(Rule("fcntl", args=(_masked(1, _F_SETOWN), _masked(2, target))))
+    rules += [Rule("fcntl", args=(_masked(1, command),)) for command in _FCNTL_COMMANDS]
     # Every new libzmq thread sets its own policy to SCHED_OTHER by its thread id, which a filter
     # cannot tell from another process's pid; SCHED_OTHER can only demote, never boost.
     rules.append(Rule("sched_setscheduler", args=(_masked(1, _SCHED_OTHER),)))
     rules += [Rule("prctl", args=(_masked(0, option),)) for option in _PRCTL_OPTIONS]
     rules.append(Rule("personality", args=(_masked(0, 0xFFFFFFFF),)))  # query only
-    # asyncio and friends need socketpair(AF_UNIX) even when the network is off.
-    rules.append(Rule("socketpair", args=(_masked(0, socket.AF_UNIX),)))
+    # asyncio and friends need socketpair(AF_UNIX, SOCK_STREAM) even when the network is off.
+    # Not SOCK_DGRAM: a datagram socket sends to any pathname socket (/dev/log, ...) by address.
+    rules.append(Rule("socketpair", args=(_masked(0, socket.AF_UNIX),
+                                          _masked(1, socket.SOCK_STREAM, _SOCK_TYPE_MASK))))
+    # Without the network there is nothing to connect: refusing connect() also stops
+    # disconnecting one of the kernel's own TCP sockets (AF_UNSPEC) and reconnecting it
+    # anywhere, which Landlock only catches from ABI 4.
     if allow_network:
+        rules.append(Rule("connect"))
         for family in (socket.AF_INET, socket.AF_INET6):
             for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
-                rules.append(Rule("socket", args=(_masked(0, family), _masked(1, kind, 0xF))))
+                rules.append(Rule("socket", args=(_masked(0, family),
+                                                  _masked(1, kind, _SOCK_TYPE_MASK))))
+    if landlock_abi >= _LANDLOCK_TRUNCATE_ABI:
+        rules.append(Rule("truncate"))
+        rules.append(Rule("openat2"))
+    else:
+        # Landlock < 3 does not handle truncation: truncate(path) is refused, and openat2, whose
+        # flags a filter cannot read, answers ENOSYS so that callers fall back to openat.
+        rules.append(Rule("openat2", action="enosys"))
     return rules
 
 
-def denylist_rules() -> list[Rule]:
+def denylist_rules(allow_network: bool = False) -> list[Rule]:
     """Argument values refused for calls the allowlist admits."""
-    # Injecting keystrokes into a terminal the kernel inherited.
     rules = [Rule("ioctl", action="eperm", args=(_masked(1, request),))
-             for request in (termios.TIOCSTI, getattr(termios, "TIOCLINUX", 0x541C))]
-    # Shared anonymous memory escapes RLIMIT_DATA, the memory limit.
+             for request in _IOCTLS_REFUSED]
+    # Shared anonymous memory and stack-like mappings escape RLIMIT_DATA, the memory limit.
     rules += [Rule("mmap", action="eperm", args=(_masked(3, flags, _MAP_TYPE_AND_ANONYMOUS),))
               for flags in _SHARED_ANONYMOUS]
+    rules.append(Rule("mmap", action="eperm", args=(_masked(3, _MAP_GROWSDOWN, _MAP_GROWSDOWN),)))
+    # open(O_RDONLY | O_TRUNC) truncates a file Landlock < 3 only checked for reading.
+    rules.append(Rule("open", action="eperm", args=(_masked(1, _O_TRUNC, _O_ACCMODE_AND_TRUNC),)))
+    rules.append(Rule("openat", action="eperm",
+                      args=(_masked(2, _O_TRUNC, _O_ACCMODE_AND_TRUNC),)))
+    if not allow_network:
+        # A TCP socket that is not connected (one of the kernel's listeners after shutdown())
+        # connects inside sendto/sendmsg with MSG_FASTOPEN, without calling connect().
+        for name, flags_arg in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3)):
+            rules.append(Rule(name, action="eperm",
+                              args=(_masked(flags_arg, _MSG_FASTOPEN, _MSG_FASTOPEN),)))
     return rules
+
+
+def allowlist_default() -> int:
+    """What the allowlist does with every call it does not name."""
+    assert _sc is not None
+    return int(_sc.ERRNO(errno.EPERM))
 
 
 def available() -> str | None:
@@ -228,7 +304,7 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
     return flt
 
 
-def install(pid: int, allow_network: bool) -> None:
+def install(pid: int, allow_network: bool, landlock_abi: int = 0) -> None:
     """Load both filters into every thread of this process, then verify that they took."""
     reason = available()
     if reason:
@@ -236,8 +312,8 @@ def install(pid: int, allow_network: bool) -> None:
     assert _sc is not None
     try:
         # The denylist goes first: once the allowlist is in, seccomp() itself is refused.
-        _compile(denylist_rules(), _sc.ALLOW).load()
-        _compile(allowlist_rules(pid, allow_network), _sc.ERRNO(errno.EPERM)).load()
+        _compile(denylist_rules(allow_network), _sc.ALLOW).load()
+        _compile(allowlist_rules(pid, allow_network, landlock_abi), allowlist_default()).load()
     except OSError as exc:
         raise SeccompError(f"loading the seccomp filter failed: {exc}") from exc
     unfiltered = [tid for tid, mode in thread_modes().items() if mode != 2]
@@ -255,14 +331,18 @@ def thread_modes() -> dict[int, int]:
     return modes
 
 
-def describe(allow_network: bool) -> dict[str, Any]:
+def describe(allow_network: bool, landlock_abi: int = 0) -> dict[str, Any]:
     """What the filter allows, for kernel_info_reply and `sandbox-kernel check`."""
     return {
         "default": "EPERM",
         "processes": "denied (threads only)",
-        "sockets": "inet/inet6 stream+dgram, unix socketpair" if allow_network
-        else "none (unix socketpair only)",
+        "sockets": "inet/inet6 stream+dgram, unix stream socketpair" if allow_network
+        else "none (unix stream socketpair only)",
+        "connect": "allowed" if allow_network else "denied",
+        "bind_listen": "denied",
         "foreign_arch": "kill process",
-        "signals": "to this process only",
+        "signals": "to this process only (kill, tgkill, fcntl F_SETOWN)",
+        "truncate_by_path": "Landlock decides" if landlock_abi >= _LANDLOCK_TRUNCATE_ABI
+        else "denied (Landlock ABI < 3)",
         "never": list(NEVER),
     }
