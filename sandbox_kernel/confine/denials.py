@@ -26,6 +26,12 @@ NETWORK_KINDS = ("the sandbox only allows AF_INET/AF_INET6 stream and datagram s
 FILE_MODES = ("changing file permissions is not allowed in the sandbox (copy files with "
               "shutil.copyfile, which keeps the default mode)")
 
+TRUNCATE_BY_PATH = ("truncating a file by its path is refused where Landlock is older than ABI 3 "
+                    "(it could not keep truncation inside the grants): open the file for "
+                    "writing and use f.truncate()")
+SERVERS = ("listening for connections is not allowed in the sandbox (no policy flag allows it: "
+           "connect out with --allow-network instead)")
+
 _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
 
 
@@ -102,3 +108,11 @@ def install(allow_network: bool) -> None:
     _posixsubprocess.fork_exec = fork_exec  # multiprocessing looks it up here
     subprocess._fork_exec = fork_exec  # type: ignore[attr-defined]  # subprocess keeps a copy
     socket.socket.__init__ = _explain_socket(allow_network)  # type: ignore[method-assign]
+    os.truncate = _explain(os.truncate, "os.truncate()", TRUNCATE_BY_PATH)
+    for name in ("bind", "listen"):
+        setattr(socket.socket, name, _explain(getattr(socket.socket, name),
+                                              f"socket.{name}()", SERVERS))
+    if not allow_network:
+        for name in ("connect",):
+            setattr(socket.socket, name, _explain(getattr(socket.socket, name),
+                                                  f"socket.{name}()", NETWORK_OFF))

@@ -54,7 +54,7 @@ ALLOWED = (
     "getrusage", "getpriority", "uname", "sysinfo", "getrandom", "umask",
     # files (Landlock decides which paths)
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
-    "preadv2", "pwritev2", "open", "openat", "openat2", "creat", "close", "close_range",
+    "preadv2", "pwritev2", "open", "openat", "creat", "close", "close_range",
     "lseek", "dup", "dup2", "dup3", "flock", "ioctl",
     "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs",
     "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getcwd", "chdir", "fchdir",
