@@ -86,6 +86,18 @@ def thread_bomb(limit):
         stop.set()
         for t in started:
             t.join()
+def raw_thread_bomb(limit):
+    # pthread_create from C, around Python's threading: the bound must hold there too. Each
+    # thread runs sleep(3) and ends, so the kernel has its threads back afterwards.
+    sleep = ctypes.cast(libc.sleep, ctypes.c_void_p)
+    started = 0
+    for _ in range(limit):
+        tid = ctypes.c_ulong()
+        if libc.pthread_create(ctypes.byref(tid), None, sleep, ctypes.c_void_p(3)) != 0:
+            break
+        started += 1
+    __import__('time').sleep(4)
+    return "bounded" if started < 600 else started
 def kernel_tcp_fds():
     fds = []
     for name in os.listdir('/proc/self/fd'):
@@ -167,7 +179,8 @@ CASES = [
     # --- network ---
     Case("N17", "network", "connect out through one of the kernel's own TCP sockets",
          "sorted({trap(lambda: socket.socket(fileno=os.dup(fd)).connect(('127.0.0.1', {port})))"
-         " for fd in kernel_tcp_fds()})", [EACCES], "Landlock: TCP connect"),
+         " for fd in kernel_tcp_fds()})", [DENIED],
+         "seccomp: no connect without the network (Landlock TCP connect too from ABI 4)"),
     Case("N01", "network", "socket.socket()", "trap(lambda: __import__('socket').socket())",
          DENIED, "seccomp: socket"),
     Case("N02", "network", "UDP over IPv6",
@@ -197,8 +210,32 @@ CASES = [
          "__import__('urllib.request').request.urlopen('http://127.0.0.1:{port}/', "
          "timeout=5).read()", b"served", "allowed by policy", kernel="net"),
     Case("N13", "network", "with --allow-network: listen on a TCP port",
-         "trap(lambda: __import__('socket').create_server(('127.0.0.1', 0)))", EACCES,
-         "Landlock: bind only on the kernel's ports", kernel="net"),
+         "trap(lambda: __import__('socket').create_server(('127.0.0.1', 0)))", DENIED,
+         "seccomp: bind (Landlock: bind only on the kernel's ports)", kernel="net"),
+    Case("N18", "network", "with --allow-network: listen on the kernel's own port at 127.0.0.2",
+         "trap(lambda: socket.create_server(('127.0.0.2', "
+         "socket.socket(fileno=os.dup(kernel_tcp_fds()[0])).getsockname()[1])))", DENIED,
+         "seccomp: bind (Landlock's port rule ignores the address)", kernel="net"),
+    Case("N19", "network", "with --allow-network: UDP server on any port",
+         "trap(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).bind(('0.0.0.0', 0)))",
+         DENIED, "seccomp: bind (Landlock has no UDP rule)", kernel="net"),
+    Case("N20", "network", "with --allow-network: listen() on a dup of the kernel's listener",
+         f"raw({nr('listen')}, os.dup(kernel_tcp_fds()[0]), 1)", EPERM, "seccomp: listen",
+         kernel="net"),
+    Case("N21", "network", "unix datagram socketpair, then sendto a host socket (/dev/log)",
+         "trap(lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM))", DENIED,
+         "seccomp: socketpair SOCK_STREAM only"),
+    Case("N22", "network", "raw socketpair SOCK_DGRAM with high bits and flags",
+         f"raw({nr('socketpair')}, 1, {socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | HIGH}, 0, "
+         "cstr('x' * 8))", EPERM, "seccomp: masked comparison"),
+    Case("N23", "network", "unix seqpacket socketpair",
+         "trap(lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET))", DENIED,
+         "seccomp: socketpair SOCK_STREAM only"),
+    Case("N24", "network", "sendto a pathname socket through a stream socketpair",
+         "trap(lambda: socket.socketpair()[0].sendto(b'<11>forged', '{unix_socket}'))",
+         ("OSError", errno.EISCONN), "Linux: a connected stream socket takes no address"),
+    Case("N25", "network", "bind a socketpair to a pathname (a server in scratch)",
+         "trap(lambda: socket.socketpair()[0].bind('srv'))", DENIED, "seccomp: bind"),
     Case("N14", "network", "with --allow-network: AF_UNIX socket",
          "trap(lambda: __import__('socket').socket(socket.AF_UNIX))", DENIED, "seccomp",
          kernel="net"),
@@ -358,7 +395,15 @@ CASES = [
     Case("R04", "resources", "shared anonymous memory (not counted by RLIMIT_DATA)",
          "trap(lambda: __import__('mmap').mmap(-1, 2**30))", DENIED, "seccomp: mmap MAP_SHARED"),
     Case("R05", "resources", "thread bomb (bounded at 3000)", "thread_bomb(3000)",
-         ("RuntimeError", None), "rlimit DATA (thread stacks)"),
+         ("RuntimeError", None), "rlimit NPROC (--max-threads, default 512)"),
+    Case("R11", "resources", "MAP_GROWSDOWN mappings (stack, not data, to RLIMIT_DATA)",
+         "trap(lambda: __import__('mmap').mmap(-1, 2**20, flags=0x100 | 0x22))", DENIED,
+         "seccomp: mmap MAP_GROWSDOWN"),
+    Case("R12", "resources", "MAP_GROWSDOWN through raw mmap, high bits set",
+         f"raw({nr('mmap')}, 0, 2**20, 3, {0x100 | 0x22 | HIGH}, 2**64 - 1, 0)", EPERM,
+         "seccomp: masked comparison"),
+    Case("R13", "resources", "threads started raw (pthread_create), past the bound",
+         "raw_thread_bomb(3000)", "bounded", "rlimit NPROC"),
     Case("R06", "resources", "descriptor bomb (bounded at 5000)", "descriptor_bomb(5000)",
          ("OSError", errno.EMFILE), "rlimit NOFILE"),
     Case("R07", "resources", "fill the scratch with many files (bounded at 100 MiB)",
@@ -380,6 +425,14 @@ CASES = [
          "[t for t in (os.readlink(f'/proc/self/fd/{n}') for n in os.listdir('/proc/self/fd')"
          " if os.path.exists(f'/proc/self/fd/{n}')) if t.startswith('{tmp}')]", [],
          "clean exec closes inherited descriptors"),
+    Case("I08", "leaks", "inotify watch on a directory Landlock forbids",
+         "(libc.inotify_init(), ctypes.get_errno())", EPERM, "seccomp: inotify_init"),
+    Case("I09", "leaks", "raw inotify_init1 and inotify_add_watch",
+         f"sorted({{raw({nr('inotify_init1')}, 0), raw({nr('inotify_add_watch')}, 0, "
+         "cstr('/root'), 0xfff)})", [EPERM], "seccomp: inotify"),
+    Case("I10", "leaks", "fanotify", f"raw({nr('fanotify_init')}, 0, 0)", EPERM, "seccomp"),
+    Case("I11", "leaks", "dnotify (fcntl F_NOTIFY) on the scratch", f"raw({nr('fcntl')}, "
+         "os.open('.', os.O_RDONLY), 1026, 0x80000003)", EPERM, "seccomp: fcntl allowlist"),
 ]
 
 # Cases that end or hang the kernel: each has its own test below (and a row in SECURITY.md).
@@ -388,6 +441,17 @@ SPECIAL = [
          "seccomp: foreign ABI kills"),
     Case("K21", "kernel", "i386 entry point (int 0x80)", "int 0x80 from an executable page",
          "killed by SIGSYS", "seccomp: foreign arch kills"),
+    Case("X22", "processes", "SIGIO/F_SETSIG to another process: F_SETOWN, F_SETOWN_EX, "
+         "FIOSETOWN, SIOCSPGRP, pgid, high bits, threads (tests/test_abi.py, ABI 1-7)",
+         "fcntl(a, F_SETOWN, victim)", "PermissionError (EPERM); victim alive",
+         "seccomp: owner only this process (Landlock signal scope too from ABI 6)"),
+    Case("N26", "network", "reconnect a dup of a kernel TCP socket: connect(AF_UNSPEC), "
+         "connect, sendto MSG_FASTOPEN (tests/test_abi.py, ABI 1-7)", "connect(dup(fd), ...)",
+         "-1, EPERM; kernel alive", "seccomp: no connect without the network"),
+    Case("F27", "files", "truncate a file the uid owns: truncate(path), open(O_RDONLY|O_TRUNC), "
+         "openat2, threads (tests/test_abi.py, ABI 1-7)", "os.truncate(path, 0)",
+         "EPERM (ABI < 3) / EACCES (ABI >= 3)",
+         "seccomp below ABI 3; Landlock truncate from ABI 3"),
     Case("R09", "resources", "busy loop past the time limit", "while True: pass",
          "ExecutionTimeout, state kept", "deadline (SIGALRM, repeating)"),
     Case("R10", "resources", "output flood", "print('x' * 10**6) in a loop",
@@ -442,11 +506,17 @@ def world(tmp_path_factory, sandbox):
     runtime.mkdir(parents=True, exist_ok=True)
     (runtime / "jpserver-424242.json").write_text(json.dumps({"token": "stolen?"}))
     server = LoopbackServer()
-    values = {"canary": str(canary), "home": os.environ["HOME"], "runtime": str(runtime),
+    host_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # stands in for /dev/log
+    host_socket.bind(str(tmp / "log.sock"))
+    host_socket.setblocking(False)
+    values = {"unix_socket": str(tmp / "log.sock"), "canary": str(canary), "home": os.environ["HOME"], "runtime": str(runtime),
               "config": os.environ["JUPYTER_CONFIG_DIR"], "port": server.port, "tmp": str(tmp),
               "other_connection_file": sandbox.manager.connection_file}
     yield values
     server.close()
+    with pytest.raises(BlockingIOError):  # no datagram reached the host's socket
+        host_socket.recv(4096)
+    host_socket.close()
     assert canary.read_text() == CANARY_TEXT
     assert oct(canary.stat().st_mode & 0o777) == "0o644"
 
