@@ -90,10 +90,13 @@ def raw_thread_bomb(limit):
     # pthread_create from C, around Python's threading: the bound must hold there too. Each
     # thread runs sleep(3) and ends, so the kernel has its threads back afterwards.
     sleep = ctypes.cast(libc.sleep, ctypes.c_void_p)
+    attr = ctypes.create_string_buffer(64)  # pthread_attr_t: small stacks, as finding 7 used
+    libc.pthread_attr_init(attr)
+    libc.pthread_attr_setstacksize(attr, ctypes.c_size_t(65536))
     started = 0
     for _ in range(limit):
         tid = ctypes.c_ulong()
-        if libc.pthread_create(ctypes.byref(tid), None, sleep, ctypes.c_void_p(3)) != 0:
+        if libc.pthread_create(ctypes.byref(tid), attr, sleep, ctypes.c_void_p(3)) != 0:
             break
         started += 1
     __import__('time').sleep(4)
@@ -394,7 +397,8 @@ CASES = [
          "rlimit DATA"),
     Case("R04", "resources", "shared anonymous memory (not counted by RLIMIT_DATA)",
          "trap(lambda: __import__('mmap').mmap(-1, 2**30))", DENIED, "seccomp: mmap MAP_SHARED"),
-    Case("R05", "resources", "thread bomb (bounded at 3000)", "thread_bomb(3000)",
+    Case("R05", "resources", "thread bomb, 32 KiB stacks (bounded at 3000)",
+         "(threading.stack_size(32768), thread_bomb(3000), threading.stack_size(0))[1]",
          ("RuntimeError", None), "rlimit NPROC (--max-threads, default 512)"),
     Case("R11", "resources", "MAP_GROWSDOWN mappings (stack, not data, to RLIMIT_DATA)",
          "trap(lambda: __import__('mmap').mmap(-1, 2**20, flags=0x100 | 0x22))", DENIED,
