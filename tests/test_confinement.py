@@ -350,9 +350,9 @@ def test_refuses_to_start_without_landlock(tmp_path):
     assert result.returncode == 3
     lines = [line for line in result.stderr.splitlines() if "refusing to start" in line]
     assert len(lines) == 1
-    assert lines[0].startswith("sandbox-kernel: refusing to start: landlock: Landlock is not "
-                               "supported")
-    assert lines[0].endswith("start the kernel with --no-landlock")
+    assert lines[0].startswith("sandbox-kernel: refusing to start: cannot keep these promises "
+                               "on this host: files: read and write only")
+    assert lines[0].endswith("this host: ABI 0; to run without it on purpose: --no-landlock")
 
 
 def test_no_landlock_starts_on_purpose_and_says_so(tmp_path):
@@ -385,16 +385,16 @@ def test_missing_grant_refuses_to_start(tmp_path):
 
 
 def test_check_reports_the_host_and_fails_when_unenforceable(tmp_path):
-    result = subprocess.run(["sandbox-kernel", "check"], capture_output=True, text=True)
+    result = subprocess.run(["sandbox-kernel", "check", "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["seccomp"]["available"] is True
     assert report["landlock"]["abi"] >= 1 and "truncate" in report["landlock"]["fs_rights"]
     assert report["rlimits"]["NOFILE"] and report["uid"] == os.geteuid()
     assert report["problems"] == []
-    hidden = run_launched(tmp_path, "-m", "sandbox_kernel", "check")
+    hidden = run_launched(tmp_path, "-m", "sandbox_kernel", "check", "--json")
     assert hidden.returncode == 1
     assert json.loads(hidden.stdout)["landlock"]["abi"] == 0
-    assert "cannot enforce: landlock" in hidden.stderr
-    relaxed = run_launched(tmp_path, "-m", "sandbox_kernel", "check", "--no-landlock")
+    assert "cannot enforce: files: read and write only" in hidden.stderr
+    relaxed = run_launched(tmp_path, "-m", "sandbox_kernel", "check", "--json", "--no-landlock")
     assert relaxed.returncode == 0

@@ -513,7 +513,8 @@ def world(tmp_path_factory, sandbox):
     host_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # stands in for /dev/log
     host_socket.bind(str(tmp / "log.sock"))
     host_socket.setblocking(False)
-    values = {"unix_socket": str(tmp / "log.sock"), "canary": str(canary), "home": os.environ["HOME"], "runtime": str(runtime),
+    values = {"unix_socket": str(tmp / "log.sock"),
+              "canary": str(canary), "home": os.environ["HOME"], "runtime": str(runtime),
               "config": os.environ["JUPYTER_CONFIG_DIR"], "port": server.port, "tmp": str(tmp),
               "other_connection_file": sandbox.manager.connection_file}
     yield values
