@@ -102,8 +102,10 @@ def test_sigio_to_another_process(at_abi, victim_process):
     " + ({victim}).to_bytes(4, 'little')))",  # struct f_owner_ex {F_OWNER_PID, victim}
     "raw({ioctl}, a.fileno(), {FIOSETOWN}, ctypes.addressof(ctypes.c_int({victim})))",
     "raw({ioctl}, a.fileno(), {SIOCSPGRP}, ctypes.addressof(ctypes.c_int({victim})))",
+    "raw({fcntl}, a.fileno(), {F_SETOWN} | {HIGH}, {victim})",  # high bits in the command
     "tuple(in_thread(lambda: __import__('fcntl').fcntl(a, 8, {victim})))",
-], ids=["high-bits", "process-group", "F_SETOWN_EX", "FIOSETOWN", "SIOCSPGRP", "thread"])
+], ids=["high-bits", "process-group", "F_SETOWN_EX", "FIOSETOWN", "SIOCSPGRP", "command-high-bits",
+        "thread"])
 def test_other_ways_to_own_a_descriptor(at_abi, victim_process, attack):
     _, sb, _ = at_abi
     code = ("a, b = socket.socketpair()\n" + attack.format(
@@ -154,6 +156,9 @@ def test_reconnecting_a_kernel_socket(at_abi):
     assert found, "the kernel has TCP sockets to try"
     assert [tuple(o) for o in outcomes] == [EPERM]
     assert evaluate(sb, "'alive'") == "alive"  # its own connections survived
+    from_thread = evaluate(sb, "in_thread(lambda: socket.socket(fileno=os.dup(kernel_tcp_fds()[0]))"
+                               ".connect(('127.0.0.1', 9)))")
+    assert tuple(from_thread) == DENIED
 
 
 # Finding 3: truncation by path (and by open(O_RDONLY|O_TRUNC)) of a file the kernel's uid

@@ -57,6 +57,14 @@ def test_allowlist_and_never_list_do_not_overlap():
      "creating processes is not allowed"),
     ("import socket; socket.socket()", "start the kernel with --allow-network"),
     ("import os; os.chmod(os.getcwd(), 0o700)", "changing file permissions is not allowed"),
+    ("import fcntl, socket; fcntl.fcntl(socket.socketpair()[0], fcntl.F_SETOWN, 1)",
+     "a descriptor's owner may only be the kernel's own process"),
+    ("import socket; socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)",
+     "only allows stream socketpairs"),
+    ("import socket; socket.socketpair()[0].bind('server')", "listening for connections"),
+    ("import socket; socket.socketpair()[0].listen()", "listening for connections"),
+    ("import socket; socket.socketpair()[0].connect('/dev/log')",
+     "start the kernel with --allow-network"),
 ])
 def test_blocked_calls_say_why_and_the_kernel_lives(sandbox, code, phrase):
     assert_blocked(sandbox.run(code), phrase)

@@ -9,6 +9,7 @@ courtesy, not a layer: calling the unwrapped function still hits the same filter
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import os
 import pty
@@ -31,6 +32,12 @@ TRUNCATE_BY_PATH = ("truncating a file by its path is refused where Landlock is 
                     "writing and use f.truncate()")
 SERVERS = ("listening for connections is not allowed in the sandbox (no policy flag allows it: "
            "connect out with --allow-network instead)")
+
+DESCRIPTOR_OWNER = ("a descriptor's owner may only be the kernel's own process in the sandbox "
+                    "(its signals would reach other processes; no policy flag allows it)")
+UNIX_DATAGRAMS = ("the sandbox only allows stream socketpairs (socket.socketpair()): datagram "
+                  "sockets could send to the host's unix sockets")
+_F_SETOWN, _F_SETOWN_EX = 8, 15
 
 _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
 
@@ -88,6 +95,19 @@ def _explain_socket(allow_network: bool) -> Callable[..., None]:
     return __init__
 
 
+def _explain_fcntl(original: Callable[..., Any]) -> Callable[..., Any]:
+    explained = _explain(original, "fcntl()", DESCRIPTOR_OWNER)
+
+    @functools.wraps(original)
+    def fcntl(fd: Any, cmd: int, *args: Any) -> Any:
+        # Only the owner-setting commands: other EPERMs (O_NOATIME, ...) are the host's own.
+        if cmd in (_F_SETOWN, _F_SETOWN_EX):
+            return explained(fd, cmd, *args)
+        return original(fd, cmd, *args)
+
+    return fcntl
+
+
 def install(allow_network: bool) -> None:
     """Wrap the usual ways Python creates processes and sockets."""
     import _posixsubprocess
@@ -109,6 +129,8 @@ def install(allow_network: bool) -> None:
     subprocess._fork_exec = fork_exec  # type: ignore[attr-defined]  # subprocess keeps a copy
     socket.socket.__init__ = _explain_socket(allow_network)  # type: ignore[method-assign]
     os.truncate = _explain(os.truncate, "os.truncate()", TRUNCATE_BY_PATH)
+    fcntl.fcntl = _explain_fcntl(fcntl.fcntl)
+    socket.socketpair = _explain(socket.socketpair, "socket.socketpair()", UNIX_DATAGRAMS)
     for name in ("bind", "listen"):
         setattr(socket.socket, name, _explain(getattr(socket.socket, name),
                                               f"socket.{name}()", SERVERS))

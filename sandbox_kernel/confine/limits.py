@@ -50,9 +50,11 @@ def tasks_of(uid: int) -> int:
     """Tasks (threads) the real uid has now, as far as /proc shows them."""
     count = 0
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
         try:
+            # The directory's owner (the effective uid) rules most processes out with one
+            # stat; the status file then gives the real uid, which RLIMIT_NPROC counts.
+            if not entry.name.isdigit() or entry.stat().st_uid != uid:
+                continue
             with open(f"/proc/{entry.name}/status") as status:
                 fields = dict(line.split(":", 1) for line in status if ":" in line)
         except OSError:  # gone meanwhile, or hidden from us
