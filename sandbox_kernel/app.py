@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from typing import Any, NoReturn
 
@@ -133,19 +134,49 @@ class SandboxKernelApp(IPKernelApp):
             return
         landlock_layer = self.layers["landlock"]
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
+        self.wait_for_heartbeat()
         try:
-            seccomp.install(os.getpid(), self.policy.allow_network, abi)
+            seccomp.install(os.getpid(), self.policy.allow_network, landlock_abi=abi)
         except seccomp.SeccompError as exc:
             self.refuse_to_start(
                 f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
                 "kernel with --no-seccomp")
-        self.layers["seccomp"] = {"active": True,
-                                  **seccomp.describe(self.policy.allow_network, abi)}
+        described = seccomp.describe(self.policy.allow_network, landlock_abi=abi)
+        self.layers["seccomp"] = {"active": True, **described}
+
+    def wait_for_heartbeat(self, timeout: float = 10.0) -> None:
+        """Wait until the heartbeat thread has bound its socket: the filter refuses bind()."""
+        # ipykernel binds every other socket in this thread before it returns; the heartbeat
+        # binds in its own thread, which may not have run yet.
+        deadline = time.monotonic() + timeout
+        while not _listening(self.transport, self.ip, self.hb_port):
+            if time.monotonic() > deadline:
+                self.refuse_to_start(f"the heartbeat did not bind port {self.hb_port} within "
+                                     f"{timeout:g} s")
+            time.sleep(0.005)
 
     def refuse_to_start(self, reason: str) -> NoReturn:
         """Exit before any user code runs, with one line on the real stderr."""
         os.write(self.launcher_stderr, f"sandbox-kernel: refusing to start: {reason}\n".encode())
         os._exit(3)
+
+
+def _listening(transport: str, ip: str, port: int) -> bool:
+    """Whether something listens on this ZMQ endpoint of the kernel (TCP, or an ipc path)."""
+    if transport == "ipc":
+        return os.path.exists(f"{ip}-{port}")
+    suffix = f":{port:04X}"
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows)  # the header
+                for row in rows:
+                    local, state = row.split()[1], row.split()[3]  # "0100007F:1F90", "0A"
+                    if state == "0A" and local.endswith(suffix):  # 0A: LISTEN
+                        return True
+        except OSError:
+            continue
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:

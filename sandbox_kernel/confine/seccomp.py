@@ -304,7 +304,7 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
     return flt
 
 
-def install(pid: int, allow_network: bool, landlock_abi: int = 0) -> None:
+def install(pid: int, allow_network: bool, *, landlock_abi: int = 0) -> None:
     """Load both filters into every thread of this process, then verify that they took."""
     reason = available()
     if reason:
@@ -331,7 +331,7 @@ def thread_modes() -> dict[int, int]:
     return modes
 
 
-def describe(allow_network: bool, landlock_abi: int = 0) -> dict[str, Any]:
+def describe(allow_network: bool, *, landlock_abi: int = 0) -> dict[str, Any]:
     """What the filter allows, for kernel_info_reply and `sandbox-kernel check`."""
     return {
         "default": "EPERM",
