@@ -406,6 +406,13 @@ CASES = [
     Case("R12", "resources", "MAP_GROWSDOWN through raw mmap, high bits set",
          f"raw({nr('mmap')}, 0, 2**20, 3, {0x100 | 0x22 | HIGH}, 2**64 - 1, 0)", EPERM,
          "seccomp: masked comparison"),
+    Case("R14", "resources", "mremap the stack's lowest page into a 64 MiB stack mapping",
+         f"raw({nr('mremap')}, int(next(l for l in open('/proc/self/maps')"
+         " if l.rstrip().endswith('[stack]')).split('-')[0], 16), 4096, 64 << 20, 1, 0)", EPERM,
+         "seccomp: mremap"),
+    Case("R15", "resources", "realloc of a large block still works without mremap",
+         "(lambda b: (b.extend(bytes(64 << 20)), len(b))[1])(bytearray(64 << 20))", 128 << 20,
+         "allowed: glibc's realloc copies"),
     Case("R13", "resources", "threads started raw (pthread_create), past the bound",
          "raw_thread_bomb(3000)", "bounded", "rlimit NPROC"),
     Case("R06", "resources", "descriptor bomb (bounded at 5000)", "descriptor_bomb(5000)",

@@ -130,7 +130,7 @@ def evaluate(host: Host) -> list[Promise]:
             "--no-seccomp"))
     if host.memory_limit:
         rlimit_and_filter = _seccomp(host, "RLIMIT_DATA, and no shared anonymous memory, "
-                                           "MAP_GROWSDOWN or memfd")
+                                           "MAP_GROWSDOWN, mremap or memfd")
         promises.append(_judge(f"memory: at most {host.memory_limit / 2**20:g} MiB",
                                [(*rlimit_and_filter, no_sc)], "--memory-limit 0"))
     if host.max_threads:

@@ -33,7 +33,7 @@ class SeccompError(RuntimeError):
 # reaches outside this process or whose only use is attacking the host kernel.
 ALLOWED = (
     # memory
-    "brk", "mmap", "munmap", "mremap", "mprotect", "madvise", "mincore", "msync",
+    "brk", "mmap", "munmap", "mprotect", "madvise", "mincore", "msync",
     "mlock", "mlock2", "munlock", "membarrier", "pkey_alloc", "pkey_free", "pkey_mprotect",
     "get_mempolicy", "map_shadow_stack", "mseal",
     # threads, futexes, signals (targets are restricted below)
@@ -92,8 +92,11 @@ NEVER = (
     "setfsgid", "setgroups", "capset", "setrlimit", "chown", "fchown", "lchown", "fchownat",
     # Landlock does not cover file modes: as the files' owner, code could chmod them anywhere.
     "chmod", "fchmod", "fchmodat", "fchmodat2",
-    # Memory that RLIMIT_DATA does not count: memfd and SysV/POSIX shared memory.
-    "memfd_create", "memfd_secret",
+    # Memory that RLIMIT_DATA does not count: memfd and SysV/POSIX shared memory; and mremap,
+    # which moves a page of the main thread's stack into a stack mapping of any size (stack
+    # mappings only grow against RLIMIT_STACK, and mremap checks not even that). glibc's
+    # realloc copies instead when mremap fails.
+    "memfd_create", "memfd_secret", "mremap",
     "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
     "reboot", "swapon", "swapoff", "syslog", "acct", "quotactl", "iopl", "ioperm",
     "settimeofday", "clock_settime", "adjtimex", "clock_adjtime", "sethostname",
