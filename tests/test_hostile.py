@@ -98,6 +98,7 @@ def raw_thread_bomb(limit):
         tid = ctypes.c_ulong()
         if libc.pthread_create(ctypes.byref(tid), attr, sleep, ctypes.c_void_p(3)) != 0:
             break
+        libc.pthread_detach(tid)  # its stack is freed when it ends
         started += 1
     __import__('time').sleep(4)
     return "bounded" if started < 600 else started
@@ -410,9 +411,11 @@ CASES = [
          f"raw({nr('mremap')}, int(next(l for l in open('/proc/self/maps')"
          " if l.rstrip().endswith('[stack]')).split('-')[0], 16), 4096, 64 << 20, 1, 0)", EPERM,
          "seccomp: mremap"),
+    # 40 MiB: above glibc's largest mmap threshold, so realloc would use mremap. In the other
+    # kernel: the memory bombs above leave this one's heap near its limit.
     Case("R15", "resources", "realloc of a large block still works without mremap",
-         "(lambda b: (b.extend(bytes(64 << 20)), len(b))[1])(bytearray(64 << 20))", 128 << 20,
-         "allowed: glibc's realloc copies"),
+         "(lambda b: (b.extend(bytes(40 << 20)), len(b))[1])(bytearray(40 << 20))", 80 << 20,
+         "allowed: glibc's realloc copies", kernel="net"),
     Case("R13", "resources", "threads started raw (pthread_create), past the bound",
          "raw_thread_bomb(3000)", "bounded", "rlimit NPROC"),
     Case("R06", "resources", "descriptor bomb (bounded at 5000)", "descriptor_bomb(5000)",
