@@ -40,6 +40,8 @@ class SandboxKernelApp(IPKernelApp):
                                        help="The stream class; it enforces the output cap.")
     policy = Instance(SandboxPolicy, help="The effective sandbox policy.")
     layers = DictTrait(help="What each sandbox layer did in this process.")
+    file_access = Instance(denials.FileAccess, allow_none=True,
+                           help="The grants, for explaining file errors to the user.")
     launcher_stderr = 2
 
     @default("policy")
@@ -60,6 +62,7 @@ class SandboxKernelApp(IPKernelApp):
         privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
         self.init_seccomp()
         denials.install(self.policy.allow_network)
+        self.kernel.file_access = self.file_access
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
     def init_sockets(self) -> None:
@@ -77,7 +80,13 @@ class SandboxKernelApp(IPKernelApp):
         if not scratch.is_own(scratch_dir):
             self.refuse_to_start("no private scratch directory: start the kernel with "
                                  "`python -I -m sandbox_kernel`, which creates one")
+        # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
+        try:
+            launch_dir = os.getcwd()
+        except OSError:  # started in a directory that is gone
+            launch_dir = ""
         os.chdir(scratch_dir)
+        self.file_access = denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir)
         self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
         policy = self.policy
         try:
@@ -102,6 +111,9 @@ class SandboxKernelApp(IPKernelApp):
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
             connect_tcp=self.policy.allow_network)
+        self.file_access = denials.FileAccess.granted(
+            read_only + read_write, read_write, self.file_access.scratch,  # type: ignore[union-attr]
+            self.file_access.launch_dir)  # type: ignore[union-attr]
         try:
             self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
         except landlock.LandlockError as exc:
