@@ -36,6 +36,13 @@ def _install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _uninstall(args: argparse.Namespace) -> int:
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    path = install.uninstall(name=args.name, user=args.user, prefix=prefix)
+    print(f"Removed kernelspec {args.name} from {path}")
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     report = check.host_report(policy.from_arguments(args))
     print(json.dumps(report, indent=2))
@@ -150,6 +157,16 @@ def _run_once(sandbox: client.Sandbox, code: str, inputs: dict | None, timeout: 
     return execution
 
 
+def _add_location(command: argparse.ArgumentParser) -> None:
+    """Where a kernelspec goes: the options install and uninstall share."""
+    where = command.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="the user's Jupyter data dir")
+    where.add_argument("--sys-prefix", action="store_true",
+                       help="this Python environment's share/jupyter (for virtualenvs and conda)")
+    where.add_argument("--prefix", metavar="P", help="P/share/jupyter")
+    command.add_argument("--name", default=install.DEFAULT_NAME, help="kernelspec name")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     top = argparse.ArgumentParser(prog="sandbox-kernel", description=__doc__)
@@ -157,16 +174,17 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
 
     inst = sub.add_parser("install", help="install the kernelspec so Jupyter can start the kernel")
-    where = inst.add_mutually_exclusive_group()
-    where.add_argument("--user", action="store_true", help="the user's Jupyter data dir")
-    where.add_argument("--sys-prefix", action="store_true",
-                       help="this Python environment's share/jupyter (for virtualenvs and conda)")
-    where.add_argument("--prefix", metavar="P", help="P/share/jupyter")
-    inst.add_argument("--name", default=install.DEFAULT_NAME, help="kernelspec name")
+    _add_location(inst)
     inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
                       help="name shown in JupyterLab's launcher")
     policy.add_arguments(inst)
     inst.set_defaults(handler=_install)
+
+    uninst = sub.add_parser("uninstall", help="remove a kernelspec that install wrote",
+                            description="Remove the kernelspec NAME from where `install` with "
+                            "the same --user/--sys-prefix/--prefix wrote it.")
+    _add_location(uninst)
+    uninst.set_defaults(handler=_uninstall)
 
     run_cmd = sub.add_parser(
         "run", help="run a Python file in a fresh sandbox and print its main()'s result",
