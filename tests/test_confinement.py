@@ -364,10 +364,38 @@ def test_no_landlock_starts_on_purpose_and_says_so(tmp_path):
     client.load_connection_file()
     client.start_channels()
     try:
-        client.wait_for_ready(timeout=60)
-        layers = client.kernel_info(reply=True, timeout=30)["content"]["sandbox"]["layers"]
+        # Not wait_for_ready(): without a manager it judges liveness by heartbeats, and calls a
+        # kernel dead when a loaded host delays one beat past a second.
+        layers = client.kernel_info(reply=True, timeout=60)["content"]["sandbox"]["layers"]
         assert layers["landlock"] == {"active": False, "reason": "off by policy (--no-landlock)"}
         assert layers["seccomp"]["active"] is True
+        client.shutdown()
+        assert process.wait(timeout=30) == 0
+    finally:
+        client.stop_channels()
+        if process.poll() is None:
+            process.kill()
+
+
+def test_shutdown_does_not_wait_for_user_code(tmp_path):
+    # Python's finalisation joins non-daemon threads and runs atexit callbacks: user code could
+    # hold the kernel's exit forever (and finalising a big process takes seconds under load).
+    from jupyter_client.blocking import BlockingKernelClient
+
+    connection_file, args = start_kernel_directly(tmp_path)
+    process = subprocess.Popen([sys.executable, "-I", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    client = BlockingKernelClient(connection_file=connection_file)
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.kernel_info(reply=True, timeout=60)
+        reply = client.execute_interactive(
+            "import atexit, threading, time\natexit.register(time.sleep, 3600)\n"
+            "threading.Thread(target=time.sleep, args=(3600,)).start()\n"
+            "class Slow:\n    def __del__(self):\n        time.sleep(3600)\nkept = Slow()",
+            timeout=60)
+        assert reply["content"]["status"] == "ok"
         client.shutdown()
         assert process.wait(timeout=30) == 0
     finally:
