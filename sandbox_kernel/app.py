@@ -80,13 +80,11 @@ class SandboxKernelApp(IPKernelApp):
         if not scratch.is_own(scratch_dir):
             self.refuse_to_start("no private scratch directory: start the kernel with "
                                  "`python -I -m sandbox_kernel`, which creates one")
-        # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
         try:
             launch_dir = os.getcwd()
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.file_access = denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir)
         self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
         policy = self.policy
         try:
@@ -97,8 +95,14 @@ class SandboxKernelApp(IPKernelApp):
             self.layers["privileges"] = privileges.plan(policy.run_as)
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
-        self.init_landlock(paths.read_only(read_grants, self.abs_connection_file),
-                           paths.read_write(write_grants, scratch_dir))
+        read_only = paths.read_only(read_grants, self.abs_connection_file)
+        read_write = paths.read_write(write_grants, scratch_dir)
+        self.init_landlock(read_only, read_write)
+        # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
+        self.file_access = (
+            denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir)
+            if self.layers["landlock"]["active"]
+            else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
 
     def init_landlock(self, read_only: list[str], read_write: list[str]) -> None:
         """Restrict files, TCP ports and IPC scopes (fail closed)."""
@@ -111,9 +115,6 @@ class SandboxKernelApp(IPKernelApp):
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
             connect_tcp=self.policy.allow_network)
-        self.file_access = denials.FileAccess.granted(
-            read_only + read_write, read_write, self.file_access.scratch,  # type: ignore[union-attr]
-            self.file_access.launch_dir)  # type: ignore[union-attr]
         try:
             self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
         except landlock.LandlockError as exc:

@@ -190,7 +190,7 @@ def test_inherited_descriptors_are_closed(tmp_path):
     client.load_connection_file()
     client.start_channels()
     try:
-        client.wait_for_ready(timeout=60)
+        client.kernel_info(reply=True, timeout=60)  # not wait_for_ready(): see below
         seen = []
         client.execute_interactive(LIST_OPEN_FILES, timeout=30,
                                    output_hook=lambda m: seen.append(m["content"].get("text", "")))
