@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -15,10 +16,16 @@ from . import __version__, check, client, install, policy
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
 USAGE_ERROR = 2
 KERNEL_FAILED = 3  # run: the kernel did not start (e.g. the host lacks a layer the policy needs)
+INTERRUPTED = 130  # run: Ctrl-C, what a shell reports for SIGINT
+RUN_TIMEOUT = 60.0  # run: seconds the code may run unless --timeout says otherwise (0: none)
 
 
 class UsageError(Exception):
     """A command line that cannot be carried out; the message says why."""
+
+
+class _NotStarted(Exception):
+    """The kernel of `run` did not start; the message says why."""
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -26,6 +33,13 @@ def _install(args: argparse.Namespace) -> int:
     path = install.install(policy.from_arguments(args), name=args.name,
                            display_name=args.display_name, user=args.user, prefix=prefix)
     print(f"Installed kernelspec {args.name} in {path}")
+    return 0
+
+
+def _uninstall(args: argparse.Namespace) -> int:
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    path = install.uninstall(name=args.name, user=args.user, prefix=prefix)
+    print(f"Removed kernelspec {args.name} from {path}")
     return 0
 
 
@@ -99,6 +113,10 @@ def _report(execution: client.Execution, saved: list[str], as_json: bool) -> Non
 def _run(args: argparse.Namespace) -> int:
     code = _read_code(args.file)
     inputs = _read_inputs(args.inputs, code)
+    timeout_source = "sandbox-kernel run --timeout"
+    if args.timeout is None:
+        args.timeout = f"{RUN_TIMEOUT:g}"
+        timeout_source = f"sandbox-kernel run's default --timeout {RUN_TIMEOUT:g}"
     effective = policy.from_arguments(args)
     if args.save_displays:
         try:
@@ -106,22 +124,47 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot create {args.save_displays}: {exc.strerror or exc}") from None
     sandbox = client.Sandbox(kernel_name=None, policy=effective)
+    sandbox.timeout_source, sandbox.one_shot = timeout_source, True
     try:
-        sandbox.start()
-    except RuntimeError as exc:  # the kernel's own reason is already on stderr
+        execution = _run_once(sandbox, code, inputs, effective.timeout, args.json)
+    except KeyboardInterrupt:
+        print("sandbox-kernel run: interrupted (Ctrl-C); the kernel was stopped", file=sys.stderr)
+        return INTERRUPTED
+    except _NotStarted as exc:  # the kernel's own reason is already on stderr
         print(f"sandbox-kernel run: the kernel did not start: {exc}", file=sys.stderr)
         return KERNEL_FAILED
-    echo = None if args.json else _echo
-    try:
-        execution = sandbox.run(code, inputs, timeout=effective.timeout or None,
-                                on_stdout=echo, on_stderr=echo)
-    except KeyboardInterrupt:
-        return 130  # what a shell reports for Ctrl-C
-    finally:
-        sandbox.close()
     saved = execution.save_displays(args.save_displays) if args.save_displays else []
     _report(execution, saved, as_json=args.json)
     return CODE_FAILED if execution.error else 0
+
+
+def _run_once(sandbox: client.Sandbox, code: str, inputs: dict | None, timeout: float,
+              as_json: bool) -> client.Execution:
+    """Start the kernel, run the code once, shut the kernel down."""
+    try:
+        try:
+            sandbox.start()
+        except RuntimeError as exc:
+            raise _NotStarted(str(exc)) from None
+        echo = None if as_json else _echo
+        execution = sandbox.run(code, inputs, timeout=timeout or None, on_stdout=echo,
+                                on_stderr=echo)
+    except BaseException:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the clean-up
+        sandbox.close(now=True)  # nothing of a one-shot kernel is worth waiting for
+        raise
+    sandbox.close()
+    return execution
+
+
+def _add_location(command: argparse.ArgumentParser) -> None:
+    """Where a kernelspec goes: the options install and uninstall share."""
+    where = command.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="the user's Jupyter data dir")
+    where.add_argument("--sys-prefix", action="store_true",
+                       help="this Python environment's share/jupyter (for virtualenvs and conda)")
+    where.add_argument("--prefix", metavar="P", help="P/share/jupyter")
+    command.add_argument("--name", default=install.DEFAULT_NAME, help="kernelspec name")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -131,24 +174,26 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
 
     inst = sub.add_parser("install", help="install the kernelspec so Jupyter can start the kernel")
-    where = inst.add_mutually_exclusive_group()
-    where.add_argument("--user", action="store_true", help="the user's Jupyter data dir")
-    where.add_argument("--sys-prefix", action="store_true",
-                       help="this Python environment's share/jupyter (for virtualenvs and conda)")
-    where.add_argument("--prefix", metavar="P", help="P/share/jupyter")
-    inst.add_argument("--name", default=install.DEFAULT_NAME, help="kernelspec name")
+    _add_location(inst)
     inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
                       help="name shown in JupyterLab's launcher")
     policy.add_arguments(inst)
     inst.set_defaults(handler=_install)
 
+    uninst = sub.add_parser("uninstall", help="remove a kernelspec that install wrote",
+                            description="Remove the kernelspec NAME from where `install` with "
+                            "the same --user/--sys-prefix/--prefix wrote it.")
+    _add_location(uninst)
+    uninst.set_defaults(handler=_uninstall)
+
     run_cmd = sub.add_parser(
         "run", help="run a Python file in a fresh sandbox and print its main()'s result",
         description="Run FILE in a fresh sandboxed kernel. If it defines main(), main(**inputs) "
         "is called and its dict printed as JSON on stdout; the code's own output goes to stderr.",
-        epilog=f"exit status: 0 success; {CODE_FAILED} the code or main() failed, or the "
+        epilog=f"time limit: {RUN_TIMEOUT:g} s unless --timeout says otherwise (--timeout 0: "
+        f"none). exit status: 0 success; {CODE_FAILED} the code or main() failed, or the "
         f"kernel died or timed out; {USAGE_ERROR} usage error; {KERNEL_FAILED} the kernel did "
-        "not start")
+        f"not start; {INTERRUPTED} interrupted by Ctrl-C")
     run_cmd.add_argument("file", metavar="FILE|-", help="the Python file to run; - reads stdin")
     run_cmd.add_argument("--inputs", metavar="JSON|@FILE",
                          help="main()'s arguments as a JSON object, or @file.json holding one "

@@ -141,22 +141,24 @@ class _Collector:
             callback(payload)
 
 
-def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: str) -> dict:
+def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: str,
+                      timeout_source: str = "Sandbox.run(timeout=)") -> dict:
     meta: dict[str, Any] = {}
     if inputs is not None:
         meta["entrypoint"] = entrypoint
         meta["inputs"] = inputs
     if timeout is not None:
-        meta["timeout"] = timeout
+        # The label only names the limit in the kernel's ExecutionTimeout message.
+        meta.update(timeout=timeout, timeout_source=timeout_source)
     return {"sandbox": meta} if meta else {}
 
 
 def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float | None,
-                     entrypoint: str) -> dict[str, Any]:
+                     entrypoint: str, timeout_source: str) -> dict[str, Any]:
     msg = client.session.msg("execute_request", {
         "code": code, "silent": False, "store_history": True,
         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
-    msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint))
+    msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint, timeout_source))
     return msg
 
 
@@ -176,9 +178,9 @@ def _exit_status(manager: Any) -> str:
 class _Watchdog:
     """Decides, between messages, whether to interrupt or give up on the kernel."""
 
-    def __init__(self, timeout: float | None, grace: float) -> None:
+    def __init__(self, timeout: float | None, grace: float, one_shot: bool = False) -> None:
         self.started = time.monotonic()
-        self.timeout, self.grace = timeout, grace
+        self.timeout, self.grace, self.one_shot = timeout, grace, one_shot
         # The kernel enforces `timeout` itself; the client steps in only if that did not work.
         self.deadline = None if timeout is None else self.started + timeout + grace
         self.interrupted_at: float | None = None
@@ -210,8 +212,9 @@ class _Watchdog:
                 and execution.error.name == "KeyboardInterrupt":
             error = execution.error
             error.name = "ExecutionTimeout"
-            error.value = (f"the execution ran past its {self.timeout:g} s limit and was "
-                           "interrupted; the kernel and its variables are still there")
+            error.value = f"the execution ran past its {self.timeout:g} s limit and was " \
+                "interrupted" + ("" if self.one_shot else
+                                 "; the kernel and its variables are still there")
             error.traceback.append(f"{error.name}: {error.value}")  # ends as the others do
         execution.state_lost = lost is not None
         return execution
@@ -242,6 +245,10 @@ class _SandboxSettings:
 
     manager_class: type = KernelManager
     lock_class: type = threading.Lock
+    # What a timeout message says set the limit, and whether state outlives one run (the CLI
+    # changes both: its limit is `--timeout`, and its kernel ends after the one run).
+    timeout_source = "Sandbox.run(timeout=)"
+    one_shot = False
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
@@ -277,13 +284,13 @@ class Sandbox(_SandboxSettings):
             self.close()
             raise
 
-    def close(self) -> None:
-        """Shut the kernel down."""
+    def close(self, now: bool = False) -> None:
+        """Shut the kernel down (now: kill it, without waiting for the code it runs)."""
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
-            # Graceful, so the kernel removes its scratch directory on the way out.
-            self.manager.shutdown_kernel()
+            # Graceful by default; either way the scratch reaper removes the scratch directory.
+            self.manager.shutdown_kernel(now=now)
 
     def restart(self) -> None:
         """Replace the kernel with a fresh one; all state is lost."""
@@ -305,8 +312,9 @@ class Sandbox(_SandboxSettings):
             entrypoint: str = "main") -> Execution:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
         with self._lock:
-            watchdog = _Watchdog(timeout, self.grace)
-            msg = _execute_request(self.client, code, inputs, timeout, entrypoint)
+            watchdog = _Watchdog(timeout, self.grace, self.one_shot)
+            msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
+                                   self.timeout_source)
             collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
             self.client.shell_channel.send(msg)
             lost = None
@@ -388,8 +396,9 @@ class AsyncSandbox(_SandboxSettings):
                   on_display: Callback = None, entrypoint: str = "main") -> Execution:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
         async with self._lock:
-            watchdog = _Watchdog(timeout, self.grace)
-            msg = _execute_request(self.client, code, inputs, timeout, entrypoint)
+            watchdog = _Watchdog(timeout, self.grace, self.one_shot)
+            msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
+                                   self.timeout_source)
             collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
             self.client.shell_channel.send(msg)
             lost = None

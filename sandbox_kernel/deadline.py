@@ -23,9 +23,11 @@ class ExecutionTimeout(BaseException):
 
 
 def message(seconds: float, source: str) -> str:
-    """What the user is told when the limit strikes."""
-    return (f"the execution ran longer than its {seconds:g} s limit ({source}) and was "
-            "interrupted; the kernel and its variables are still there")
+    """What the user is told when the limit strikes, naming what set the limit."""
+    # Nothing about the kernel's state: a notebook sees its kernel carry on, while a one-shot
+    # `sandbox-kernel run` ends it right after.
+    return f"the execution ran longer than its {seconds:g} s limit (set by {source}) and was " \
+        "interrupted"
 
 
 def _running_user_code(frame: FrameType | None, is_user_frame: Callable[[FrameType], bool]) -> bool:
@@ -51,6 +53,7 @@ class Deadline:
 
     def strike(self, signum: int, frame: FrameType | None) -> None:
         """The SIGALRM handler: interrupt the user code, wherever it is waiting."""
+        __tracebackhide__ = True  # IPython leaves this frame out of the user's traceback
         self.expired = True
         if _running_user_code(frame, self.is_user_frame):
             raise self.error()

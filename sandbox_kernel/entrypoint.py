@@ -275,7 +275,11 @@ def _publish_result(kernel: Any, result: dict[str, Any], name: str, count: int) 
 
 def _show_error(shell: Any, exc: BaseException, reply: dict[str, Any]) -> dict[str, Any]:
     """Send the error as a normal frontend error and turn the reply into an error reply."""
-    shell.showtraceback((type(exc), exc, _user_traceback(exc.__traceback__)), tb_offset=0)
+    user_tb = _user_traceback(exc.__traceback__)
+    if isinstance(exc, shell.custom_exceptions):  # the kernel explains sandbox refusals
+        shell.CustomTB(type(exc), exc, user_tb, tb_offset=0)
+    else:
+        shell.showtraceback((type(exc), exc, user_tb), tb_offset=0)
     reply.update(status="error", ename=type(exc).__name__, evalue=str(exc),
                  traceback=shell._last_traceback or [], user_expressions={})
     return reply

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_core.paths import SYSTEM_JUPYTER_PATH, jupyter_data_dir
 
 from .policy import SandboxPolicy
 
@@ -57,3 +58,39 @@ def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
             raise InstallError(
                 f"cannot write the kernelspec to {where}: {exc.strerror or exc}; choose --user, "
                 "--sys-prefix or a writable --prefix") from exc
+
+
+def kernelspec_dir(name: str, user: bool = False, prefix: str | None = None) -> Path:
+    """Where install() writes kernelspec `name` for these options (as jupyter_client does)."""
+    if user:
+        base = Path(jupyter_data_dir())
+    elif prefix:
+        base = Path(prefix).absolute() / "share" / "jupyter"
+    else:
+        base = Path(SYSTEM_JUPYTER_PATH[0])
+    return base / "kernels" / name
+
+
+def _is_ours(spec_dir: Path) -> bool:
+    try:
+        spec = json.loads((spec_dir / "kernel.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(spec, dict) and "sandbox_kernel" in spec.get("metadata", {})
+
+
+def uninstall(name: str = DEFAULT_NAME, user: bool = False, prefix: str | None = None) -> str:
+    """Remove the kernelspec `name` that install() wrote with these options; return its dir."""
+    spec_dir = kernelspec_dir(name, user, prefix)
+    if not spec_dir.is_dir():
+        raise InstallError(f"no kernelspec named {name!r} in {spec_dir.parent}; `jupyter "
+                           "kernelspec list` shows where each one is (give the same --user, "
+                           "--sys-prefix or --prefix as for install)")
+    if not _is_ours(spec_dir):
+        raise InstallError(f"{spec_dir} was not installed by sandbox-kernel; leaving it alone "
+                           f"(`jupyter kernelspec remove {name}` removes any kernelspec)")
+    try:
+        shutil.rmtree(spec_dir)
+    except OSError as exc:
+        raise InstallError(f"cannot remove {spec_dir}: {exc.strerror or exc}") from exc
+    return str(spec_dir)

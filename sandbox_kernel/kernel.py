@@ -15,12 +15,20 @@ from ipykernel.ipkernel import IPythonKernel
 from traitlets import Dict
 
 from . import __version__, entrypoint
-from .deadline import Deadline
+from .confine import denials
+from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 from .policy import SandboxPolicy
 
 DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
                     "adapter as a subprocess, and the sandbox forbids creating processes")
+
+
+def _timeout_source(label: Any) -> str:
+    """Who set a request's timeout: the client's short label (e.g. `Sandbox.run(timeout=)`)."""
+    if isinstance(label, str) and 0 < len(label) <= 80 and label.isprintable():
+        return label
+    return "metadata.sandbox.timeout"
 
 
 class SandboxKernel(IPythonKernel):
@@ -35,8 +43,10 @@ class SandboxKernel(IPythonKernel):
         super().__init__(**kwargs)
         entrypoint.load_ipython_extension(self.shell)  # the %main magic
         self.deadline: Deadline | None = None
+        self.file_access: denials.FileAccess | None = None  # set by the application
+        # IPython's hook for errors it shows: the ones the sandbox has something to say about.
         self.shell.set_custom_exc(  # type: ignore[union-attr]
-            (asyncio.CancelledError,), self.show_cancelled)
+            (asyncio.CancelledError, ExecutionTimeout, OSError), self.show_error)
 
     @property
     def banner(self) -> str:  # type: ignore[override]
@@ -58,11 +68,13 @@ class SandboxKernel(IPythonKernel):
     def time_limit(self) -> tuple[float, str]:
         """Seconds the current execution may run (0: no limit) and where that number came from."""
         sandbox = self.get_parent().get("metadata", {}).get("sandbox")
-        requested = sandbox.get("timeout") if isinstance(sandbox, dict) else None
+        if not isinstance(sandbox, dict):
+            sandbox = {}
+        requested = sandbox.get("timeout")
         if isinstance(requested, (int, float)) and not isinstance(requested, bool) \
                 and requested > 0:
-            return float(requested), "metadata.sandbox.timeout"
-        return self.policy.timeout, "the kernel's --timeout"
+            return float(requested), _timeout_source(sandbox.get("timeout_source"))
+        return self.policy.timeout, "the kernel's --timeout policy default"
 
     @staticmethod
     def is_cell_frame(frame: FrameType) -> bool:
@@ -96,10 +108,14 @@ class SandboxKernel(IPythonKernel):
             return self.deadline.error()  # type: ignore[union-attr]
         return error
 
-    def show_cancelled(self, shell: Any, etype: type, value: BaseException, tb: Any,
-                       tb_offset: int | None = None) -> None:
-        """IPython's handler for a cancelled cell: show it as what cancelled it."""
+    def show_error(self, shell: Any, etype: type, value: BaseException, tb: Any,
+                   tb_offset: int | None = None) -> None:
+        """IPython's handler for the errors above: a refusal says why, and its traceback ends
+        at the user's call (no sandbox or library frames after it)."""
         shown = self.translate_error(value)
+        shown = denials.explain_file_error(shown, self.file_access) or shown
+        if isinstance(shown, ExecutionTimeout) or denials.is_refusal(shown):
+            tb = denials.user_part(tb, self.is_cell_frame)
         shell.showtraceback((type(shown), shown, tb), tb_offset=tb_offset)
 
     def report_dropped_output(self) -> None:

@@ -45,14 +45,33 @@ class OutputBudget:
 BUDGET = OutputBudget()
 
 
+class _LastWriter:
+    """The stream written to last, so that a switch of streams keeps the order of writes."""
+
+    stream: OutStream | None = None
+
+
 class CappedOutStream(OutStream):
-    """ipykernel's OutStream, spending the shared budget on every write."""
+    """ipykernel's OutStream, spending the shared budget on every write, in write order.
+
+    ipykernel gives stdout and stderr a buffer each, and each sends its buffer on its own timer:
+    a print, a log line and a print went out as "print print" then "log". So when the code
+    switches streams, the other stream's pending text is sent first (flush() waits until the
+    IOPub thread has sent it); runs of writes to one stream stay batched.
+    """
 
     def write(self, string: str) -> Any:
         kept = BUDGET.take(string) if isinstance(string, str) else string
         if kept:
+            self._send_the_other_stream_first()
             super().write(kept)
         return len(string) if isinstance(string, str) else None
+
+    def _send_the_other_stream_first(self) -> None:
+        previous, _LastWriter.stream = _LastWriter.stream, self
+        if previous is not None and previous is not self and previous._flush_pending \
+                and not previous.closed:
+            previous.flush()
 
     def write_uncapped(self, string: str) -> None:
         """Write past the cap (for the sandbox's own marker)."""

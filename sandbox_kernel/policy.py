@@ -107,13 +107,19 @@ class SandboxPolicy(Configurable):
         True,
         help="Refuse to start when Landlock cannot be applied. Turning this off runs untrusted "
         "code with no file-system confinement: only for hosts without Landlock.",
-    ).tag(config=True, flag="no-landlock", flag_value=False)
+    ).tag(config=True, flag="no-landlock", flag_value=False,
+          flag_help="Start even without Landlock: untrusted code then has NO file-system "
+          "confinement (it may read and write whatever the kernel's user can). Only for hosts "
+          "without Landlock.")
 
     require_seccomp = Bool(
         True,
         help="Refuse to start when the seccomp filter cannot be loaded. Turning this off runs "
         "untrusted code without a system-call filter: only for hosts that cannot load one.",
-    ).tag(config=True, flag="no-seccomp", flag_value=False)
+    ).tag(config=True, flag="no-seccomp", flag_value=False,
+          flag_help="Start even without the seccomp filter: untrusted code may then create "
+          "processes, open sockets and make any system call. Only for hosts that cannot load "
+          "a filter.")
 
     def as_dict(self) -> dict[str, Any]:
         """The effective policy as plain JSON-able values."""
@@ -140,10 +146,15 @@ def _flagged() -> list[tuple[str, Any]]:
             if trait.metadata.get("flag")]
 
 
+def _flag_help(trait: Any) -> str:
+    """What the flag does; differs from the trait's help when the flag turns the trait off."""
+    return str(trait.metadata.get("flag_help", trait.help))
+
+
 def app_flags() -> dict[str, tuple[dict[str, Any], str]]:
     """traitlets flags (`--allow-network`, `--no-seccomp`) for the kernel application."""
     return {trait.metadata["flag"]: ({"SandboxPolicy": {name: trait.metadata.get(
-                "flag_value", True)}}, trait.help)
+                "flag_value", True)}}, _flag_help(trait))
             for name, trait in _flagged() if isinstance(trait, Bool)}
 
 
@@ -157,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the policy flags to an argparse parser (install, run and check share them)."""
     group = parser.add_argument_group("sandbox policy")
     for name, trait in _flagged():
-        option, help_text = f"--{trait.metadata['flag']}", trait.help
+        option, help_text = f"--{trait.metadata['flag']}", _flag_help(trait)
         if isinstance(trait, Bool):
             action = "store_false" if trait.metadata.get("flag_value") is False else "store_true"
             group.add_argument(option, dest=name, action=action, default=None, help=help_text)

@@ -1,6 +1,8 @@
 """`sandbox-kernel run`: the examples, exit statuses, --json, --save-displays, usage errors."""
 
 import json
+import os
+import signal
 import struct
 import subprocess
 import sys
@@ -109,8 +111,96 @@ def test_timeout_exits_1_and_names_the_timeout():
     done = run("-", "--timeout", "1", "--json", stdin="import time\ntime.sleep(60)\n")
     assert done.returncode == cli.CODE_FAILED
     report = json.loads(done.stdout)
-    assert report["error"]["name"] == "ExecutionTimeout"
+    # the flag that set it, and nothing about variables the one-shot kernel no longer has
+    assert (report["error"]["name"], report["error"]["value"]) == (
+        "ExecutionTimeout", "the execution ran longer than its 1 s limit (set by "
+        "sandbox-kernel run --timeout) and was interrupted")
     assert report["state_lost"] is False
+    assert not [line for line in report["error"]["traceback"] if "deadline.py" in line]
+
+
+POLICY_TIMEOUT = "print(get_ipython().kernel.sandbox_info['policy']['timeout'])\n"
+
+
+def help_text(capsys, *command):
+    """`sandbox-kernel COMMAND --help`, with argparse's line wrapping undone."""
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_run_has_a_default_time_limit_and_0_means_none(capsys):
+    assert f"time limit: {cli.RUN_TIMEOUT:g} s unless --timeout says otherwise (--timeout 0: " \
+        "none)" in help_text(capsys, "run")
+    default = run("-", stdin=POLICY_TIMEOUT)
+    assert (default.returncode, own_lines(default.stderr)) == (0, f"{cli.RUN_TIMEOUT}\n")
+    none = run("-", "--timeout", "0", stdin=POLICY_TIMEOUT)
+    assert (none.returncode, own_lines(none.stderr)) == (0, "0.0\n")
+
+
+def test_stdout_and_stderr_keep_their_order():
+    code = ("import logging, sys\nlogging.basicConfig(format='%(message)s')\n"
+            "for i in range(3):\n    print(f'print {i}')\n    logging.warning(f'log {i}')\n")
+    done = run("-", stdin=code)
+    assert done.returncode == 0
+    assert own_lines(done.stderr) == "print 0\nlog 0\nprint 1\nlog 1\nprint 2\nlog 2\n"
+
+
+def test_ctrl_c_ends_quietly_with_one_line():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sandbox_kernel", "run", "-"], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process.stdin.write("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    process.stdin.close()
+    process.stdin = None  # closed: communicate() must not flush it
+    try:
+        assert process.stderr.readline() == "started\n"
+        os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does to its job
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (process.returncode, out) == (cli.INTERRUPTED, "")
+    assert own_lines(err) == "sandbox-kernel run: interrupted (Ctrl-C); the kernel was stopped\n"
+
+
+def test_uninstall_removes_what_install_wrote(tmp_path, capsys):
+    assert cli.main(["install", "--prefix", str(tmp_path), "--name", "gone-soon"]) == 0
+    spec_dir = tmp_path / "share" / "jupyter" / "kernels" / "gone-soon"
+    assert (spec_dir / "kernel.json").is_file()
+    capsys.readouterr()
+    assert cli.main(["uninstall", "--prefix", str(tmp_path), "--name", "gone-soon"]) == 0
+    assert capsys.readouterr().out == f"Removed kernelspec gone-soon from {spec_dir}\n"
+    assert not spec_dir.exists()
+    assert cli.main(["uninstall", "--prefix", str(tmp_path), "--name", "gone-soon"]) == \
+        cli.USAGE_ERROR
+    assert capsys.readouterr().err.startswith(
+        f"sandbox-kernel uninstall: no kernelspec named 'gone-soon' in {spec_dir.parent}; ")
+
+
+def test_uninstall_leaves_other_kernelspecs_alone(tmp_path, capsys):
+    other = tmp_path / "share" / "jupyter" / "kernels" / "python3"
+    other.mkdir(parents=True)
+    (other / "kernel.json").write_text(json.dumps({"argv": ["python"], "display_name": "P",
+                                                   "language": "python"}))
+    assert cli.main(["uninstall", "--prefix", str(tmp_path), "--name", "python3"]) == \
+        cli.USAGE_ERROR
+    assert capsys.readouterr().err == (
+        f"sandbox-kernel uninstall: {other} was not installed by sandbox-kernel; leaving it "
+        "alone (`jupyter kernelspec remove python3` removes any kernelspec)\n")
+    assert (other / "kernel.json").is_file()
+
+
+def test_user_uninstall_from_the_command_line():
+    installed = subprocess.run(["sandbox-kernel", "install", "--user", "--name", "cli-user"],
+                               capture_output=True, text=True, timeout=60)
+    assert installed.returncode == 0, installed.stderr
+    removed = subprocess.run(["sandbox-kernel", "uninstall", "--user", "--name", "cli-user"],
+                             capture_output=True, text=True, timeout=60)
+    spec_dir = Path(os.environ["JUPYTER_DATA_DIR"]) / "kernels" / "cli-user"
+    assert (removed.returncode, removed.stdout) == (0, f"Removed kernelspec cli-user from "
+                                                       f"{spec_dir}\n")
+    assert not spec_dir.exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -165,3 +255,21 @@ def test_a_kernel_that_cannot_start_exits_3():
     assert (done.returncode, done.stdout) == (cli.KERNEL_FAILED, "")
     assert done.stderr.splitlines()[-1].startswith("sandbox-kernel run: the kernel did not start: ")
     assert "never" not in done.stderr
+
+
+@pytest.mark.parametrize("command", ["install", "run", "check"])
+def test_no_landlock_and_no_seccomp_help_says_what_they_do(capsys, command):
+    text = help_text(capsys, command)
+    assert "--no-landlock Start even without Landlock: untrusted code then has NO file-system " \
+        "confinement" in text
+    assert "--no-seccomp Start even without the seccomp filter: untrusted code may then " \
+        "create processes" in text
+    assert "Refuse to start" not in text
+
+
+def test_the_kernels_own_flags_say_the_same():
+    from sandbox_kernel.policy import app_flags
+
+    flags = app_flags()
+    assert flags["no-landlock"][1].startswith("Start even without Landlock")
+    assert flags["no-seccomp"][1].startswith("Start even without the seccomp filter")

@@ -24,6 +24,9 @@ CELLS = {  # id: (source, tags)
     "call-main": ('%main {"x": 21}', []),
     "denied": ("import subprocess\nsubprocess.run(['ls'])", ["raises-exception"]),
     "after": ("print('still running')", []),
+    "order": ("import logging\nlogging.basicConfig(format='%(message)s', force=True)\n"
+              "for i in range(2):\n    print(f'print {i}')\n    logging.warning(f'log {i}')", []),
+    "nearby-data": ("open('data.csv')", ["raises-exception"]),
 }
 
 
@@ -41,7 +44,8 @@ def write_notebook(path: Path) -> Path:
 
 @pytest.fixture
 def notebook(kernelspecs, tmp_path) -> Path:
-    """The test notebook, written to a fresh directory."""
+    """The test notebook, written to a fresh directory, with a data file next to it."""
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
     return write_notebook(tmp_path / "sandboxed.ipynb")
 
 
@@ -66,9 +70,15 @@ def merged_streams(outputs: list) -> list:
     return merged
 
 
-def assert_sandboxed_outputs(nb: nbformat.NotebookNode, greeting: str, n: int) -> None:
+def assert_sandboxed_outputs(nb: nbformat.NotebookNode, greeting: str, n: int,
+                             folder: Path) -> None:
     """The saved notebook holds every cell's expected output, the denial included."""
     outputs = outputs_by_cell(nb)
+    assert outputs["order"] == [  # in the order written, not all prints before all logs
+        {"output_type": "stream", "name": name, "text": text}
+        for name, text in [("stdout", "print 0\n"), ("stderr", "log 0\n"),
+                           ("stdout", "print 1\n"), ("stderr", "log 1\n")]]
+    assert_points_at_the_notebooks_folder(outputs["nearby-data"], folder)
     assert outputs["greet"] == [{"output_type": "stream", "name": "stdout",
                                  "text": f"{greeting} from the sandbox\n"}]
     assert_one_png(outputs["chart"])
@@ -105,6 +115,20 @@ def assert_denied(outputs: list) -> None:
     assert "the sandbox blocked starting a subprocess" in outputs[0]["evalue"]
 
 
+def assert_points_at_the_notebooks_folder(outputs: list, folder: Path) -> None:
+    """open('data.csv') says the file is in the notebook's folder and how to grant it."""
+    assert [output["output_type"] for output in outputs] == ["error"]
+    assert outputs[0]["ename"] == "FileNotFoundError"
+    assert outputs[0]["evalue"].startswith(
+        "[Errno 2] No such file or directory: 'data.csv': the kernel's working directory is its "
+        "private scratch (")
+    assert outputs[0]["evalue"].endswith(
+        f"not the folder it was started in ({folder}: the notebook's folder under Jupyter), "
+        f"which has 'data.csv'; to read it, add it to the kernelspec with `sandbox-kernel "
+        f"install --read-path {folder}` (--write-path to write there too) and restart the "
+        f"kernel, then open {str(folder / 'data.csv')!r}")
+
+
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run a Jupyter command line with this session's isolated environment."""
     return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, capture_output=True,
@@ -116,7 +140,7 @@ def test_jupyter_execute(notebook):
     result = run(["jupyter", "execute", "--kernel_name=sandbox", f"--output={executed.name}",
                   notebook.name], cwd=notebook.parent)
     assert result.returncode == 0, result.stderr
-    assert_sandboxed_outputs(nbformat.read(executed, as_version=4), "hello", 3)
+    assert_sandboxed_outputs(nbformat.read(executed, as_version=4), "hello", 3, notebook.parent)
 
 
 def test_nbclient(notebook):
@@ -125,7 +149,7 @@ def test_nbclient(notebook):
                             resources={"metadata": {"path": str(notebook.parent)}})
     client.execute()
     nbformat.write(nb, notebook)
-    assert_sandboxed_outputs(nbformat.read(notebook, as_version=4), "hello", 3)
+    assert_sandboxed_outputs(nbformat.read(notebook, as_version=4), "hello", 3, notebook.parent)
 
 
 def test_papermill_with_parameters(notebook):
@@ -140,4 +164,22 @@ def test_papermill_with_parameters(notebook):
     nb = nbformat.read(executed, as_version=4)
     injected = [cell.source for cell in nb.cells if "injected-parameters" in cell.metadata.tags]
     assert injected == ['# Parameters\ngreeting = "hi"\nn = 5\n']
-    assert_sandboxed_outputs(nb, "hi", 5)
+    assert_sandboxed_outputs(nb, "hi", 5, notebook.parent)
+
+
+def test_papermill_needs_language_for_a_notebook_without_language_metadata(kernelspecs, tmp_path):
+    # README's note: papermill takes the language for its parameters cell from the notebook,
+    # not from the kernelspec; `--language python` supplies it.
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("print(x * 2)")]
+    nbformat.write(nb, tmp_path / "bare.ipynb")
+    argv = ["papermill", "bare.ipynb", "out.ipynb", "-k", "sandbox", "-p", "x", "5",
+            "--no-progress-bar"]
+    without = run(argv, cwd=tmp_path)
+    assert without.returncode == 1
+    assert "No language found in notebook and no override provided" in without.stderr
+    with_language = run([*argv, "--language", "python"], cwd=tmp_path)
+    assert with_language.returncode == 0, with_language.stderr
+    printed = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[-1].outputs
+    assert printed == [{"output_type": "stream", "name": "stdout", "text": "10\n"}]

@@ -4,6 +4,12 @@ The filter answers a refused call with a bare EPERM, which Python shows as "Oper
 permitted". These wrappers call the real function first and, only when the kernel really refused
 it, re-raise a PermissionError that says which rule refused it and what would allow it. They are a
 courtesy, not a layer: calling the unwrapped function still hits the same filter.
+
+Landlock answers a file outside the grants with a bare EACCES, from whichever call touched it
+(open, listdir, scandir, pathlib, stat, a library's own open). Rather than wrapping them all,
+the kernel explains such an error when it shows it (`explain_file_error`): the kernel knows its
+grants, so an EACCES on a path under none of them is the sandbox's; one inside a grant is the
+host's own answer and is left alone. `user_part` cuts a refusal's traceback at the user's call.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import functools
 import os
 import pty
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import FrameType, TracebackType
 from typing import Any
 
 PROCESSES = ("creating processes is not allowed in the sandbox (no policy flag allows it: "
@@ -45,7 +53,7 @@ _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be s
 def _denied(what: str, why: str) -> PermissionError:
     message = f"Operation not permitted: the sandbox blocked {what}: {why}"
     exc = PermissionError(errno.EPERM, message)
-    exc.sandbox_rule = why  # type: ignore[attr-defined]  # marks it as already explained
+    exc.sandbox_rule = why  # type: ignore[attr-defined]  # marks it as explained, a refusal
     return exc
 
 
@@ -138,3 +146,109 @@ def install(allow_network: bool) -> None:
         for name in ("connect",):
             setattr(socket.socket, name, _explain(getattr(socket.socket, name),
                                                   f"socket.{name}()", NETWORK_OFF))
+
+
+# --- files: explained when shown ------------------------------------------------------------------
+
+GRANT_FLAGS = ("add it to the kernelspec with `sandbox-kernel install --read-path {dir}` "
+               "(--write-path to write there too) and restart the kernel")
+
+
+@dataclass(frozen=True)
+class FileAccess:
+    """What the kernel knows about its files: its grants, its scratch, where it was started."""
+
+    landlock: bool  # off: every EACCES is the host's
+    read: tuple[str, ...] = ()  # real paths granted read-only or read-write
+    write: tuple[str, ...] = ()  # real paths granted read-write
+    scratch: str = ""
+    launch_dir: str = ""  # the cwd at launch: under Jupyter, the notebook's folder
+
+    @classmethod
+    def granted(cls, read: Iterable[str], write: Iterable[str], scratch: str,
+                launch_dir: str) -> FileAccess:
+        """FileAccess for Landlock with these grants (resolved, as Landlock resolves them)."""
+        real = [os.path.realpath(path) for path in write]
+        return cls(True, tuple(dict.fromkeys([*(os.path.realpath(p) for p in read), *real])),
+                   tuple(real), scratch, launch_dir)
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def _folder(path: str) -> str:
+    return path if os.path.isdir(path) else os.path.dirname(path) or "/"
+
+
+def _host_lets_write(path: str) -> bool:
+    """What the host's own permissions say (access() is not subject to Landlock)."""
+    target = path if os.path.lexists(path) else os.path.dirname(path)
+    return os.access(target, os.W_OK)
+
+
+def _explained(exc: OSError, message: str) -> OSError:
+    explained = type(exc)(exc.errno, f"{exc.strerror}: {exc.filename!r}: {message}")
+    explained.sandbox_rule = message  # type: ignore[attr-defined]
+    return explained
+
+
+def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
+    if not _under(path, access.read):
+        return _explained(exc, "the sandbox refused it: the path is outside what this kernel "
+                          "was granted; to let user code read it, "
+                          + GRANT_FLAGS.format(dir=_folder(path)))
+    if not _under(path, access.write) and _host_lets_write(path):
+        return _explained(exc, "the sandbox refused it: this kernel was granted the path "
+                          "read-only; to let user code write there, add it with "
+                          f"`sandbox-kernel install --write-path {_folder(path)}` and restart "
+                          "the kernel")
+    return None  # inside a grant: the host itself refused
+
+
+def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | None:
+    elsewhere = os.path.join(access.launch_dir, name)
+    if not os.path.lexists(elsewhere):
+        return None
+    where = (f"the kernel's working directory is its private scratch ({access.scratch}), not "
+             f"the folder it was started in ({access.launch_dir}: the notebook's folder under "
+             f"Jupyter), which has {name!r}")
+    if access.landlock and not _under(os.path.realpath(elsewhere), access.read):
+        return _explained(exc, f"{where}; to read it, "
+                          + GRANT_FLAGS.format(dir=access.launch_dir)
+                          + f", then open {elsewhere!r}")
+    return _explained(exc, f"{where}; open {elsewhere!r}")
+
+
+def explain_file_error(exc: BaseException, access: FileAccess | None) -> OSError | None:
+    """The same error, saying what the sandbox has to do with it; None when it has nothing."""
+    if access is None or not isinstance(exc, OSError) or hasattr(exc, "sandbox_rule") \
+            or not isinstance(exc.filename, (str, bytes, os.PathLike)):
+        return None
+    name = os.fsdecode(exc.filename)
+    if isinstance(exc, PermissionError) and exc.errno == errno.EACCES and access.landlock:
+        return _refusal(exc, os.path.realpath(name), access)
+    if isinstance(exc, FileNotFoundError) and not os.path.isabs(name) and access.launch_dir \
+            and os.path.realpath(access.launch_dir) != os.path.realpath(os.getcwd()):
+        return _not_in_scratch(exc, name, access)
+    return None
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether the sandbox refused this (and said why): its traceback ends at the user's call."""
+    return hasattr(exc, "sandbox_rule")
+
+
+def user_part(tb: TracebackType | None, is_user_frame: Callable[[FrameType], bool]
+              ) -> TracebackType | None:
+    """The traceback up to the user's last frame: no library or sandbox frames after it."""
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    last = max((i for i, entry in enumerate(entries) if is_user_frame(entry.tb_frame)),
+               default=len(entries) - 1)
+    cut: TracebackType | None = None
+    for entry in reversed(entries[:last + 1]):
+        cut = TracebackType(cut, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return cut

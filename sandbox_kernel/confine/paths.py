@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 import sysconfig
@@ -35,8 +36,59 @@ def interpreter_paths() -> list[str]:
     candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(os.path.realpath(sys.executable))]
     candidates += [value for key, value in sysconfig.get_paths().items() if key != "scripts"]
-    candidates += [entry for entry in sys.path if entry]
+    roots = [os.path.realpath(p) for p in candidates]
+    candidates += import_path_grants([entry for entry in sys.path if entry], roots)
+    candidates += editable_finder_paths()
     return list(existing(dict.fromkeys(os.path.realpath(p) for p in candidates)))
+
+
+def _inside(path: str, roots: Iterable[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+def import_path_grants(entries: Iterable[str], roots: Iterable[str]) -> list[str]:
+    """What to grant for each sys.path entry: the entry, or only its packages and modules.
+
+    An entry outside the interpreter's own directories was added by a .pth file, which is how
+    an editable install (hatchling, flit, setuptools' compat mode) exposes a source checkout:
+    granting the entry would hand user code the whole checkout (.git, .env). Its importable
+    children are what imports need.
+    """
+    roots = list(roots)
+    grants: list[str] = []
+    for entry in entries:
+        real = os.path.realpath(entry)
+        if _inside(real, roots) or not os.path.isdir(real):
+            grants.append(real)
+        else:
+            grants += importable_children(real)
+    return grants
+
+
+def importable_children(directory: str) -> list[str]:
+    """The packages (with __init__.py) and modules directly in directory; no dot-files."""
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    found = []
+    for entry in os.scandir(directory):
+        name = entry.name
+        if name.startswith(".") or not name.partition(".")[0].isidentifier():
+            continue
+        package = entry.is_dir() and os.path.isfile(os.path.join(entry.path, "__init__.py"))
+        if package or (entry.is_file() and name.endswith(suffixes)):
+            found.append(entry.path)
+    return sorted(found)
+
+
+def editable_finder_paths() -> list[str]:
+    """Package directories mapped by setuptools' editable finders (not on sys.path at all)."""
+    paths = []
+    for finder in sys.meta_path:
+        module = sys.modules.get(getattr(finder, "__module__", "") or "")
+        mapping = getattr(module, "MAPPING", None)
+        if module is not None and module.__name__.startswith("__editable__") \
+                and isinstance(mapping, dict):
+            paths += [str(path) for path in mapping.values()]
+    return paths
 
 
 def own_proc_dir() -> str:
