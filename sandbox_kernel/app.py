@@ -19,8 +19,8 @@ from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
 
-from .confine import denials, landlock, limits, paths, privileges, scratch, seccomp
-from .confine.environment import SCRATCH_VAR
+from .confine import audit, denials, landlock, limits, paths, privileges, reaper, scratch, seccomp
+from .confine.environment import REAPER_VAR, SCRATCH_VAR
 from .kernel import SandboxKernel
 from .policy import SandboxPolicy, app_aliases, app_flags
 
@@ -41,6 +41,8 @@ class SandboxKernelApp(IPKernelApp):
     policy = Instance(SandboxPolicy, help="The effective sandbox policy.")
     layers = DictTrait(help="What each sandbox layer did in this process.")
     launcher_stderr = 2
+    reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
+    audit_file: int | None = None
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -51,7 +53,8 @@ class SandboxKernelApp(IPKernelApp):
         # The pipe carries output of forked children, which cannot exist here; Landlock refuses
         # the random port it would bind, and that is fine.
         warnings.filterwarnings("ignore", message="Couldn't bind IOPub Pipe")
-        # ipykernel points file descriptor 2 at the frontend; keep the launcher's log.
+        # ipykernel points file descriptor 2 at the frontend; keep the log pipe to the reaper
+        # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
         super().initialize(argv)
         if self.subapp is not None:
@@ -59,6 +62,7 @@ class SandboxKernelApp(IPKernelApp):
         # Switching user only now: ipykernel re-reads its root-only connection file above.
         privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
         self.init_seccomp()
+        self.close_handovers()
         denials.install(self.policy.allow_network)
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
@@ -79,6 +83,8 @@ class SandboxKernelApp(IPKernelApp):
                                  "`python -I -m sandbox_kernel`, which creates one")
         os.chdir(scratch_dir)
         self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        channel = os.environ.get(REAPER_VAR, "")
+        self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
         try:
             read_grants = paths.check_grants(policy.read_paths)
@@ -86,6 +92,7 @@ class SandboxKernelApp(IPKernelApp):
             self.layers["limits"] = limits.apply(policy.memory_limit, policy.cpu_limit,
                                                  policy.file_size_limit, policy.open_files_limit)
             self.layers["privileges"] = privileges.plan(policy.run_as)
+            self.init_audit(scratch_dir, write_grants)
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
         self.init_landlock(paths.read_only(read_grants, self.abs_connection_file),
@@ -109,18 +116,70 @@ class SandboxKernelApp(IPKernelApp):
                 f"landlock: {exc}. To run without file-system confinement on purpose, start "
                 "the kernel with --no-landlock")
 
+    def init_audit(self, scratch_dir: str, write_grants: list[str]) -> None:
+        """Open the operator's audit file now, as the launching user, for the reaper to keep."""
+        path = self.policy.audit_log
+        if not path:
+            return
+        path = os.path.realpath(path)
+        for writable in map(os.path.realpath, (scratch_dir, *write_grants)):
+            if os.path.commonpath([path, writable]) == writable:
+                raise ValueError(f"--audit-log {path} is inside {writable}, which user code may "
+                                 "write: choose a path outside the scratch and every --write-path")
+        if self.reaper_channel is None:
+            raise ValueError("--audit-log needs the reaper: start the kernel with "
+                             "`python -I -m sandbox_kernel`")
+        try:
+            self.audit_file = audit.open_log(path)
+        except OSError as exc:
+            raise ValueError(f"cannot open --audit-log {path}: {exc.strerror}") from None
+
     def init_seccomp(self) -> None:
-        """Load the filter into all threads now that the sockets exist (fail closed)."""
+        """Load the filter into all threads now that the sockets exist (fail closed).
+
+        With a reaper, the calls the filter refuses wait for the reaper's answer, and it records
+        them; the kernel keeps no copy of the listener.
+        """
         if not self.policy.require_seccomp:
             self.layers["seccomp"] = {"active": False, "reason": "off by policy (--no-seccomp)"}
             return
+        notify = self.reaper_channel is not None
         try:
-            seccomp.install(os.getpid(), self.policy.allow_network)
-        except seccomp.SeccompError as exc:
+            listener = seccomp.install(os.getpid(), self.policy.allow_network, notify=notify)
+            if listener is not None:
+                self.hand_listener(listener)
+        except (seccomp.SeccompError, OSError) as exc:
             self.refuse_to_start(
                 f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
                 "kernel with --no-seccomp")
-        self.layers["seccomp"] = {"active": True, **seccomp.describe(self.policy.allow_network)}
+        self.layers["seccomp"] = {"active": True,
+                                  **seccomp.describe(self.policy.allow_network, notify)}
+
+    def hand_listener(self, listener: int) -> None:
+        """Give the reaper the seccomp listener (and the audit file); keep neither."""
+        assert self.reaper_channel is not None
+        files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
+        settings = {"kernel": self.kernel_id, "uid": os.getuid()}
+        try:
+            reaper.hand_over(self.reaper_channel, {"audit": settings}, files)
+        finally:
+            os.close(listener)
+        self.layers["audit"] = {"recorder": "reaper", "audit_log": self.policy.audit_log or None,
+                                "kernel": self.kernel_id}
+
+    @property
+    def kernel_id(self) -> str:
+        """The id Jupyter gave this kernel (its connection file's name), for the audit record."""
+        name = os.path.splitext(os.path.basename(self.connection_file))[0]
+        return name.removeprefix("kernel-") or str(os.getpid())
+
+    def close_handovers(self) -> None:
+        """Close the channel to the reaper, the audit file and the log dup: user code is next."""
+        for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr):
+            if fd is not None and fd > 2:
+                os.close(fd)
+        self.reaper_channel = self.audit_file = None
+        self.launcher_stderr = 2
 
     def refuse_to_start(self, reason: str) -> NoReturn:
         """Exit before any user code runs, with one line on the real stderr."""

@@ -92,6 +92,12 @@ class SandboxPolicy(Configurable):
         "dropped), a user name, or UID[:GID].",
     ).tag(config=True, flag="run-as", metavar="USER")
 
+    audit_log = Unicode(
+        "", help="Append one JSON line per system call the filter refused (kernel id, call, "
+        "arguments) to this file, written by the kernel's unconfined reaper; user code cannot "
+        "reach it. Denials also go to the launcher's log either way.",
+    ).tag(config=True, flag="audit-log", metavar="PATH")
+
     require_landlock = Bool(
         True,
         help="Refuse to start when Landlock cannot be applied. Turning this off runs untrusted "
