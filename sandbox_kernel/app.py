@@ -15,6 +15,7 @@ import sys
 import warnings
 from typing import Any, NoReturn
 
+import zmq
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
@@ -60,7 +61,8 @@ class SandboxKernelApp(IPKernelApp):
         if self.subapp is not None:
             return
         # Switching user only now: ipykernel re-reads its root-only connection file above.
-        privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+        privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"],
+                          self.policy.max_threads)
         self.init_seccomp()
         self.close_handovers()
         denials.install(self.policy.allow_network)
@@ -74,6 +76,17 @@ class SandboxKernelApp(IPKernelApp):
             # every start (it lands in `sandbox-kernel run`'s output).
             self.log.addFilter(lambda record: "without encryption" not in record.getMessage())
         super().init_sockets()
+
+    def init_control(self, context: Any) -> None:
+        """Bind the control channel, without the debugger's loop-back connection.
+
+        ipykernel connects a socket to its own shell port for the debugger, which this kernel
+        refuses anyway; with the network off libzmq would retry that connection forever, and
+        every retry is a refused socket() in the audit record.
+        """
+        super().init_control(context)
+        self.debug_shell_socket.close(linger=0)
+        self.debug_shell_socket = context.socket(zmq.DEALER)  # never connected
 
     def init_confinement(self) -> None:
         """Scratch, limits, privileges and Landlock, while this is the only thread."""
@@ -91,8 +104,8 @@ class SandboxKernelApp(IPKernelApp):
             write_grants = paths.check_grants(policy.write_paths)
             self.layers["limits"] = limits.apply(policy.memory_limit, policy.cpu_limit,
                                                  policy.file_size_limit, policy.open_files_limit)
-            self.layers["privileges"] = privileges.plan(policy.run_as)
             self.init_audit(scratch_dir, write_grants)
+            self.init_identity(read_grants + write_grants)
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
         self.init_landlock(paths.read_only(read_grants, self.abs_connection_file),
@@ -115,6 +128,24 @@ class SandboxKernelApp(IPKernelApp):
             self.refuse_to_start(
                 f"landlock: {exc}. To run without file-system confinement on purpose, start "
                 "the kernel with --no-landlock")
+
+    def init_identity(self, grants: list[str]) -> None:
+        """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone."""
+        policy = self.policy
+        if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
+            raise privileges.PrivilegeError(
+                "a uid of the kernel's own needs the reaper to hold it: start the kernel with "
+                "`python -I -m sandbox_kernel`, or choose --run-as USER")
+        # Root re-reads the connection file after this; grants are user code's to use.
+        visible = [self.abs_connection_file, *grants]
+        planned, lock = privileges.plan(policy.run_as, policy.uid_range, visible)
+        if lock is not None:
+            assert self.reaper_channel is not None
+            try:
+                reaper.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
+            finally:
+                os.close(lock)
+        self.layers["privileges"] = planned
 
     def init_audit(self, scratch_dir: str, write_grants: list[str]) -> None:
         """Open the operator's audit file now, as the launching user, for the reaper to keep."""

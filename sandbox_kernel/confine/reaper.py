@@ -117,6 +117,10 @@ class LogRelay:
         if self.pending:
             self._relay(self.pending)
             self.pending = b""
+        if self.dropped:
+            self.out.write(f"sandbox-kernel: {self.dropped} bytes of kernel log dropped "
+                           "(rate limit)\n".encode())
+            self.dropped = 0
 
     def _relay(self, line: bytes) -> None:
         if not self.budget.take(len(line) + 1):
