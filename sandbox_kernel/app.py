@@ -136,9 +136,9 @@ class SandboxKernelApp(IPKernelApp):
             raise privileges.PrivilegeError(
                 "a uid of the kernel's own needs the reaper to hold it: start the kernel with "
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
-        # Root re-reads the connection file after this; grants are user code's to use.
-        visible = [self.abs_connection_file, *grants]
-        planned, lock = privileges.plan(policy.run_as, policy.uid_range, visible)
+        # Root re-reads the connection file after this (ipykernel's write_connection_file).
+        planned, lock = privileges.plan(policy.run_as, policy.uid_range, grants,
+                                        [self.abs_connection_file])
         if lock is not None:
             assert self.reaper_channel is not None
             try:

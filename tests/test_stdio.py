@@ -21,6 +21,7 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from sandbox_kernel.confine import reaper
+from tests.helpers import wait_until_ready
 
 HOSTILE = """
 import os, json, errno
@@ -93,25 +94,15 @@ def launched(tmp_path):
     client.load_connection_file()
     client.start_channels()
     try:
-        wait_until_ready(client, process, terminal)
+        try:
+            wait_until_ready(client, process)
+        except RuntimeError:
+            raise RuntimeError(f"the kernel did not start: {terminal.received!r}") from None
         yield client, process, log, terminal
     finally:
         client.stop_channels()
         process.kill()
         process.wait(30)
-
-
-def wait_until_ready(client, process, terminal, timeout=60):
-    """wait_for_ready, retried while the process lives: a slow heartbeat is not a death."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.wait_for_ready(timeout=max(1, deadline - time.monotonic()))
-            return
-        except RuntimeError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the kernel did not start: {terminal.received.decode()}")\
-                    from None
 
 
 def evaluate(client, code):

@@ -133,14 +133,18 @@ class Auditor:
         if not self.budget.take():
             self.suppressed += 1
             return
+        self.report_suppressed()
+        entry = record(notification, self.kernel_id, self.uid)
+        self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
+                           f"thread {entry['pid']} ({entry['thread']})")
+
+    def report_suppressed(self) -> None:
+        """Record how many denials the rate limit left out since the last record."""
         if self.suppressed:
             self._write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                          "kernel": self.kernel_id[:128], "suppressed": self.suppressed},
                         f"{self.suppressed} more denials not recorded (rate limit)")
             self.suppressed = 0
-        entry = record(notification, self.kernel_id, self.uid)
-        self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
-                           f"thread {entry['pid']} ({entry['thread']})")
 
     def _write(self, entry: dict[str, Any], summary: str) -> None:
         self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"

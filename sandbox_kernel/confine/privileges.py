@@ -148,14 +148,20 @@ def _chown_tree(top: str, uid: int, gid: int) -> None:
             os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
 
 
-def _drop_capabilities() -> None:
-    """Empty the bounding, permitted, effective and inheritable sets of this thread."""
+def _drop_bounding_set() -> None:
+    """Empty this thread's bounding set: no execve can ever grant a capability again."""
     libc = ctypes.CDLL(None, use_errno=True)
     last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for cap in range(last + 1):
         if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             why = os.strerror(ctypes.get_errno())
             raise PrivilegeError(f"could not drop capability {cap}: {why}")
+
+
+def _drop_capabilities() -> None:
+    """Empty the bounding, permitted, effective and inheritable sets of this thread."""
+    _drop_bounding_set()
+    libc = ctypes.CDLL(None, use_errno=True)
     header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # two empty __user_cap_data_struct
     number = _SYS_CAPSET.get(os.uname().machine)
@@ -163,12 +169,14 @@ def _drop_capabilities() -> None:
         raise PrivilegeError("could not clear the capability sets")
 
 
-def plan(run_as: str, uid_range: str, visible: list[str]) -> tuple[dict[str, Any], int | None]:
+def plan(run_as: str, uid_range: str, grants: list[str],
+         visible: list[str]) -> tuple[dict[str, Any], int | None]:
     """Decide whom the kernel runs as; return that and the uid lock to hand to the reaper.
 
     'auto' takes a uid of its own; 'root' stays uid 0 without capabilities; a user name or
     UID[:GID] is taken as given. When the uid cannot reach the interpreter, the kernel's mount
-    namespace shows it the paths it needs (and `visible`: the connection file, grants).
+    namespace shows it the paths it needs: the interpreter and the grants (and `visible`, the
+    connection file root reads once more).
     Call as root, while single-threaded and before Landlock.
     """
     if os.geteuid() != 0:
@@ -187,11 +195,12 @@ def plan(run_as: str, uid_range: str, visible: list[str]) -> tuple[dict[str, Any
         if uid == 0:
             raise PrivilegeError(f"--run-as {run_as} is uid 0: say --run-as root to keep root")
     try:
-        covered = _make_reachable(uid, gid, visible)
+        covered = _make_reachable(uid, gid, grants, visible)
     except BaseException:
         if lock is not None:
             os.close(lock)
         raise
+    _drop_bounding_set()  # threads started from here on inherit the empty set
     planned: dict[str, Any] = {"uid": uid, "gid": gid, "dropped": True,
                                "own": lock is not None}
     if covered:
@@ -199,8 +208,9 @@ def plan(run_as: str, uid_range: str, visible: list[str]) -> tuple[dict[str, Any
     return planned, lock
 
 
-def _make_reachable(uid: int, gid: int, visible: list[str]) -> list[str]:
-    needed = [*paths.interpreter_paths(), os.path.dirname(sys.executable), *_needed_paths()]
+def _make_reachable(uid: int, gid: int, grants: list[str], visible: list[str]) -> list[str]:
+    needed = [*paths.interpreter_paths(), os.path.dirname(sys.executable), *_needed_paths(),
+              *grants]
     try:
         covered = view.expose(needed, visible, uid, gid)
     except view.ViewError as exc:

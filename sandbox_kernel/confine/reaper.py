@@ -206,6 +206,8 @@ class Reaper:
                     self._ready(fd, events)
             self._drain_log()
         finally:
+            if self.auditor is not None:
+                self.auditor.report_suppressed()
             self.relay.flush()
             self.out.close()
 
