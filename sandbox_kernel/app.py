@@ -1,10 +1,12 @@
 """The kernel application: ipykernel's start-up sequence with the sandbox layers put in place.
 
-1. clean environment (environment.ensure_clean, run by __main__ before the heavy imports)
-2. scratch as cwd, rlimits, privilege drop             } in init_sockets, while exactly one
-3. Landlock                                            } thread exists
-4. IPKernelApp binds the ZMQ sockets and starts its threads
-5. seccomp with TSYNC, into every thread
+1. clean environment and the reaper, which keeps the launcher's stdio (environment.ensure_clean,
+   run by __main__ before the heavy imports)
+2. scratch as cwd, rlimits, audit file, identity       } in init_sockets, while exactly one
+   (a uid of its own; a view of the interpreter)      } thread exists
+3. Landlock                                            }
+4. IPKernelApp binds the ZMQ sockets and starts its threads; the uid is switched
+5. seccomp with TSYNC, into every thread; its listener (and the audit file) go to the reaper
 6. start(): user code runs only from here on
 """
 
@@ -105,7 +107,7 @@ class SandboxKernelApp(IPKernelApp):
             self.layers["limits"] = limits.apply(policy.memory_limit, policy.cpu_limit,
                                                  policy.file_size_limit, policy.open_files_limit)
             self.init_audit(scratch_dir, write_grants)
-            self.init_identity(read_grants + write_grants)
+            self.init_identity([scratch_dir, *read_grants, *write_grants])
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
         self.init_landlock(paths.read_only(read_grants, self.abs_connection_file),
@@ -129,15 +131,18 @@ class SandboxKernelApp(IPKernelApp):
                 f"landlock: {exc}. To run without file-system confinement on purpose, start "
                 "the kernel with --no-landlock")
 
-    def init_identity(self, grants: list[str]) -> None:
-        """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone."""
+    def init_identity(self, reachable: list[str]) -> None:
+        """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
+
+        reachable: what user code must reach besides the interpreter (scratch and grants).
+        """
         policy = self.policy
         if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
             raise privileges.PrivilegeError(
                 "a uid of the kernel's own needs the reaper to hold it: start the kernel with "
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
-        planned, lock = privileges.plan(policy.run_as, policy.uid_range, grants,
+        planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
                                         [self.abs_connection_file])
         if lock is not None:
             assert self.reaper_channel is not None

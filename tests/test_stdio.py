@@ -180,3 +180,12 @@ def test_reaper_holds_the_launchers_stderr_and_nothing_else(launched):
             for fd in os.listdir(f"/proc/{children[0]}/fd")}
     assert terminal.path in held
     assert str(log) not in held
+
+
+def test_no_escape_sequence_reaches_the_terminal(launched):
+    client, _, _, terminal = launched
+    # OSC 52 would set the operator's clipboard; OSC 0 the window title.
+    escapes = "b'osc \\x1b]52;c;cm0gLXJm\\x07 \\x1b]0;owned\\x07 end\\n'"
+    evaluate(client, f"import os\nos.write(2, {escapes})\n1")
+    assert terminal.wait_for(b"osc ?]52;c;cm0gLXJm? ?]0;owned? end")
+    assert b"\x1b]" not in terminal.received

@@ -92,9 +92,10 @@ def thread_name(tid: int) -> str:
     """The calling thread's name (16 bytes at most), to tell user code from the kernel's own."""
     try:
         with open(f"/proc/{tid}/comm", "rb") as comm:
-            return comm.read(64).decode(errors="replace").strip()
+            name = comm.read(64).decode(errors="replace").rstrip("\n")
     except OSError:
         return ""
+    return "".join(c if c.isprintable() else "?" for c in name)  # user code names threads
 
 
 def record(notification: Notification, kernel_id: str, uid: int | None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import shutil
 import socket
 import threading
 import time
+import unicodedata
 from typing import Any
 
 from . import audit
@@ -132,7 +133,14 @@ class LogRelay:
             self.dropped = 0
         if line.startswith(AUDIT_PREFIX):  # only the reaper writes audit lines
             line = b"(from the kernel) " + line
-        self.out.write(line + b"\n")
+        self.out.write(printable(line) + b"\n")
+
+
+def printable(line: bytes) -> bytes:
+    """line with control characters shown as '?': no escape sequences reach the terminal."""
+    text = line.decode("utf-8", errors="replace")
+    return "".join(c if c == "\t" or unicodedata.category(c) != "Cc" else "?"
+                   for c in text).encode()
 
 
 def start(scratch_dir: str) -> int:
@@ -180,14 +188,16 @@ def _run(kernel_pid: int, scratch_dir: str, log_read: int, channel: int) -> None
     if os.getppid() != kernel_pid:  # the kernel died before we could watch it
         shutil.rmtree(scratch_dir, ignore_errors=True)
         return
-    Reaper(kernel, launcher, log_read, channel).serve()
+    Reaper(kernel_pid, kernel, launcher, log_read, channel).serve()
     shutil.rmtree(scratch_dir, ignore_errors=True)
 
 
 class Reaper:
     """The reaper's event loop: log relay, handovers from the kernel, seccomp notifications."""
 
-    def __init__(self, kernel: int, launcher: int, log_read: int, channel: int) -> None:
+    def __init__(self, kernel_pid: int, kernel: int, launcher: int, log_read: int,
+                 channel: int) -> None:
+        self.kernel_pid = kernel_pid
         self.out = LauncherLog(launcher)
         self.relay = LogRelay(self.out)
         self.kernel, self.log_read, self.channel = kernel, log_read, channel
@@ -214,7 +224,7 @@ class Reaper:
     def _kernel_alive(self) -> bool:
         if self.kernel >= 0:
             return not select.select([self.kernel], [], [], 0)[0]
-        return os.getppid() != 1  # without pidfds: reparented means the kernel is gone
+        return os.getppid() == self.kernel_pid  # without pidfds: reparented, the kernel is gone
 
     def _ready(self, fd: int, events: int) -> None:
         if not events & select.POLLIN:  # hung up: nothing will come from there any more
