@@ -1,10 +1,12 @@
 """The kernel application: ipykernel's start-up sequence with the sandbox layers put in place.
 
-1. clean environment (environment.ensure_clean, run by __main__ before the heavy imports)
-2. scratch as cwd, rlimits, privilege drop             } in init_sockets, while exactly one
-3. Landlock                                            } thread exists
-4. IPKernelApp binds the ZMQ sockets and starts its threads
-5. seccomp with TSYNC, into every thread
+1. clean environment and the reaper, which keeps the launcher's stdio (environment.ensure_clean,
+   run by __main__ before the heavy imports)
+2. scratch as cwd, rlimits, audit file, identity       } in init_sockets, while exactly one
+   (a uid of its own; a view of the interpreter)      } thread exists
+3. Landlock                                            }
+4. IPKernelApp binds the ZMQ sockets and starts its threads; the uid is switched
+5. seccomp with TSYNC, into every thread; its listener (and the audit file) go to the reaper
 6. start(): user code runs only from here on
 """
 
@@ -16,12 +18,24 @@ import time
 import warnings
 from typing import Any, NoReturn
 
+import zmq
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
 
-from .confine import denials, landlock, limits, paths, privileges, promises, scratch, seccomp
-from .confine.environment import SCRATCH_VAR
+from .confine import (
+    audit,
+    denials,
+    landlock,
+    limits,
+    paths,
+    privileges,
+    promises,
+    reaper,
+    scratch,
+    seccomp,
+)
+from .confine.environment import REAPER_VAR, SCRATCH_VAR
 from .kernel import SandboxKernel
 from .policy import SandboxPolicy, app_aliases, app_flags
 
@@ -44,6 +58,8 @@ class SandboxKernelApp(IPKernelApp):
     file_access = Instance(denials.FileAccess, allow_none=True,
                            help="The grants, for explaining file errors to the user.")
     launcher_stderr = 2
+    reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
+    audit_file: int | None = None
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -54,7 +70,8 @@ class SandboxKernelApp(IPKernelApp):
         # The pipe carries output of forked children, which cannot exist here; Landlock refuses
         # the random port it would bind, and that is fine.
         warnings.filterwarnings("ignore", message="Couldn't bind IOPub Pipe")
-        # ipykernel points file descriptor 2 at the frontend; keep the launcher's log.
+        # ipykernel points file descriptor 2 at the frontend; keep the log pipe to the reaper
+        # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
         super().initialize(argv)
         if self.subapp is not None:
@@ -62,6 +79,7 @@ class SandboxKernelApp(IPKernelApp):
         # Switching user only now: ipykernel re-reads its root-only connection file above.
         privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
         self.init_seccomp()
+        self.close_handovers()
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
@@ -75,6 +93,17 @@ class SandboxKernelApp(IPKernelApp):
             self.log.addFilter(lambda record: "without encryption" not in record.getMessage())
         super().init_sockets()
 
+    def init_control(self, context: Any) -> None:
+        """Bind the control channel, without the debugger's loop-back connection.
+
+        ipykernel connects a socket to its own shell port for the debugger, which this kernel
+        refuses anyway; with the network off libzmq would retry that connection forever, and
+        every retry is a refused socket() in the audit record.
+        """
+        super().init_control(context)
+        self.debug_shell_socket.close(linger=0)
+        self.debug_shell_socket = context.socket(zmq.DEALER)  # never connected
+
     def init_confinement(self) -> None:
         """Scratch, limits, privileges and Landlock, while this is the only thread."""
         scratch_dir = os.environ.get(SCRATCH_VAR, "")
@@ -87,11 +116,14 @@ class SandboxKernelApp(IPKernelApp):
             launch_dir = ""
         os.chdir(scratch_dir)
         self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        channel = os.environ.get(REAPER_VAR, "")
+        self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
         try:
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
-            self.layers["privileges"] = privileges.plan(policy.run_as)
+            self.init_audit(scratch_dir, write_grants)
+            self.init_identity([scratch_dir, *read_grants, *write_grants])
             self.layers["limits"] = limits.apply(
                 policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
@@ -140,22 +172,96 @@ class SandboxKernelApp(IPKernelApp):
                 f"landlock: {exc}. To run without file-system confinement on purpose, start "
                 "the kernel with --no-landlock")
 
+    def init_identity(self, reachable: list[str]) -> None:
+        """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
+
+        reachable: what user code must reach besides the interpreter (scratch and grants).
+        """
+        policy = self.policy
+        if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
+            raise privileges.PrivilegeError(
+                "a uid of the kernel's own needs the reaper to hold it: start the kernel with "
+                "`python -I -m sandbox_kernel`, or choose --run-as USER")
+        # Root re-reads the connection file after this (ipykernel's write_connection_file).
+        planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
+                                        [self.abs_connection_file])
+        if lock is not None:
+            assert self.reaper_channel is not None
+            try:
+                reaper.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
+            finally:
+                os.close(lock)
+        self.layers["privileges"] = planned
+
+    def init_audit(self, scratch_dir: str, write_grants: list[str]) -> None:
+        """Open the operator's audit file now, as the launching user, for the reaper to keep."""
+        path = self.policy.audit_log
+        if not path:
+            return
+        path = os.path.realpath(path)
+        for writable in map(os.path.realpath, (scratch_dir, *write_grants)):
+            if os.path.commonpath([path, writable]) == writable:
+                raise ValueError(f"--audit-log {path} is inside {writable}, which user code may "
+                                 "write: choose a path outside the scratch and every --write-path")
+        if self.reaper_channel is None:
+            raise ValueError("--audit-log needs the reaper: start the kernel with "
+                             "`python -I -m sandbox_kernel`")
+        try:
+            self.audit_file = audit.open_log(path)
+        except OSError as exc:
+            raise ValueError(f"cannot open --audit-log {path}: {exc.strerror}") from None
+
     def init_seccomp(self) -> None:
-        """Load the filter into all threads now that the sockets exist (fail closed)."""
+        """Load the filter into all threads now that the sockets exist (fail closed).
+
+        With a reaper, the calls the filter refuses wait for the reaper's answer, and it records
+        them; the kernel keeps no copy of the listener.
+        """
         if not self.policy.require_seccomp:
             self.layers["seccomp"] = {"active": False, "reason": "off by policy (--no-seccomp)"}
             return
         landlock_layer = self.layers["landlock"]
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
+        notify = self.reaper_channel is not None
         try:
-            seccomp.install(os.getpid(), self.policy.allow_network, landlock_abi=abi)
-        except seccomp.SeccompError as exc:
+            listener = seccomp.install(os.getpid(), self.policy.allow_network,
+                                      landlock_abi=abi, notify=notify)
+            if listener is not None:
+                self.hand_listener(listener)
+        except (seccomp.SeccompError, OSError) as exc:
             self.refuse_to_start(
                 f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
                 "kernel with --no-seccomp")
-        described = seccomp.describe(self.policy.allow_network, landlock_abi=abi)
-        self.layers["seccomp"] = {"active": True, **described}
+        self.layers["seccomp"] = {"active": True,
+                                  **seccomp.describe(self.policy.allow_network, notify,
+                                                     landlock_abi=abi)}
+
+    def hand_listener(self, listener: int) -> None:
+        """Give the reaper the seccomp listener (and the audit file); keep neither."""
+        assert self.reaper_channel is not None
+        files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
+        settings = {"kernel": self.kernel_id, "uid": os.getuid()}
+        try:
+            reaper.hand_over(self.reaper_channel, {"audit": settings}, files)
+        finally:
+            os.close(listener)
+        self.layers["audit"] = {"recorder": "reaper", "audit_log": self.policy.audit_log or None,
+                                "kernel": self.kernel_id}
+
+    @property
+    def kernel_id(self) -> str:
+        """The id Jupyter gave this kernel (its connection file's name), for the audit record."""
+        name = os.path.splitext(os.path.basename(self.connection_file))[0]
+        return name.removeprefix("kernel-") or str(os.getpid())
+
+    def close_handovers(self) -> None:
+        """Close the channel to the reaper, the audit file and the log dup: user code is next."""
+        for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr):
+            if fd is not None and fd > 2:
+                os.close(fd)
+        self.reaper_channel = self.audit_file = None
+        self.launcher_stderr = 2
 
     def wait_for_heartbeat(self, timeout: float = 10.0) -> None:
         """Wait until the heartbeat thread has bound its socket: the filter refuses bind()."""

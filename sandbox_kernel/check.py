@@ -25,19 +25,22 @@ def _rlimits() -> dict[str, Any]:
 
 
 def _user_code_uid(policy: SandboxPolicy) -> tuple[int, str | None]:
-    """The uid user code would run as (as privileges.plan decides), and why not, if it cannot."""
-    if os.geteuid() != 0:
+    """The uid user code would run as (as privileges.plan decides), and why not, if it cannot.
+
+    As root with --run-as auto each kernel takes a free uid of its own when it starts; the
+    first of --uid-range stands for it here (it is never 0).
+    """
+    if os.geteuid() != 0 or policy.run_as == "root":
         return os.geteuid(), None
     try:
-        uid, gid = privileges.resolve("65534" if policy.run_as == "auto" else policy.run_as)
-        missing = privileges.can_run_as(uid, gid)
+        if policy.run_as == "auto":
+            return privileges.parse_range(policy.uid_range)[0], None
+        uid, _ = privileges.resolve(policy.run_as)
     except privileges.PrivilegeError as exc:
         return 0, str(exc)
-    if not missing:
-        return uid, None
-    if policy.run_as == "auto":
-        return 0, None  # stays root without capabilities
-    return 0, f"--run-as {policy.run_as}: cannot read {missing}"
+    if uid == 0:
+        return 0, f"--run-as {policy.run_as} is uid 0: say --run-as root to keep root"
+    return uid, None
 
 
 def _problems(policy: SandboxPolicy, judged: list[promises.Promise],
@@ -88,7 +91,9 @@ def summary(report: dict[str, Any]) -> str:
         f"  seccomp:  {'available' if filt['available'] else 'NOT available: ' + filt['reason']}",
         f"  Landlock: ABI {lock['abi']}{capped}" if lock["abi"] else
         f"  Landlock: NOT available{capped}",
-        f"  user code runs as: uid {uid} ({_user_name(uid)})",
+        f"  user code runs as: uid {uid} ({_user_name(uid)})" if report["uid"] != 0
+        or report["policy"].get("run_as") != "auto" else
+        f"  user code runs as: a uid of its own per kernel from {report['policy']['uid_range']}",
         "promises of this policy, and what keeps them:",
     ]
     for item in report["promises"]:

@@ -14,6 +14,7 @@ from traitlets.config import Configurable
 
 from .confine.limits import parse_size
 from .confine.paths import check_grants
+from .confine.privileges import DEFAULT_UID_RANGE
 from .confine.scratch import DEFAULT_SCRATCH_SIZE
 
 
@@ -98,10 +99,27 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="max-output", metavar="SIZE")
 
     run_as = Unicode(
-        "auto", help="When started as root, the user to switch to after set-up: 'auto' (nobody "
-        "when it can read the interpreter, otherwise stay root with every capability "
-        "dropped), a user name, or UID[:GID].",
+        "auto", help="When started as root, whom user code runs as: 'auto' (a uid of the "
+        "kernel's own from --uid-range), a user name or UID[:GID] (shared by every kernel "
+        "started so), or 'root' (uid 0 with every capability dropped: only on purpose).",
     ).tag(config=True, flag="run-as", metavar="USER")
+
+    uid_range = Unicode(
+        DEFAULT_UID_RANGE, help="When started as root with --run-as auto, the uids (each "
+        "also the gid) kernels take one each of: FIRST-LAST. Ids of accounts, groups and "
+        "/etc/subuid ranges are skipped.",
+    ).tag(config=True, flag="uid-range", metavar="FIRST-LAST")
+
+    max_threads = Int(
+        512, help="Most threads user code may run at once; more fail with RuntimeError "
+        "(RLIMIT_NPROC when the kernel has a uid of its own).",
+    ).tag(config=True, flag="max-threads", metavar="N")
+
+    audit_log = Unicode(
+        "", help="Append one JSON line per system call the filter refused (kernel id, call, "
+        "arguments) to this file, written by the kernel's unconfined reaper; user code cannot "
+        "reach it. Denials also go to the launcher's log either way.",
+    ).tag(config=True, flag="audit-log", metavar="PATH")
 
     require_landlock = Bool(
         True,

@@ -27,3 +27,21 @@ def evaluate(sandbox, code):
     execution = ok(sandbox.run(code))
     assert execution.text is not None, f"no result from {code!r}: {execution}"
     return ast.literal_eval(execution.text)
+
+
+def wait_until_ready(client, process, timeout=60):
+    """client.wait_for_ready, retried while the kernel process lives.
+
+    A client without a manager judges liveness by the heartbeat alone, and reports a kernel that
+    is still starting (no beat within a second, common on a loaded machine) as dead.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.wait_for_ready(timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except RuntimeError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise

@@ -1,71 +1,134 @@
-"""Started as root, the kernel becomes nobody when nobody can run it.
+"""Started as root with a Python under a 0700 directory, user code never runs as root.
 
-This host's interpreter lives under /root (mode 0700), so the shared kernels stay root without
-capabilities. Here the system's own Python, which anyone can read, gets a virtualenv with this
-package in it, and the kernel started from it must really switch user.
+This host's interpreter lives under /root (mode 0700), and so may an operator's. Here the
+situation is built on purpose, wherever the suite runs: a virtualenv inside a private directory
+next to a secret (it reuses this interpreter's packages through a .pth file, so it takes a
+second to build). Each kernel started from it must run as a uid of its own, reach its
+interpreter through its private mount namespace, and see nothing else there.
 """
 
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 
 from sandbox_kernel.client import Sandbox
+from sandbox_kernel.confine import privileges
 from tests.helpers import evaluate
 
-SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/usr/local/bin")
-REPO = Path(__file__).resolve().parent.parent
+RANGE = privileges.parse_range(privileges.DEFAULT_UID_RANGE)
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or SYSTEM_PYTHON is None,
-    reason="needs root and a system Python that unprivileged users can read")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="identities are for kernels root starts")
+
+IDENTITY = ("import os\n(os.getuid(), os.geteuid(), os.getgid(), os.getgroups(),"
+            " os.stat(os.getcwd()).st_uid, [l.split()[1] for l in open('/proc/self/status')"
+            " if l.startswith(('CapEff', 'CapPrm'))])")
 
 
 @pytest.fixture(scope="module")
-def nobody_kernel():
-    """A kernel started as root from a world-readable virtualenv."""
-    # Not pytest's tmp_path: it is private to root, and nobody must read the virtualenv.
+def private_dir():
+    """A 0700 directory holding a virtualenv with this package, a kernelspec and a secret."""
+    # Not pytest's tmp_path: the point is a directory only its owner can enter, made here.
     base = Path("/tmp") / f"sandbox-kernel-privileges-{os.getpid()}"
     venv, prefix = base / "venv", base / "prefix"
+    base.mkdir(mode=0o700)
     try:
-        subprocess.run([SYSTEM_PYTHON, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin/pip"), "install", "-q", str(REPO)], check=True)
-        subprocess.run([str(venv / "bin/python"), "-m", "sandbox_kernel", "install", "--prefix",
-                        str(prefix), "--name", "nobody"], check=True, capture_output=True)
-        specs = KernelSpecManager(kernel_dirs=[str(prefix / "share/jupyter/kernels")])
-        sb = Sandbox("nobody")
-        sb.manager.kernel_spec_manager = specs
-        sb.start()
-        yield sb
-        sb.close()
+        base.chmod(0o700)
+        (base / "secret.txt").write_text("root's own")
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        where = "import sysconfig; print(sysconfig.get_path('purelib'))"
+        venv_site = subprocess.run([str(venv / "bin/python"), "-c", where],
+                                   check=True, capture_output=True, text=True).stdout.strip()
+        packages = sysconfig.get_path("purelib")
+        Path(venv_site, "packages.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
+        for name, extra in (("private", []), ("private-root", ["--run-as", "root"])):
+            subprocess.run([str(venv / "bin/python"), "-m", "sandbox_kernel", "install",
+                            "--prefix", str(prefix), "--name", name, *extra],
+                           check=True, capture_output=True)
+        yield base
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_kernel_runs_as_nobody_and_owns_its_scratch(nobody_kernel):
-    code = ("import os\n(os.getuid(), os.geteuid(), os.getgid(), os.getgroups(),"
-            " os.stat(os.getcwd()).st_uid, [l.split()[1] for l in open('/proc/self/status')"
-            " if l.startswith(('CapEff', 'CapPrm'))])")
-    assert evaluate(nobody_kernel, code) == (65534, 65534, 65534, [], 65534,
-                                             ["0000000000000000"] * 2)
-    layers = nobody_kernel.kernel_info()["sandbox"]["layers"]
-    assert layers["privileges"] == {"uid": 65534, "gid": 65534, "dropped": True}
+def start(private_dir, name):
+    specs = KernelSpecManager(kernel_dirs=[str(private_dir / "prefix/share/jupyter/kernels")])
+    sb = Sandbox(name)
+    sb.manager.kernel_spec_manager = specs
+    sb.start()
+    return sb
 
 
-def test_nobody_can_work_in_scratch_and_cannot_regain_root(nobody_kernel):
+@pytest.fixture(scope="module")
+def two_kernels(private_dir):
+    first, second = start(private_dir, "private"), start(private_dir, "private")
+    yield first, second
+    first.close()
+    second.close()
+
+
+def test_each_kernel_has_a_uid_of_its_own(two_kernels):
+    uids = []
+    for sandbox in two_kernels:
+        uid, euid, gid, groups, scratch_owner, caps = evaluate(sandbox, IDENTITY)
+        assert uid in RANGE and uid != 0
+        assert (euid, gid, groups, scratch_owner, caps) == (uid, uid, [], uid,
+                                                           ["0000000000000000"] * 2)
+        uids.append(uid)
+    assert uids[0] != uids[1]
+
+
+def test_only_the_interpreter_shows_in_the_private_directory(two_kernels, private_dir):
+    sandbox = two_kernels[0]
+    code = f"""
+import errno, os, sys
+def outcome(fn):
+    try:
+        return fn()
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+(sys.prefix, outcome(lambda: os.listdir({str(private_dir)!r})),
+ os.path.exists({str(private_dir / 'secret.txt')!r}),
+ outcome(lambda: open({str(private_dir / 'secret.txt')!r}).read()),
+ os.path.exists({str(private_dir / 'prefix')!r}))
+"""
+    assert evaluate(sandbox, code) == (str(private_dir / "venv"), "EACCES", False, "ENOENT",
+                                       False)
+    layers = sandbox.kernel_info()["sandbox"]["layers"]["privileges"]
+    assert str(private_dir) in layers["covered"]
+    assert layers["own"] is True
+    # The host's view is untouched: the secret is still there, the directory still private.
+    assert (private_dir / "secret.txt").read_text() == "root's own"
+    assert oct(private_dir.stat().st_mode & 0o777) == "0o700"
+
+
+def test_user_code_cannot_become_root_again(two_kernels):
     code = """
 import os, errno
-open('notes.txt', 'w').write('ok')
 def attempt(fn):
     try:
         fn()
         return 'done'
     except OSError as exc:
         return errno.errorcode[exc.errno]
-(open('notes.txt').read(), attempt(lambda: os.setuid(0)), attempt(lambda: os.seteuid(0)),
+(attempt(lambda: os.setuid(0)), attempt(lambda: os.seteuid(0)),
  attempt(lambda: open('/root/.profile')))
 """
-    assert evaluate(nobody_kernel, code) == ("ok", "EPERM", "EPERM", "EACCES")
+    setuid, seteuid, profile = evaluate(two_kernels[0], code)
+    # /root/.profile: hidden (ENOENT) where /root is covered to show the interpreter, else EACCES.
+    assert (setuid, seteuid) == ("EPERM", "EPERM") and profile in ("ENOENT", "EACCES")
+
+
+def test_root_only_when_asked_for(private_dir):
+    sandbox = start(private_dir, "private-root")
+    try:
+        uid, euid, *_, caps = evaluate(sandbox, IDENTITY)
+        assert (uid, euid, caps) == (0, 0, ["0000000000000000"] * 2)
+        layers = sandbox.kernel_info()["sandbox"]["layers"]["privileges"]
+        assert layers["reason"] == "--run-as root"
+    finally:
+        sandbox.close()

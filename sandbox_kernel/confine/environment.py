@@ -10,10 +10,11 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from . import scratch
+from . import reaper, scratch
 from .limits import parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
+REAPER_VAR = "SANDBOX_KERNEL_REAPER"  # fd of the channel to the reaper (see reaper.py)
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # Passed through when set: locale and time zone, what ipykernel reads from its launcher, and
@@ -61,6 +62,8 @@ def allowed(scratch_dir: str, argv: Sequence[str], current: Mapping[str, str]) -
         name, _, value = item.partition("=")
         env[name] = value
     env[SCRATCH_VAR] = scratch_dir
+    if REAPER_VAR in current:
+        env[REAPER_VAR] = current[REAPER_VAR]
     return env
 
 
@@ -70,7 +73,7 @@ def ensure_clean(argv: Sequence[str]) -> str:
     if scratch.is_own(current) and dict(os.environ) == allowed(current, argv, os.environ):
         return current
     scratch_dir = scratch.create()
-    keep = scratch.start_reaper(scratch_dir)
+    keep = reaper.start(scratch_dir)  # from here on fds 0-2 are no longer the launcher's
     sizes = _option_values(argv, _SIZE_OPTIONS)
     quota = parse_size(sizes[-1]) if sizes else scratch.DEFAULT_SCRATCH_SIZE
     scratch.mount_quota(scratch_dir, quota)
@@ -78,5 +81,6 @@ def ensure_clean(argv: Sequence[str]) -> str:
     os.closerange(3, keep)
     os.closerange(keep + 1, 65536)
     env = allowed(scratch_dir, argv, os.environ)
+    env[REAPER_VAR] = str(keep)
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     raise AssertionError("unreachable: execve returned")

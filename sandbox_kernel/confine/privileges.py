@@ -1,15 +1,29 @@
-"""Dropping root: switch to an unprivileged user, or at least shed every capability."""
+"""Dropping root: an identity of the kernel's own, or a named user, or root without capabilities.
+
+Started as root, each kernel takes a uid (and the same gid) from --uid-range that no account
+and no other live kernel uses: kernels then share no per-user limit, no file ownership, and
+RLIMIT_NPROC bounds the threads of exactly one kernel. A lock file per uid, locked and handed
+to the reaper until the kernel is gone, makes the choice atomic across processes.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import grp
 import os
 import pwd
+import stat
 import sys
 from pathlib import Path
 from typing import Any
 
+from . import paths, view
+
 NOBODY = 65534
+DEFAULT_UID_RANGE = "200000-265535"
+LOCK_DIR = "/run/sandbox-kernel/uids"
+_PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
 _CAP_VERSION_3 = 0x20080522
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
@@ -38,18 +52,92 @@ def _needed_paths() -> list[str]:
     return [sys.executable, str(stdlib), *[p for p in sys.path if p and os.path.isdir(p)]]
 
 
+def parse_range(text: str) -> range:
+    """The ids of --uid-range FIRST-LAST (inclusive)."""
+    first, sep, last = text.partition("-")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()) \
+            or not 0 < int(first) <= int(last) < 2**32 - 1:
+        raise PrivilegeError(f"--uid-range {text!r}: expected FIRST-LAST, e.g. "
+                             f"{DEFAULT_UID_RANGE}, with 0 < FIRST <= LAST")
+    return range(int(first), int(last) + 1)
+
+
+def _subordinate_ranges() -> list[range]:
+    """Ranges /etc/subuid and /etc/subgid give to user namespaces (container files)."""
+    ranges = []
+    for table in ("/etc/subuid", "/etc/subgid"):
+        try:
+            lines = Path(table).read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split(":")
+            if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
+                ranges.append(range(int(fields[1]), int(fields[1]) + int(fields[2])))
+    return ranges
+
+
+def accounts_ids() -> tuple[set[int], list[range]]:
+    """Ids some account or group has, and the subordinate ranges; the range must avoid both."""
+    ids = {entry.pw_uid for entry in pwd.getpwall()} | {entry.pw_gid for entry in pwd.getpwall()}
+    ids |= {entry.gr_gid for entry in grp.getgrall()}
+    return ids, _subordinate_ranges()
+
+
+def _lock_dir() -> Path:
+    directory = Path(LOCK_DIR)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
+        raise PrivilegeError(f"{directory} must be a directory only root can use; remove it "
+                             "and start the kernel again")
+    return directory
+
+
+def _uid_running(uid: int) -> bool:
+    """Whether any process runs as uid (a kernel whose reaper was killed, say)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.stat(entry.path).st_uid == uid:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def allocate(id_range: range) -> tuple[int, int]:
+    """A uid of id_range no account uses and no live kernel holds, and the fd of its lock.
+
+    Whoever holds the fd (the reaper, until the kernel is gone) owns the uid.
+    """
+    directory = _lock_dir()
+    taken, subordinate = accounts_ids()
+    for uid in id_range:
+        if uid in taken or any(uid in ranges for ranges in subordinate):
+            continue
+        fd = os.open(directory / f"{uid}.lock",
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if _uid_running(uid):
+            os.close(fd)
+            continue
+        return uid, fd
+    raise PrivilegeError(f"every uid of --uid-range {id_range.start}-{id_range.stop - 1} is "
+                         "used by an account or a live kernel: give a wider range")
+
+
 def can_run_as(uid: int, gid: int) -> str | None:
     """None when uid:gid can read the interpreter and its libraries; otherwise the first miss."""
-    os.setegid(gid)
-    os.seteuid(uid)
-    try:
+    with view.as_user(uid, gid):
         for path in _needed_paths():
             if not os.access(path, os.R_OK | os.X_OK, effective_ids=True):
                 return path
         return None
-    finally:
-        os.seteuid(0)
-        os.setegid(0)
 
 
 def _chown_tree(top: str, uid: int, gid: int) -> None:
@@ -59,14 +147,20 @@ def _chown_tree(top: str, uid: int, gid: int) -> None:
             os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
 
 
-def _drop_capabilities() -> None:
-    """Empty the bounding, permitted, effective and inheritable sets of this thread."""
+def _drop_bounding_set() -> None:
+    """Empty this thread's bounding set: no execve can ever grant a capability again."""
     libc = ctypes.CDLL(None, use_errno=True)
     last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for cap in range(last + 1):
         if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             why = os.strerror(ctypes.get_errno())
             raise PrivilegeError(f"could not drop capability {cap}: {why}")
+
+
+def _drop_capabilities() -> None:
+    """Empty the bounding, permitted, effective and inheritable sets of this thread."""
+    _drop_bounding_set()
+    libc = ctypes.CDLL(None, use_errno=True)
     header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # two empty __user_cap_data_struct
     number = _SYS_CAPSET.get(os.uname().machine)
@@ -74,29 +168,67 @@ def _drop_capabilities() -> None:
         raise PrivilegeError("could not clear the capability sets")
 
 
-def plan(run_as: str) -> dict[str, Any]:
-    """Decide whom the kernel runs as; if it stays root, shed every capability now.
+def plan(run_as: str, uid_range: str, grants: list[str],
+         visible: list[str]) -> tuple[dict[str, Any], int | None]:
+    """Decide whom the kernel runs as; return that and the uid lock to hand to the reaper.
 
-    Call while single-threaded: capabilities belong to each thread, and threads started later
-    inherit the empty sets.
+    'auto' takes a uid of its own; 'root' stays uid 0 without capabilities; a user name or
+    UID[:GID] is taken as given. When the uid cannot reach the interpreter, the kernel's mount
+    namespace shows it the paths it needs: the interpreter and the grants (and `visible`, the
+    connection file root reads once more).
+    Call as root, while single-threaded and before Landlock.
     """
     if os.geteuid() != 0:
         return {"uid": os.geteuid(), "gid": os.getegid(), "dropped": False,
-                "reason": "not started as root"}
-    uid, gid = resolve("65534" if run_as == "auto" else run_as)
-    missing = can_run_as(uid, gid)
-    if missing and run_as != "auto":
-        raise PrivilegeError(f"uid {uid} cannot read {missing}, which the kernel needs; "
-                             "choose another --run-as user or make the interpreter readable")
-    if missing:
+                "reason": "not started as root"}, None
+    if run_as == "root":
         _drop_capabilities()
         return {"uid": 0, "gid": os.getegid(), "dropped": False, "capabilities": "none",
-                "reason": f"uid {uid} cannot read {missing}; stayed root without capabilities"}
-    return {"uid": uid, "gid": gid, "dropped": True}
+                "reason": "--run-as root"}, None
+    lock = None
+    if run_as == "auto":
+        uid, lock = allocate(parse_range(uid_range))
+        gid = uid
+    else:
+        uid, gid = resolve(run_as)
+        if uid == 0:
+            raise PrivilegeError(f"--run-as {run_as} is uid 0: say --run-as root to keep root")
+    try:
+        covered = _make_reachable(uid, gid, grants, visible)
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        raise
+    _drop_bounding_set()  # threads started from here on inherit the empty set
+    planned: dict[str, Any] = {"uid": uid, "gid": gid, "dropped": True,
+                               "own": lock is not None}
+    if covered:
+        planned["covered"] = covered
+    return planned, lock
+
+
+def _make_reachable(uid: int, gid: int, grants: list[str], visible: list[str]) -> list[str]:
+    needed = [*paths.interpreter_paths(), os.path.dirname(sys.executable), *_needed_paths(),
+              *grants]
+    try:
+        covered = view.expose(needed, visible, uid, gid)
+    except view.ViewError as exc:
+        raise PrivilegeError(f"uid {uid} cannot read the interpreter and {exc}; start the "
+                             "kernel with --run-as root to run as root without capabilities, "
+                             "or install Python where every user can read it") from None
+    missing = can_run_as(uid, gid)
+    if missing:
+        raise PrivilegeError(f"uid {uid} cannot read {missing}, which the kernel needs; make "
+                             "it readable, or start the kernel with --run-as root")
+    return covered
 
 
 def switch(planned: dict[str, Any], scratch_dir: str) -> None:
-    """Become the planned user, owning the scratch (glibc applies it to every thread)."""
+    """Become the planned user, owning the scratch (glibc applies it to every thread).
+
+    A uid of its own may read its own /proc/self again: no other process has that uid. (Its
+    RLIMIT_NPROC, set by limits.apply, then counts this kernel's threads alone.)
+    """
     if not planned["dropped"]:
         return
     uid, gid = planned["uid"], planned["gid"]
@@ -104,3 +236,6 @@ def switch(planned: dict[str, Any], scratch_dir: str) -> None:
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
+    if planned.get("own"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)

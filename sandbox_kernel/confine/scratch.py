@@ -108,29 +108,3 @@ def quota(path: str) -> int | None:
             stats = os.statvfs(path)
             return stats.f_blocks * stats.f_frsize
     return None
-
-
-def start_reaper(path: str) -> int:
-    """Fork a tiny process that deletes path once this process has ended; return its fd.
-
-    The kernel cannot delete its own scratch: Landlock grants it nothing on the parent
-    directory. So, before any confinement, a child waits for the end of a pipe whose write end
-    the kernel keeps (inheritable, across its re-exec) until it exits, however it exits.
-    """
-    read_end, write_end = os.pipe()
-    if os.fork() == 0:
-        try:
-            os.setsid()  # survive the kernel's process group being killed
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):  # do not hold the launcher's pipes open
-                os.dup2(null, fd)
-            os.closerange(3, read_end)
-            os.closerange(read_end + 1, 65536)
-            while os.read(read_end, 1):
-                pass
-            shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os._exit(0)
-    os.close(read_end)
-    os.set_inheritable(write_end, True)
-    return write_end

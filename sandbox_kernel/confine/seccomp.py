@@ -9,6 +9,7 @@ verdict of the two). Both are loaded with TSYNC so every thread of the kernel ge
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import termios
 from collections.abc import Iterable
@@ -272,12 +273,6 @@ def denylist_rules(allow_network: bool = False) -> list[Rule]:
     return rules
 
 
-def allowlist_default() -> int:
-    """What the allowlist does with every call it does not name."""
-    assert _sc is not None
-    return int(_sc.ERRNO(errno.EPERM))
-
-
 def available() -> str | None:
     """None when seccomp can be used here; otherwise why not."""
     if _sc is None:
@@ -307,21 +302,41 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
     return flt
 
 
-def install(pid: int, allow_network: bool, *, landlock_abi: int = 0) -> None:
-    """Load both filters into every thread of this process, then verify that they took."""
+def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,
+            notify: bool = False) -> int | None:
+    """Load both filters into every thread of this process, then verify that they took.
+
+    With notify, the allowlist's default action is SECCOMP_RET_USER_NOTIF and the listener's fd
+    is returned: whoever holds it answers (and records) every call the allowlist refuses. Once
+    no process holds it, those calls fail with ENOSYS, so they stay refused.
+    """
     reason = available()
     if reason:
         raise SeccompError(reason)
     assert _sc is not None
+    default = _sc.NOTIFY if notify else _sc.ERRNO(errno.EPERM)
     try:
         # The denylist goes first: once the allowlist is in, seccomp() itself is refused.
         _compile(denylist_rules(allow_network), _sc.ALLOW).load()
-        _compile(allowlist_rules(pid, allow_network, landlock_abi), allowlist_default()).load()
+        allowlist = _compile(allowlist_rules(pid, allow_network, landlock_abi), default)
+        allowlist.load()
     except OSError as exc:
         raise SeccompError(f"loading the seccomp filter failed: {exc}") from exc
+    listener = _notify_fd(allowlist) if notify else None
     unfiltered = [tid for tid, mode in thread_modes().items() if mode != 2]
     if unfiltered:
         raise SeccompError(f"threads {unfiltered} did not receive the seccomp filter")
+    return listener
+
+
+def _notify_fd(loaded: Any) -> int:
+    """The listener fd libseccomp created when it loaded a filter that notifies."""
+    seccomp_notify_fd = _sc._libseccomp.seccomp_notify_fd  # type: ignore[union-attr]
+    fd = int(seccomp_notify_fd(loaded._filter))
+    if fd < 0:
+        raise SeccompError(f"libseccomp gave no notification fd ({os.strerror(-fd)}): "
+                           "recording denials needs Linux 5.0 and libseccomp 2.5")
+    return fd
 
 
 def thread_modes() -> dict[int, int]:
@@ -334,10 +349,11 @@ def thread_modes() -> dict[int, int]:
     return modes
 
 
-def describe(allow_network: bool, *, landlock_abi: int = 0) -> dict[str, Any]:
+def describe(allow_network: bool, notify: bool = False, *, landlock_abi: int = 0
+             ) -> dict[str, Any]:
     """What the filter allows, for kernel_info_reply and `sandbox-kernel check`."""
     return {
-        "default": "EPERM",
+        "default": "EPERM, recorded by the reaper" if notify else "EPERM",
         "processes": "denied (threads only)",
         "sockets": "inet/inet6 stream+dgram, unix stream socketpair" if allow_network
         else "none (unix stream socketpair only)",

@@ -1,0 +1,164 @@
+"""A record of every system call the filter refused, kept where user code cannot reach it.
+
+The allowlist's default action is SECCOMP_RET_USER_NOTIF: a refused call waits until whoever
+holds the filter's listener answers. The kernel hands the listener to the reaper before user
+code runs and closes its own copy; the reaper answers EPERM and writes one bounded line per
+denial to the launcher's log and, as JSON, to the operator's audit file. Should the reaper be
+gone, the kernel's pending and later refused calls fail with ENOSYS: still refused.
+
+Raw ioctls rather than libseccomp's seccomp_notify_*: those are tied to the filter context of
+the process that loaded it, and the reaper is another process holding only the descriptor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import time
+from typing import Any, Protocol
+
+# struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
+# u64 instruction_pointer; u64 args[6]}. struct seccomp_notif_resp: u64 id; s64 val;
+# s32 error; u32 flags. The ioctls are _IOWR('!', 0 / 1, <struct>).
+_NOTIF_SIZE, _RESP_SIZE = 80, 24
+SECCOMP_IOCTL_NOTIF_RECV = (3 << 30) | (_NOTIF_SIZE << 16) | (ord("!") << 8) | 0
+SECCOMP_IOCTL_NOTIF_SEND = (3 << 30) | (_RESP_SIZE << 16) | (ord("!") << 8) | 1
+
+AUDIT_BURST = 100  # denials recorded at once ...
+AUDIT_RATE = 10.0  # ... and per second after that; the rest are counted, not lost silently
+
+
+class Notification(ctypes.Structure):
+    """struct seccomp_notif."""
+
+    _fields_ = [("id", ctypes.c_uint64), ("pid", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("nr", ctypes.c_int32), ("arch", ctypes.c_uint32), ("ip", ctypes.c_uint64),
+                ("args", ctypes.c_uint64 * 6)]
+
+
+class Response(ctypes.Structure):
+    """struct seccomp_notif_resp."""
+
+    _fields_ = [("id", ctypes.c_uint64), ("val", ctypes.c_int64), ("error", ctypes.c_int32),
+                ("flags", ctypes.c_uint32)]
+
+
+assert ctypes.sizeof(Notification) == _NOTIF_SIZE and ctypes.sizeof(Response) == _RESP_SIZE
+
+
+class LineSink(Protocol):
+    """Where launcher-log lines go (the reaper's LauncherLog)."""
+
+    def write(self, line: bytes) -> None: ...
+
+
+def receive(listener: int) -> Notification | None:
+    """The next pending notification; None when its caller is already gone."""
+    buffer = bytearray(_NOTIF_SIZE)
+    try:
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, buffer, True)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.EINTR):
+            return None
+        raise
+    return Notification.from_buffer_copy(buffer)
+
+
+def refuse(listener: int, notification: Notification, error: int = errno.EPERM) -> None:
+    """Make the waiting call fail with error."""
+    response = Response(id=notification.id, val=0, error=-error, flags=0)
+    try:
+        fcntl.ioctl(listener, SECCOMP_IOCTL_NOTIF_SEND, bytearray(bytes(response)), True)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:  # ENOENT: the caller was killed meanwhile
+            raise
+
+
+def syscall_name(number: int) -> str:
+    """The native system call's name, or its number when unknown."""
+    try:
+        import pyseccomp
+
+        name = pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, number)
+    except (ImportError, RuntimeError, OSError, ValueError):
+        name = b""
+    return name.decode() if name else f"syscall_{number}"
+
+
+def thread_name(tid: int) -> str:
+    """The calling thread's name (16 bytes at most), to tell user code from the kernel's own."""
+    try:
+        with open(f"/proc/{tid}/comm", "rb") as comm:
+            name = comm.read(64).decode(errors="replace").rstrip("\n")
+    except OSError:
+        return ""
+    return "".join(c if c.isprintable() else "?" for c in name)  # user code names threads
+
+
+def record(notification: Notification, kernel_id: str, uid: int | None) -> dict[str, Any]:
+    """One denial as a JSON-able record of bounded size."""
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "kernel": kernel_id[:128],
+        "pid": notification.pid,
+        "thread": thread_name(notification.pid),
+        "uid": uid,
+        "syscall": syscall_name(notification.nr),
+        "nr": notification.nr,
+        "args": [hex(value) for value in notification.args],
+        "errno": "EPERM",
+    }
+
+
+class Auditor:
+    """Answers the kernel's refused calls and records each one, rate-limited."""
+
+    def __init__(self, listener: int, audit_file: int | None, log: LineSink,
+                 kernel_id: str, uid: int | None) -> None:
+        from .reaper import TokenBucket
+
+        self.listener, self.audit_file, self.log = listener, audit_file, log
+        self.kernel_id, self.uid = kernel_id, uid
+        self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)
+        self.suppressed = 0
+
+    def answer_one(self) -> None:
+        """Refuse the next pending call (EPERM), then record it."""
+        notification = receive(self.listener)
+        if notification is None:
+            return
+        refuse(self.listener, notification)
+        if not self.budget.take():
+            self.suppressed += 1
+            return
+        self.report_suppressed()
+        entry = record(notification, self.kernel_id, self.uid)
+        self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
+                           f"thread {entry['pid']} ({entry['thread']})")
+
+    def report_suppressed(self) -> None:
+        """Record how many denials the rate limit left out since the last record."""
+        if self.suppressed:
+            self._write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         "kernel": self.kernel_id[:128], "suppressed": self.suppressed},
+                        f"{self.suppressed} more denials not recorded (rate limit)")
+            self.suppressed = 0
+
+    def _write(self, entry: dict[str, Any], summary: str) -> None:
+        self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"
+                       .encode())
+        if self.audit_file is not None:
+            try:  # one write per line: O_APPEND keeps concurrent kernels' lines whole
+                os.write(self.audit_file, json.dumps(entry).encode() + b"\n")
+            except OSError as exc:
+                self.log.write(f"sandbox-kernel audit: cannot write the audit log: {exc}\n"
+                               .encode())
+
+
+def open_log(path: str) -> int:
+    """Open the operator's audit file for appending (created 0600); the reaper keeps the fd."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                   0o600)

@@ -1,0 +1,287 @@
+"""The kernel's unconfined companion: it holds what user code must never touch.
+
+Forked before any confinement, in its own session, the reaper is the only process that keeps
+the launcher's stderr. The kernel's fds 0-2 become /dev/null and a pipe whose other end the
+reaper reads, so the kernel's log still reaches the launcher, bounded and rate-limited, while
+user code can neither truncate the launcher's log file, read its terminal, nor write to the
+launcher's stdout (where `sandbox-kernel run --json` prints its one JSON object).
+
+Over a socketpair (the *channel*) the kernel hands the reaper, before user code runs, what must
+outlive it or stay out of its reach: the lock on its uid (held until the kernel is gone) and the
+seccomp listener with the audit file (denials are answered and recorded here, see audit.py).
+The reaper learns of the kernel's end from a pidfd, which user code cannot fake, then deletes
+the scratch directory: the kernel itself cannot, Landlock grants it nothing on the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import shutil
+import socket
+import threading
+import time
+import unicodedata
+from typing import Any
+
+from . import audit
+
+LOG_LINE_LIMIT = 2048  # bytes of one relayed log line; the rest is cut
+LOG_BURST = 64 * 1024  # bytes the kernel may log at once ...
+LOG_RATE = 8 * 1024  # ... and per second after that
+_WRITER_QUEUE = 512  # lines waiting for a slow launcher; beyond it lines are dropped
+_MAX_MESSAGE = 4096
+AUDIT_PREFIX = b"sandbox-kernel audit:"
+
+
+class LauncherLog:
+    """Lines to the launcher's stderr from a thread, so a stalled reader never stalls us."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.lines: queue.Queue[bytes | None] = queue.Queue(_WRITER_QUEUE)
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._write_all, daemon=True)
+        self.thread.start()
+
+    def write(self, line: bytes) -> None:
+        """Queue one line (ending in a newline), or count it as dropped when the queue is full."""
+        try:
+            self.lines.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+
+    def _write_all(self) -> None:
+        while (line := self.lines.get()) is not None:
+            try:
+                os.write(self.fd, line)
+            except OSError:
+                pass  # the launcher closed its stderr: nobody to tell
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (waiting at most timeout seconds), then stop."""
+        if self.dropped:
+            self.write(f"sandbox-kernel: {self.dropped} log lines dropped (launcher too "
+                       "slow)\n".encode())
+        try:
+            self.lines.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self.thread.join(timeout)
+
+
+class TokenBucket:
+    """At most `burst` units at once and `rate` per second after that."""
+
+    def __init__(self, burst: float, rate: float) -> None:
+        self.burst, self.rate = burst, rate
+        self.tokens, self.stamp = burst, time.monotonic()
+
+    def take(self, amount: float = 1) -> bool:
+        """Spend amount units if there are enough; False (and nothing spent) otherwise."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < amount:
+            return False
+        self.tokens -= amount
+        return True
+
+
+class LogRelay:
+    """The kernel's own log, line by line, bounded in line length and in rate."""
+
+    def __init__(self, out: LauncherLog) -> None:
+        self.out = out
+        self.pending = b""
+        self.budget = TokenBucket(LOG_BURST, LOG_RATE)
+        self.dropped = 0
+
+    def feed(self, data: bytes) -> None:
+        """Relay the complete lines in data; keep a partial one for later."""
+        self.pending += data
+        while True:
+            end = self.pending.find(b"\n")
+            if 0 <= end <= LOG_LINE_LIMIT:
+                line, self.pending = self.pending[:end], self.pending[end + 1:]
+            elif len(self.pending) > LOG_LINE_LIMIT:
+                line = self.pending[:LOG_LINE_LIMIT] + b" [cut]"
+                self.pending = self.pending[LOG_LINE_LIMIT:]
+            else:
+                return
+            self._relay(line)
+
+    def flush(self) -> None:
+        """Relay a last partial line (the kernel is gone)."""
+        if self.pending:
+            self._relay(self.pending)
+            self.pending = b""
+        if self.dropped:
+            self.out.write(f"sandbox-kernel: {self.dropped} bytes of kernel log dropped "
+                           "(rate limit)\n".encode())
+            self.dropped = 0
+
+    def _relay(self, line: bytes) -> None:
+        if not self.budget.take(len(line) + 1):
+            self.dropped += len(line) + 1
+            return
+        if self.dropped:
+            self.out.write(f"sandbox-kernel: {self.dropped} bytes of kernel log dropped "
+                           "(rate limit)\n".encode())
+            self.dropped = 0
+        if line.startswith(AUDIT_PREFIX):  # only the reaper writes audit lines
+            line = b"(from the kernel) " + line
+        self.out.write(printable(line) + b"\n")
+
+
+def printable(line: bytes) -> bytes:
+    """line with control characters shown as '?': no escape sequences reach the terminal."""
+    text = line.decode("utf-8", errors="replace")
+    return "".join(c if c == "\t" or unicodedata.category(c) != "Cc" else "?"
+                   for c in text).encode()
+
+
+def start(scratch_dir: str) -> int:
+    """Fork the reaper; give this process a stdio of its own; return the channel's fd.
+
+    Call before any confinement, while single-threaded. Afterwards fds 0-2 of this process are
+    /dev/null and the log pipe: nothing of the launcher's stdio is left here.
+    """
+    kernel_pid = os.getpid()
+    log_read, log_write = os.pipe()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:
+        try:
+            ours.close()
+            _run(kernel_pid, scratch_dir, log_read, theirs.detach())
+        finally:
+            os._exit(0)
+    os.close(log_read)
+    theirs.close()
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(log_write, 1)
+    os.dup2(log_write, 2)
+    os.close(null)
+    os.close(log_write)
+    channel = ours.detach()
+    os.set_inheritable(channel, True)
+    return channel
+
+
+def _run(kernel_pid: int, scratch_dir: str, log_read: int, channel: int) -> None:
+    os.setsid()  # survive the kernel's process group being killed
+    launcher = os.dup(2)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # keep nothing of the launcher's stdio but one stderr
+        os.dup2(null, fd)
+    keep = sorted({launcher, log_read, channel})
+    os.closerange(3, keep[0])
+    for low, high in zip(keep, [*keep[1:], 65536], strict=True):
+        os.closerange(low + 1, high)
+    try:
+        kernel = os.pidfd_open(kernel_pid)
+    except OSError:
+        kernel = -1
+    if os.getppid() != kernel_pid:  # the kernel died before we could watch it
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+        return
+    Reaper(kernel_pid, kernel, launcher, log_read, channel).serve()
+    shutil.rmtree(scratch_dir, ignore_errors=True)
+
+
+class Reaper:
+    """The reaper's event loop: log relay, handovers from the kernel, seccomp notifications."""
+
+    def __init__(self, kernel_pid: int, kernel: int, launcher: int, log_read: int,
+                 channel: int) -> None:
+        self.kernel_pid = kernel_pid
+        self.out = LauncherLog(launcher)
+        self.relay = LogRelay(self.out)
+        self.kernel, self.log_read, self.channel = kernel, log_read, channel
+        self.channel_socket = socket.socket(fileno=channel)
+        self.held: list[int] = []  # the uid lock: released when we exit
+        self.auditor: audit.Auditor | None = None
+        self.poller = select.poll()
+        for fd in (log_read, channel) + ((kernel,) if kernel >= 0 else ()):
+            self.poller.register(fd, select.POLLIN)
+
+    def serve(self) -> None:
+        """Run until the kernel process is gone."""
+        try:
+            while self._kernel_alive():
+                for fd, events in self.poller.poll(None if self.kernel >= 0 else 1000):
+                    self._ready(fd, events)
+            self._drain_log()
+        finally:
+            if self.auditor is not None:
+                self.auditor.report_suppressed()
+            self.relay.flush()
+            self.out.close()
+
+    def _kernel_alive(self) -> bool:
+        if self.kernel >= 0:
+            return not select.select([self.kernel], [], [], 0)[0]
+        return os.getppid() == self.kernel_pid  # without pidfds: reparented, the kernel is gone
+
+    def _ready(self, fd: int, events: int) -> None:
+        if not events & select.POLLIN:  # hung up: nothing will come from there any more
+            self.poller.unregister(fd)
+        elif fd == self.log_read:
+            data = os.read(fd, 65536)
+            if data:
+                self.relay.feed(data)
+            else:  # user code closed every copy; nothing more to relay
+                self.poller.unregister(fd)
+        elif fd == self.channel:
+            self._receive()
+        elif self.auditor is not None and fd == self.auditor.listener:
+            self.auditor.answer_one()
+
+    def _drain_log(self) -> None:
+        """Relay what the kernel wrote before it ended (its write ends are closed now)."""
+        os.set_blocking(self.log_read, False)
+        try:
+            for _ in range(64):
+                data = os.read(self.log_read, 65536)
+                if not data:
+                    break
+                self.relay.feed(data)
+        except OSError:
+            pass
+
+    def _receive(self) -> None:
+        try:
+            message, fds, _, _ = socket.recv_fds(self.channel_socket, _MAX_MESSAGE, 4)
+        except OSError:
+            message, fds = b"", []
+        if not message:  # the kernel closed its end: every handover is done
+            self.poller.unregister(self.channel)
+            self.channel_socket.close()
+            return
+        try:
+            request = json.loads(message)
+        except ValueError:
+            request = {}
+        if request.get("hold"):
+            self.held += fds
+        elif "audit" in request and fds:
+            self._start_audit(request["audit"], fds)
+        else:
+            for fd in fds:
+                os.close(fd)
+
+    def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
+        listener, *files = fds
+        self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
+                                     kernel_id=str(settings.get("kernel", "")),
+                                     uid=settings.get("uid"))
+        self.poller.register(listener, select.POLLIN)
+
+
+def hand_over(channel: int, request: dict[str, Any], fds: list[int]) -> None:
+    """Kernel side: send the reaper a request and descriptors it keeps from now on."""
+    with socket.socket(fileno=os.dup(channel)) as sock:
+        socket.send_fds(sock, [json.dumps(request).encode()], fds)

@@ -1,0 +1,129 @@
+"""Show a kernel's uid the interpreter it needs, and nothing else of a directory it cannot enter.
+
+A Python under /root (mode 0700), as pyenv installs it for root, is out of reach of any other
+uid. Rather than widen /root, the kernel covers it in its own mount namespace with a small
+tmpfs (mode 0711: enterable, not listable) that holds only bind mounts of the paths the kernel
+needs: its /root then shows the interpreter and nothing else of root's home. The host's mount
+table is untouched. Must run as root, single-threaded (unshare), before Landlock (which forbids
+changing mounts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
+COVER_OPTIONS = b"mode=0711,size=1m"
+
+
+class ViewError(RuntimeError):
+    """The paths cannot be made visible to the kernel's uid."""
+
+
+@contextmanager
+def as_user(uid: int, gid: int) -> Iterator[None]:
+    """Check permissions with uid:gid's effective ids (root again afterwards)."""
+    groups = os.getgroups()
+    os.setgroups([])
+    os.setegid(gid)
+    os.seteuid(uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
+
+
+def blocked_ancestor(path: str) -> str | None:
+    """The outermost directory above path the current effective uid cannot enter, if any."""
+    parts = os.path.realpath(path).split(os.sep)[1:-1]
+    current = "/"
+    for part in parts:
+        current = os.path.join(current, part)
+        if not os.access(current, os.X_OK, effective_ids=True):
+            return current
+    return None
+
+
+def outermost(paths: Iterable[str]) -> list[str]:
+    """The paths that have no ancestor among the others."""
+    kept: list[str] = []
+    for path in sorted(set(paths), key=len):
+        if not any(is_within(path, outer) for outer in kept):
+            kept.append(path)
+    return kept
+
+
+def is_within(path: str, directory: str) -> bool:
+    """Whether path is directory or lies under it."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def covers_for(needed: Iterable[str], uid: int, gid: int) -> list[str]:
+    """The directories to cover so that uid:gid can reach every needed path."""
+    with as_user(uid, gid):
+        blocked = [blocked_ancestor(path) for path in needed]
+    return outermost(path for path in blocked if path)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise ViewError(f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def private_namespace() -> None:
+    """A mount namespace of this process's own, whose changes never reach the host."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    _check(libc.unshare(_CLONE_NEWNS), "no private mount namespace (unshare)")
+    _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None),
+           "cannot make the mount namespace private")
+
+
+def expose(needed: Iterable[str], also_visible: Iterable[str], uid: int, gid: int) -> list[str]:
+    """Cover what keeps uid:gid from the needed paths; return the covered directories.
+
+    Under each cover only the needed and also_visible paths (the connection file, grants)
+    appear, bind-mounted from the host, with their own permissions.
+    """
+    needed = [os.path.realpath(path) for path in needed]
+    covers = covers_for(needed, uid, gid)
+    if not covers:
+        return []
+    private_namespace()
+    visible = [os.path.realpath(path) for path in [*needed, *also_visible]]
+    for cover in covers:
+        _cover(cover, outermost(p for p in visible if is_within(p, cover) and p != cover
+                                and os.path.exists(p)))
+    return covers
+
+
+def _cover(directory: str, shown: list[str]) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Take hold of each source before the tmpfs hides it, then bind it back from its fd.
+    handles = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in shown}
+    try:
+        _check(libc.mount(b"tmpfs", directory.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                          COVER_OPTIONS), f"cannot cover {directory} with a tmpfs")
+        for path, handle in handles.items():
+            _make_mount_point(directory, path, os.path.isdir(f"/proc/self/fd/{handle}"))
+            _check(libc.mount(f"/proc/self/fd/{handle}".encode(), path.encode(), None,
+                              _MS_BIND | _MS_REC, None), f"cannot show {path} under {directory}")
+    finally:
+        for handle in handles.values():
+            os.close(handle)
+
+
+def _make_mount_point(cover: str, path: str, is_dir: bool) -> None:
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o711)
+    if is_dir:
+        os.mkdir(path, 0o711)
+    else:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+    assert is_within(path, cover)
