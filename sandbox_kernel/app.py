@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import stat
 import sys
 import time
 import warnings
@@ -297,20 +299,21 @@ class SandboxKernelApp(IPKernelApp):
 
 
 def _listening(transport: str, ip: str, port: int) -> bool:
-    """Whether something listens on this ZMQ endpoint of the kernel (TCP, or an ipc path)."""
+    """Whether this process listens on this ZMQ endpoint (TCP port, or ipc path)."""
     if transport == "ipc":
         return os.path.exists(f"{ip}-{port}")
-    suffix = f":{port:04X}"
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for name in os.listdir("/proc/self/fd"):  # our own few descriptors, not the host's tables
         try:
-            with open(table) as rows:
-                next(rows)  # the header
-                for row in rows:
-                    local, state = row.split()[1], row.split()[3]  # "0100007F:1F90", "0A"
-                    if state == "0A" and local.endswith(suffix):  # 0A: LISTEN
-                        return True
-        except OSError:
+            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                continue
+            probe = socket.socket(fileno=os.dup(int(name)))
+        except OSError:  # closed meanwhile
             continue
+        with probe:
+            if (probe.family in (socket.AF_INET, socket.AF_INET6)
+                    and probe.getsockname()[1] == port
+                    and probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                return True
     return False
 
 

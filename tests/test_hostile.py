@@ -11,9 +11,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -510,9 +512,12 @@ class LoopbackServer:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, sandbox):
+def world(sandbox):
     """The host's side: canary, secrets, a loopback server, a planted token file."""
-    tmp = tmp_path_factory.mktemp("hostile")
+    # Not under pytest's 0700 base dir: the kernels' own uids must reach the canary, so that
+    # the attacks meet Landlock and the filter, not only file permissions.
+    tmp = Path(tempfile.mkdtemp(prefix="sandbox-kernel-hostile-"))
+    tmp.chmod(0o755)
     canary = tmp / "canary.txt"
     canary.write_text(CANARY_TEXT)
     (Path(os.environ["HOME"]) / "secret.txt").write_text("secret")
@@ -534,6 +539,7 @@ def world(tmp_path_factory, sandbox):
     host_socket.close()
     assert canary.read_text() == CANARY_TEXT
     assert oct(canary.stat().st_mode & 0o777) == "0o644"
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _started(policy: SandboxPolicy) -> Sandbox:
