@@ -14,7 +14,7 @@ from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Dict
 
-from . import __version__, entrypoint
+from . import __version__, entrypoint, jsonwire
 from .deadline import Deadline
 from .output import BUDGET
 from .policy import SandboxPolicy
@@ -34,6 +34,7 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         entrypoint.load_ipython_extension(self.shell)  # the %main magic
+        jsonwire.use_exact_json(self.session)  # inputs arrive exact whatever JSON lib is present
         self.deadline: Deadline | None = None
         self.shell.set_custom_exc(  # type: ignore[union-attr]
             (asyncio.CancelledError,), self.show_cancelled)
@@ -54,6 +55,18 @@ class SandboxKernel(IPythonKernel):
         info["supported_features"] = [f for f in info["supported_features"] if f != "debugger"]
         info["sandbox"] = self.sandbox_info
         return info
+
+    @property
+    def result_limit(self) -> int:
+        """Largest main() result in bytes of JSON (0: none); the caller enforces it too."""
+        return self.policy.max_result_bytes
+
+    def _publish_execute_input(self, code: str, parent: dict[str, Any],
+                               execution_count: int) -> None:
+        # A main() call's caller sent the code itself: echoing it back carries nothing and
+        # costs every warm call an IOPub message. Notebook cells are echoed as usual.
+        if entrypoint.request_from(parent.get("metadata")) is None:
+            super()._publish_execute_input(code, parent, execution_count)
 
     def time_limit(self) -> tuple[float, str]:
         """Seconds the current execution may run (0: no limit) and where that number came from."""
