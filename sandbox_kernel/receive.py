@@ -28,6 +28,9 @@ from . import jsonwire
 from .policy import SandboxPolicy
 
 MESSAGE_ROOM = 1 << 20  # a message's envelope: header, text/plain copy or summary, metadata
+# An honest result message is its JSON plus a text/plain copy (only up to 256 KiB, escaped at
+# most to twice that) and a small envelope: anything further past the limit is not parsed.
+RESULT_ROOM = 640 * 1024
 SMALL_PART = 64 * 1024  # header, parent header and metadata of every message we use fit in this
 RECEIVE_QUEUE = 8  # messages libzmq may hold for the caller: memory <= this x the largest one
 # The marker a kernel adds once when its own cap cut the output (sandbox_kernel.output).
@@ -162,7 +165,7 @@ class Budget:
     def near_limit(self, frame_size: int) -> bool:
         """Whether a result frame is worth parsing to measure it exactly."""
         limit = self.limits.max_result
-        return not limit or frame_size <= limit + MESSAGE_ROOM
+        return not limit or frame_size <= limit + RESULT_ROOM
 
 
 def unpack_frames(session: Any, frames: list[Any], msg_id: str) -> dict[str, Any] | None:
