@@ -26,6 +26,8 @@ import uuid
 from enum import Enum
 from typing import Any
 
+from jupyter_client.session import Session
+
 try:
     import orjson
 except ImportError:  # an optional speed-up: without it, the standard library does everything
@@ -229,3 +231,44 @@ def json_problem(value: Any, path: str = "result", parents: frozenset[int] = fro
 def use_exact_json(session: Any) -> None:
     """Make a jupyter_client Session parse exactly (it picks orjson's inexact loads if present)."""
     session.unpack = loads
+
+
+_PEEKING = threading.local()
+_PEEK_PARSES_UP_TO = 64 * 1024
+
+
+class Unparsed(dict):  # type: ignore[type-arg]
+    """A large part a peek did not parse: reads as empty; the full deserialize parses it."""
+
+
+class PeekingSession(Session):
+    """A Session whose peeks (``deserialize(content=False)``) leave large parts unparsed.
+
+    ipykernel's shell-channel thread peeks at every request to route it by its header, which
+    parsed the metadata (a main() call's inputs) a second time before the main thread parsed
+    it again. Peeks still check the signature; only parts over 64 KiB stay unparsed.
+    """
+
+    def deserialize(self, msg_list: Any, content: bool = True, copy: bool = True) -> Any:
+        if content:
+            return super().deserialize(msg_list, content=content, copy=copy)
+        _PEEKING.active = True
+        try:
+            return super().deserialize(msg_list, content=content, copy=copy)
+        finally:
+            _PEEKING.active = False
+
+
+def kernel_loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """loads, except for a large part during a peek (see PeekingSession)."""
+    if len(data) > _PEEK_PARSES_UP_TO and getattr(_PEEKING, "active", False):
+        return Unparsed()
+    return loads(data)
+
+
+def use_in_kernel(session: Any) -> None:
+    """Exact parsing, and peeks that do not parse a request's inputs a second time."""
+    session.unpack = kernel_loads
+    # The app made a plain Session and every part of the kernel already holds it: change what
+    # it is rather than replace it (its message counter and digest history must stay one).
+    session.__class__ = PeekingSession

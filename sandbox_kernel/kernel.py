@@ -34,7 +34,7 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         entrypoint.load_ipython_extension(self.shell)  # the %main magic
-        jsonwire.use_exact_json(self.session)  # inputs arrive exact whatever JSON lib is present
+        jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self.deadline: Deadline | None = None
         self.shell.set_custom_exc(  # type: ignore[union-attr]
             (asyncio.CancelledError,), self.show_cancelled)
