@@ -40,6 +40,7 @@ from .receive import (
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
+_DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's exit
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 
@@ -494,7 +495,12 @@ class Sandbox(_SandboxSettings):
         """Interrupt the kernel, or say why it is lost ("died", "hung", "oversize"), or None."""
         alive = self.manager.is_alive()
         if alive and inbox.refused:
-            return "oversize"
+            # A dying kernel drops the connection too, a moment before it is seen to exit.
+            give_up = time.monotonic() + _DEATH_WAIT
+            while (alive := self.manager.is_alive()) and time.monotonic() < give_up:
+                time.sleep(_POLL / 4)
+            if alive:
+                return "oversize"
         verdict = watchdog.check(alive)
         if verdict == "interrupt":
             self.interrupt()
@@ -590,7 +596,12 @@ class AsyncSandbox(_SandboxSettings):
         """Interrupt the kernel, or say why it is lost ("died", "hung", "oversize"), or None."""
         alive = await self.manager.is_alive()
         if alive and inbox.refused:
-            return "oversize"
+            # A dying kernel drops the connection too, a moment before it is seen to exit.
+            give_up = time.monotonic() + _DEATH_WAIT
+            while (alive := await self.manager.is_alive()) and time.monotonic() < give_up:
+                await asyncio.sleep(_POLL / 4)
+            if alive:
+                return "oversize"
         verdict = watchdog.check(alive)
         if verdict == "interrupt":
             await self.interrupt()

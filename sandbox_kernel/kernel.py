@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -35,9 +36,21 @@ class SandboxKernel(IPythonKernel):
         super().__init__(**kwargs)
         entrypoint.load_ipython_extension(self.shell)  # the %main magic
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
+        self._skip_unshown_log_records()
         self.deadline: Deadline | None = None
         self.shell.set_custom_exc(  # type: ignore[union-attr]
             (asyncio.CancelledError,), self.show_cancelled)
+
+    def _skip_unshown_log_records(self) -> None:
+        """Let the logger drop what no handler shows before building a record for it.
+
+        traitlets sets the logger to DEBUG and filters in its handlers, so ipykernel's debug
+        lines about every message were formatted and thrown away on every call.
+        """
+        handlers = self.log.handlers if isinstance(self.log, logging.Logger) else []
+        shown = min((handler.level for handler in handlers), default=logging.NOTSET)
+        if shown > self.log.level:
+            self.log.setLevel(shown)
 
     @property
     def banner(self) -> str:  # type: ignore[override]
