@@ -168,7 +168,7 @@ class _Collector:
         problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
         if problem is None:
             if isinstance(content, (bytes, memoryview)):
-                content = jsonwire.loads(content)
+                content = jsonwire.loads(content, keep=True)  # handed to the caller: thawed
             data = content["data"]
             json_data = data.get("application/json")
             problem = self.budget.result_problem(size, json_data)
@@ -485,6 +485,7 @@ class Sandbox(_SandboxSettings):
                         continue
                 lost = self._verdict(watchdog, inbox)
             execution = self._finish(watchdog, collector, lost)
+            jsonwire.thaw()
             if lost:
                 self.restart()
             else:
@@ -586,6 +587,7 @@ class AsyncSandbox(_SandboxSettings):
                         continue
                 lost = await self._verdict(watchdog, inbox)
             execution = self._finish(watchdog, collector, lost)
+            jsonwire.thaw()
             if lost:
                 await self.restart()
             else:

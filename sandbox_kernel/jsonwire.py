@@ -85,13 +85,38 @@ def _std_loads(data: bytes | bytearray | memoryview | str) -> Any:
     return json.loads(data)
 
 
-def loads(data: bytes | bytearray | memoryview | str) -> Any:
-    """Parse JSON exactly (big integers stay integers), with orjson's speed where it is exact."""
+def loads(data: bytes | bytearray | memoryview | str, keep: bool = False) -> Any:
+    """Parse JSON exactly (big integers stay integers), with orjson's speed where it is exact.
+
+    keep: the value will live on (a request being served, a result handed to the caller):
+    a large one is parked outside the collector's young generations until thaw(), so it is
+    not walked again by the collections the next allocations trigger.
+    """
     size = len(data)
     if size < _GC_PAUSE_FROM:
         return _loads(data)
     with _PAUSE:
-        return _loads(data)
+        value = _loads(data)
+        if keep:
+            _park()
+    return value
+
+
+_PARKED = threading.Event()
+
+
+def _park() -> None:
+    # gc.freeze moves every tracked object to the permanent generation; thaw() moves them all
+    # back into the oldest one, so the parsed value skips the young collections entirely.
+    gc.freeze()
+    _PARKED.set()
+
+
+def thaw() -> None:
+    """Return what loads(keep=True) parked to the collector (its oldest generation)."""
+    if _PARKED.is_set():
+        _PARKED.clear()
+        gc.unfreeze()
 
 
 def _loads(data: bytes | bytearray | memoryview | str) -> Any:
@@ -263,7 +288,7 @@ def kernel_loads(data: bytes | bytearray | memoryview | str) -> Any:
     """loads, except for a large part during a peek (see PeekingSession)."""
     if len(data) > _PEEK_PARSES_UP_TO and getattr(_PEEKING, "active", False):
         return Unparsed()
-    return loads(data)
+    return loads(data, keep=True)  # the request lives until its execution ends
 
 
 def use_in_kernel(session: Any) -> None:

@@ -114,6 +114,7 @@ class SandboxKernel(IPythonKernel):
             return reply
         finally:
             self.report_dropped_output()
+            jsonwire.thaw()  # a large request's parsed inputs rejoin the collector
 
     def translate_error(self, error: BaseException) -> BaseException:
         """The error to show: an async cell cancelled by the time limit shows the limit."""
