@@ -130,6 +130,8 @@ def compared(results: Any, row: str) -> str | None:
                 "allow at the measured CPU per call")
     if row == "capacity.small" and "cpu.small" in samples:
         return "2 cores / (kernel + client CPU per call)"
+    if row == "cpu.small" and row in samples:
+        return "user + system time of every kernel thread, from /proc"
     return None
 
 
