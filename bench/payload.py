@@ -16,6 +16,8 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,17 @@ ROWS = (  # (row id, what it measures), after the main() rows of the table
     ("cpu.small", "9. Kernel CPU (every thread) per warm small `main()` call"),
     ("capacity.small", "9. Calls/s 2 cores allow at the measured kernel + client CPU per call"),
 )
+METHOD = """\
+- **Floor** (rows 8): the inputs of `main.1mb` / `main.10mb` sent as orjson bytes over one ZMQ
+  REQ/REP hop to `bench/_echo.py`, which parses them (GC paused), encodes `{"rows": ...}` and
+  sends it back; the client parses it (GC paused) and checks it. No signing, no kernel: the
+  least any protocol can cost. Floor and `main()` calls of a size alternate call by call, and
+  the targets compare their median latencies.
+- **Kernel CPU per call** (row 9): user + system ticks of the kernel process (all threads, from
+  `/proc/<pid>/stat`) over blocks of warm small `main()` calls, divided by the calls. The
+  capacity is the machine's cores divided by kernel + client CPU per call (the client's from
+  `getrusage`); `concurrency.4` is compared with it.
+"""
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -71,20 +84,10 @@ class Echo:
         self.process.wait(timeout=10)
 
 
-def measure_floor(results: Any, sizes: list[tuple[str, int, int]]) -> None:
-    """floor.1mb, floor.10mb: the echo's throughput, counted as main()'s rows count it."""
-    echo = Echo()
-    try:
-        for row, size, count in sizes:
-            call = calls.echo_call(size)
-            moved = call.json_bytes() / MB
-            echo.round_trip(call)  # warm-up
-            for _ in range(count):
-                seconds = echo.round_trip(call)
-                results.sample(row, "MB/s", higher_is_better=True).add(moved / seconds)
-                results.sample(f"{row}.latency", "s").add(seconds)
-    finally:
-        echo.close()
+def record(results: Any, row: str, call: calls.Call, seconds: float) -> None:
+    """One floor round trip, counted as main()'s rows count theirs."""
+    results.sample(row, "MB/s", higher_is_better=True).add(call.json_bytes() / MB / seconds)
+    results.sample(f"{row}.latency", "s").add(seconds)
 
 
 def _process_cpu(pid: int) -> float:
@@ -101,6 +104,7 @@ def _client_cpu() -> float:
 def measure_cpu(results: Any, sandbox: Sandbox, count: int, rounds: int) -> None:
     """cpu.small and capacity.small: CPU per warm call, kernel side and both sides."""
     pid = sandbox.manager.provisioner.process.pid  # type: ignore[union-attr]
+    threads_before = _thread_cpu(pid)
     for _ in range(rounds):
         kernel_before, client_before = _process_cpu(pid), _client_cpu()
         for _ in range(count):
@@ -110,6 +114,17 @@ def measure_cpu(results: Any, sandbox: Sandbox, count: int, rounds: int) -> None
         results.sample("cpu.small", "s").add(kernel)
         results.sample("capacity.small", "calls/s", higher_is_better=True).add(
             len(os.sched_getaffinity(0)) / (kernel + client))
+    CPU_BY_THREAD[id(results)] = _by_thread(sandbox, pid, threads_before, count * rounds)
+
+
+@contextmanager
+def kernel_cpu(results: Any, sandbox: Sandbox, row: str, keep: bool) -> Iterator[None]:
+    """Record the kernel CPU seconds the block used, as `<row>.kernel_cpu`."""
+    pid = sandbox.manager.provisioner.process.pid  # type: ignore[union-attr]
+    before = _process_cpu(pid)
+    yield
+    if keep:
+        results.sample(f"{row}.kernel_cpu", "s").add(_process_cpu(pid) - before)
 
 
 def compared(results: Any, row: str) -> str | None:
@@ -153,37 +168,40 @@ def _thread_cpu(pid: int) -> dict[int, float]:
     return cpu
 
 
-def per_thread(call: calls.Call, count: int) -> list[str]:
-    """Kernel CPU per call, thread by thread, over `count` warm calls in a fresh sandbox."""
+CPU_BY_THREAD: dict[int, list[str]] = {}  # results id -> the cpu.small breakdown
+
+
+def _by_thread(sandbox: Sandbox, pid: int, before: dict[int, float], count: int) -> list[str]:
+    """Kernel CPU per call since `before`, thread by thread, named as threading names them."""
     import json
 
-    with Sandbox(None) as sandbox:
-        for _ in range(3):
-            calls.call_in_sandbox(sandbox, call)
-        pid = sandbox.manager.provisioner.process.pid  # type: ignore[union-attr]
-        names = {int(k): v for k, v in json.loads(sandbox.run(_THREAD_NAMES).stdout).items()}
-        before = _thread_cpu(pid)
-        for _ in range(count):
-            calls.call_in_sandbox(sandbox, call)
-        after = _thread_cpu(pid)
+    after = _thread_cpu(pid)
+    names = {int(k): v for k, v in json.loads(sandbox.run(_THREAD_NAMES).stdout).items()}
     spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     total = sum(spent.values()) / count
     parts = sorted(((seconds / count, names.get(tid, f"thread {tid}") if tid != pid
                      else "main thread") for tid, seconds in spent.items() if seconds),
                    reverse=True)
-    return [f"Kernel CPU per call, measured over {count} calls: {total * 1000:.2f} ms, of which "
-            + ", ".join(f"{name} {seconds * 1000:.2f} ms" for seconds, name in parts) + "."]
+    return [f"Kernel CPU per call over the {count} calls of `cpu.small`: {total * 1000:.2f} ms, "
+            "of which " + ", ".join(f"{name} {seconds * 1000:.2f} ms"
+                                    for seconds, name in parts) + "."]
 
 
-def explain_cpu() -> list[str]:
-    """Where a warm small call's kernel CPU goes."""
-    return per_thread(calls.SMALL_CALL, 300)
+def explain_cpu(results: Any) -> list[str]:
+    """Where a warm small call's kernel CPU goes (measured with cpu.small)."""
+    return CPU_BY_THREAD.get(id(results), ["No per-thread breakdown was recorded."])
 
 
 def explain(results: Any, size: str) -> list[str]:
     """Where main()'s time goes against the floor's, for the 1mb or 10mb row."""
-    main = results.samples[f"main.{size}.latency"].median
-    floor = results.samples[f"floor.{size}.latency"].median
-    call = calls.echo_call(int(size.removesuffix("mb")) * MB)
-    return [f"`main.{size}` takes {main * 1000:.1f} ms against the floor's {floor * 1000:.1f} ms.",
-            *per_thread(call, 3)]
+    samples = results.samples
+    main = samples[f"main.{size}.latency"].median
+    floor = samples[f"floor.{size}.latency"].median
+    cpu = samples.get(f"main.{size}.kernel_cpu")
+    lines = [f"`main.{size}` takes {main * 1000:.1f} ms against the floor's {floor * 1000:.1f} ms "
+             "(medians of calls alternating with the floor's)."]
+    if cpu:
+        lines.append(f"The kernel spends {cpu.median * 1000:.0f} ms of CPU per call (all "
+                     "threads: parse, run, encode, sign, send); the rest is the client's parse "
+                     "and the wire.")
+    return lines

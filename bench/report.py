@@ -171,7 +171,7 @@ def markdown(results: Results, command: str, started: datetime.datetime,
                   "comes back (throughput counts the inputs only).", ""]
     elif results.returns_results:
         lines += ["Every `main()` result was checked against the expected dict.", ""]
-    lines += [*table(results), "", "## Method", "", METHOD]
+    lines += [*table(results), "", "## Method", "", METHOD + payload.METHOD]
     lines += _findings(results)
     return "\n".join(lines).rstrip() + "\n"
 

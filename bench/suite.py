@@ -143,15 +143,14 @@ def _blocks(total: int, size: int) -> list[int]:
     return [min(size, total - start) for start in range(0, total, size)]
 
 
-def measure_throughput(results: Results, sandbox: Sandbox, row: str, size: int,
-                       count: int) -> None:
-    """4: MB/s of JSON moved through main(), inputs in plus result out."""
-    call = calls.echo_call(size)
-    moved = call.json_bytes(returned=bool(results.returns_results)) / MB
-    calls.call_in_sandbox(sandbox, call, bool(results.returns_results))  # warm-up
-    for _ in range(count):
-        seconds = calls.call_in_sandbox(sandbox, call, bool(results.returns_results))
-        results.sample(row, "MB/s", higher_is_better=True).add(moved / seconds)
+def time_main_call(results: Results, sandbox: Sandbox, row: str, call: calls.Call,
+                   keep: bool = True) -> None:
+    """4: one main() call moving the call's JSON; its MB/s (inputs in plus result out)."""
+    returned = bool(results.returns_results)
+    seconds = calls.call_in_sandbox(sandbox, call, returned)
+    if keep:
+        results.sample(row, "MB/s", higher_is_better=True).add(
+            call.json_bytes(returned=returned) / MB / seconds)
         results.sample(f"{row}.latency", "s").add(seconds)
 
 
@@ -201,17 +200,28 @@ def measure_sandbox_calls(results: Results) -> None:
 
 
 def measure_payloads(results: Results, sandboxes: list[Sandbox]) -> None:
-    """4 and 8: main() throughput, each size right after its floor; 9: CPU per warm call."""
+    """4 and 8: main() throughput and its floor, alternating call by call; 9: CPU per call."""
     plan = results.plan
-    for size, count in ((MB, plan.mb_calls), (10 * MB, plan.ten_mb_calls)):
-        name = f"{size // MB}mb"
-        if not count:
-            results.skipped[f"main.{name}"] = results.skipped[f"floor.{name}"] = SKIPPED_BY_QUICK
-            continue
-        with recording_failure(results, f"floor.{name}"):
-            payload.measure_floor(results, [(f"floor.{name}", size, count)])
-        with recording_failure(results, f"main.{name}"):
-            measure_throughput(results, _alive(sandboxes, 0), f"main.{name}", size, count)
+    echo = payload.Echo()
+    try:
+        for size, count in ((MB, plan.mb_calls), (10 * MB, plan.ten_mb_calls)):
+            name = f"{size // MB}mb"
+            if not count:
+                results.skipped[f"main.{name}"] = results.skipped[f"floor.{name}"] = \
+                    SKIPPED_BY_QUICK
+                continue
+            with recording_failure(results, f"main.{name}", f"floor.{name}"):
+                call = calls.echo_call(size)
+                for repetition in range(count + 1):  # the first of each is a warm-up
+                    floor = echo.round_trip(call)
+                    with payload.kernel_cpu(results, _alive(sandboxes, 0), f"main.{name}",
+                                            keep=repetition > 0):
+                        time_main_call(results, _alive(sandboxes, 0), f"main.{name}", call,
+                                       keep=repetition > 0)
+                    if repetition:
+                        payload.record(results, f"floor.{name}", call, floor)
+    finally:
+        echo.close()
     with recording_failure(results, "cpu.small", "capacity.small"):
         payload.measure_cpu(results, _alive(sandboxes, 0), plan.cpu_calls, plan.cpu_rounds)
 

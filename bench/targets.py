@@ -93,7 +93,7 @@ EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
     "rss": lambda results, kernels: profiling.explain_rss(),
     "payload.1mb": lambda results, kernels: payload.explain(results, "1mb"),
     "payload.10mb": lambda results, kernels: payload.explain(results, "10mb"),
-    "cpu": lambda results, kernels: payload.explain_cpu(),
+    "cpu": lambda results, kernels: payload.explain_cpu(results),
 }
 
 

@@ -108,8 +108,11 @@ _PARKED = threading.Event()
 def _park() -> None:
     # gc.freeze moves every tracked object to the permanent generation; thaw() moves them all
     # back into the oldest one, so the parsed value skips the young collections entirely.
-    gc.freeze()
-    _PARKED.set()
+    # Only while nobody else uses the permanent generation (a fork server freezes what its
+    # children share): unfreezing theirs would undo that.
+    if _PARKED.is_set() or gc.get_freeze_count() == 0:
+        gc.freeze()
+        _PARKED.set()
 
 
 def thaw() -> None:

@@ -191,3 +191,25 @@ def test_run_enforces_max_result_on_the_caller_side(tmp_path):
     assert report["error"]["name"] == "ResultTooLarge"
     assert report["error"]["value"].startswith("the kernel sent 5,011 bytes of JSON, more than "
                                                "the caller's result limit of 4,096 bytes")
+
+
+def test_the_async_client_enforces_the_same_limits(kernelspecs):
+    import asyncio
+
+    from sandbox_kernel.client import AsyncSandbox
+
+    async def scenario():
+        policy = SandboxPolicy(max_output_bytes=MAX_OUTPUT, max_result_bytes=MAX_RESULT)
+        async with AsyncSandbox(None, policy=policy, grace=1.0) as sb:
+            flood = await sb.run(SEND + "_send('stream', {'name': 'stdout', 'text': 'x' * 50_000})")
+            result = await sb.run("get_ipython().kernel.policy.max_result_bytes = 0\n" + OVER,
+                                  inputs={"n": MAX_RESULT})
+            started = time.monotonic()
+            chatter = await sb.run(STATUS_EVERY_50_MS, timeout=2)
+            return flood, result, chatter, time.monotonic() - started
+
+    flood, result, chatter, waited = asyncio.run(scenario())
+    assert (flood.stdout, flood.stderr) == ("x" * MAX_OUTPUT, client_marker(40_000))
+    assert result.error is not None and result.error.name == "ResultTooLarge"
+    assert chatter.error is not None and chatter.error.name == "ExecutionTimeout"
+    assert chatter.state_lost and 4.0 <= waited < 14.0, waited
