@@ -404,6 +404,12 @@ class _SandboxSettings:
         watchdog.oversize = oversize_error(self.limits)
         return watchdog.finish(collector.execution, lost, self.manager)
 
+    def _live_context(self) -> Any:
+        """The bounded ZMQ context for the client's sockets (a new one after close())."""
+        if self.context.closed:
+            self.context = bounded_context(self.limits, self.context_class)
+        return self.context
+
     def _current_inbox(self) -> Any:
         """The inbox of the current client (a restart replaces the client and its sockets)."""
         if self._inbox is None or self._inbox.client is not self.client:
@@ -433,7 +439,7 @@ class Sandbox(_SandboxSettings):
         self._connect()
 
     def _connect(self) -> None:
-        self.client = self.manager.client(context=self.context)
+        self.client = self.manager.client(context=self._live_context())
         self.client.start_channels()
         try:
             self.client.wait_for_ready(timeout=self.startup_timeout)
@@ -541,7 +547,7 @@ class AsyncSandbox(_SandboxSettings):
         await self._connect()
 
     async def _connect(self) -> None:
-        self.client = self.manager.client(context=self.context)
+        self.client = self.manager.client(context=self._live_context())
         self.client.start_channels()
         try:
             await self.client.wait_for_ready(timeout=self.startup_timeout)

@@ -174,7 +174,10 @@ def unpack_frames(session: Any, frames: list[Any], msg_id: str) -> dict[str, Any
     Frames of other requests, unsigned or forged ones, and ones whose small parts are not small
     are dropped without their content being parsed.
     """
-    _idents, parts = session.feed_identities(frames, copy=False)
+    try:
+        _idents, parts = session.feed_identities(frames, copy=False)
+    except ValueError:  # not a Jupyter message at all
+        return None
     if len(parts) < 5 or any(len(part) > SMALL_PART for part in parts[1:4]):
         return None
     try:
