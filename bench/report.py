@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from bench import payload
 from bench.stats import Sample
 from bench.suite import Results
 from bench.targets import TARGET_BY_ROW, TARGETS, verdict
@@ -28,6 +29,7 @@ ROWS = (  # (row id, what it measures), in table order
     ("concurrency.1", "7. Throughput, 1 sandbox driven by 1 thread"),
     ("concurrency.2", "7. Throughput, 2 sandboxes driven at once (one thread each)"),
     ("concurrency.4", "7. Throughput, 4 sandboxes driven at once (one thread each)"),
+    *payload.ROWS,
 )
 PACKAGES = ("sandbox-kernel", "ipykernel", "ipython", "jupyter_client", "pyzmq", "tornado",
             "traitlets", "pyseccomp", "matplotlib")
@@ -46,6 +48,9 @@ def _value(value: float, unit: str) -> str:
 def _compared(results: Results, row: str) -> str:
     """The comparison column: the target ratio, latency behind a rate, or scaling."""
     samples = results.samples
+    ours = payload.compared(results, row)
+    if ours is not None:
+        return ours
     target = TARGET_BY_ROW.get(row)
     found = verdict(results, target) if target else None
     if found and found.ratio is not None:
@@ -166,7 +171,7 @@ def markdown(results: Results, command: str, started: datetime.datetime,
                   "comes back (throughput counts the inputs only).", ""]
     elif results.returns_results:
         lines += ["Every `main()` result was checked against the expected dict.", ""]
-    lines += [*table(results), "", "## Method", "", METHOD]
+    lines += [*table(results), "", "## Method", "", METHOD + payload.METHOD]
     lines += _findings(results)
     return "\n".join(lines).rstrip() + "\n"
 
@@ -180,7 +185,10 @@ def _findings(results: Results) -> list[str]:
         found = verdict(results, target)
         state = "missed" if found.met is False else "met"
         ratio = "n/a" if found.ratio is None else f"{found.ratio:.3f}x"
-        lines += [f"## `{target.numerator}` / `{target.denominator}` = {ratio} "
+        if not target.denominator and found.ratio is not None:
+            ratio = f"{found.ratio * 1000:.2f} ms"
+        over = f" / `{target.denominator}`" if target.denominator else ""
+        lines += [f"## `{target.numerator}`{over} = {ratio} "
                   f"(target {target.text}, {state}): profile", "", *evidence, ""]
     return lines
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bench import calls
+from bench import calls, payload
 from bench.kernels import KINDS, Kernel
 from bench.stats import Sample
 from sandbox_kernel.client import Sandbox
@@ -17,7 +17,8 @@ MB = 1_000_000
 CONCURRENCY_LEVELS = (1, 2, 4)  # the table has a row for each, measured or not
 CALL_BLOCK = 10  # warm calls and process-per-request calls alternate in blocks of this size
 SANDBOX_CALL_ROWS = ("main.small", "process.small", "main.1mb", "main.10mb",
-                     *(f"concurrency.{level}" for level in CONCURRENCY_LEVELS))
+                     *(f"concurrency.{level}" for level in CONCURRENCY_LEVELS),
+                     *(row for row, _ in payload.ROWS))
 SKIPPED_BY_QUICK = "skipped by --quick (too slow for a smoke run)"
 
 
@@ -34,12 +35,14 @@ class Plan:
     rounds: int  # repetitions of each concurrency level
     calls_each: int  # calls per sandbox in one concurrency round
     warmups: int = 1  # discarded repetitions before each measurement
+    cpu_calls: int = 200  # warm calls per kernel-CPU reading (the clock ticks every 10 ms)
+    cpu_rounds: int = 5
 
 
 FULL = Plan(starts=30, executes=1000, calls=100, mb_calls=20, ten_mb_calls=6,
             concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2)
 QUICK = Plan(starts=2, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
-             concurrency=(1, 2), rounds=2, calls_each=5)
+             concurrency=(1, 2), rounds=2, calls_each=5, cpu_calls=50, cpu_rounds=1)
 
 
 @dataclass
@@ -140,15 +143,14 @@ def _blocks(total: int, size: int) -> list[int]:
     return [min(size, total - start) for start in range(0, total, size)]
 
 
-def measure_throughput(results: Results, sandbox: Sandbox, row: str, size: int,
-                       count: int) -> None:
-    """4: MB/s of JSON moved through main(), inputs in plus result out."""
-    call = calls.echo_call(size)
-    moved = call.json_bytes(returned=bool(results.returns_results)) / MB
-    calls.call_in_sandbox(sandbox, call, bool(results.returns_results))  # warm-up
-    for _ in range(count):
-        seconds = calls.call_in_sandbox(sandbox, call, bool(results.returns_results))
-        results.sample(row, "MB/s", higher_is_better=True).add(moved / seconds)
+def time_main_call(results: Results, sandbox: Sandbox, row: str, call: calls.Call,
+                   keep: bool = True) -> None:
+    """4: one main() call moving the call's JSON; its MB/s (inputs in plus result out)."""
+    returned = bool(results.returns_results)
+    seconds = calls.call_in_sandbox(sandbox, call, returned)
+    if keep:
+        results.sample(row, "MB/s", higher_is_better=True).add(
+            call.json_bytes(returned=returned) / MB / seconds)
         results.sample(f"{row}.latency", "s").add(seconds)
 
 
@@ -191,16 +193,37 @@ def measure_sandbox_calls(results: Results) -> None:
     try:
         with recording_failure(results, "main.small", "process.small"):
             measure_calls(results, sandboxes[0])
-        for row, size, count in (("main.1mb", MB, plan.mb_calls),
-                                 ("main.10mb", 10 * MB, plan.ten_mb_calls)):
-            if not count:
-                results.skipped[row] = SKIPPED_BY_QUICK
-                continue
-            with recording_failure(results, row):
-                measure_throughput(results, _alive(sandboxes, 0), row, size, count)
+        measure_payloads(results, sandboxes)
         measure_concurrency(results, [_alive(sandboxes, i) for i in range(len(sandboxes))])
     finally:
         _close_all(sandboxes)
+
+
+def measure_payloads(results: Results, sandboxes: list[Sandbox]) -> None:
+    """4 and 8: main() throughput and its floor, alternating call by call; 9: CPU per call."""
+    plan = results.plan
+    echo = payload.Echo()
+    try:
+        for size, count in ((MB, plan.mb_calls), (10 * MB, plan.ten_mb_calls)):
+            name = f"{size // MB}mb"
+            if not count:
+                results.skipped[f"main.{name}"] = results.skipped[f"floor.{name}"] = \
+                    SKIPPED_BY_QUICK
+                continue
+            with recording_failure(results, f"main.{name}", f"floor.{name}"):
+                call = calls.echo_call(size)
+                for repetition in range(count + 1):  # the first of each is a warm-up
+                    floor = echo.round_trip(call)
+                    with payload.kernel_cpu(results, _alive(sandboxes, 0), f"main.{name}",
+                                            keep=repetition > 0):
+                        time_main_call(results, _alive(sandboxes, 0), f"main.{name}", call,
+                                       keep=repetition > 0)
+                    if repetition:
+                        payload.record(results, f"floor.{name}", call, floor)
+    finally:
+        echo.close()
+    with recording_failure(results, "cpu.small", "capacity.small"):
+        payload.measure_cpu(results, _alive(sandboxes, 0), plan.cpu_calls, plan.cpu_rounds)
 
 
 def _alive(sandboxes: list[Sandbox], index: int) -> Sandbox:

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import profiling
+from bench import payload, profiling
 from bench.kernels import PLAIN, SANDBOX, Kernel
 from bench.suite import Results
 
@@ -20,11 +20,19 @@ class Target:
     denominator: str
     limit: float
     at_least: bool = False  # the ratio must be >= limit (a speed-up), not <= (an overhead)
+    row: str = ""  # the table row that shows it, when not the numerator (a .latency sample)
 
     @property
     def text(self) -> str:
         """The bound as the table shows it."""
+        if not self.denominator:  # an absolute bound on a time
+            return f"{'≥' if self.at_least else '≤'} {self.limit * 1000:g} ms"
         return f"{'≥' if self.at_least else '≤'} {self.limit:g}x"
+
+    @property
+    def shown_on(self) -> str:
+        """The row id whose line carries this target."""
+        return self.row or self.numerator
 
 
 TARGETS = (
@@ -32,8 +40,12 @@ TARGETS = (
     Target("execute", "execute.sandbox", "execute.plain", 1.05),
     Target("speedup", "process.small", "main.small", 10.0, at_least=True),
     Target("rss", "rss.sandbox", "rss.plain", 1.10),
+    # Payloads (bench/payload.py): main() against its floor, and kernel CPU per warm call.
+    Target("payload.1mb", "main.1mb.latency", "floor.1mb.latency", 2.0, row="main.1mb"),
+    Target("payload.10mb", "main.10mb.latency", "floor.10mb.latency", 2.0, row="main.10mb"),
+    Target("cpu", "cpu.small", "", 0.003),
 )
-TARGET_BY_ROW = {target.numerator: target for target in TARGETS}
+TARGET_BY_ROW = {target.shown_on: target for target in TARGETS}
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class Verdict:
 def verdict(results: Results, target: Target) -> Verdict:
     """The target's ratio of medians in these results."""
     top = results.samples.get(target.numerator)
+    if top and not target.denominator:
+        return Verdict(target, top.median)
     bottom = results.samples.get(target.denominator)
     if not top or not bottom:
         return Verdict(target, None)
@@ -77,6 +91,9 @@ EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
     "execute": _explain_execute,
     "speedup": lambda results, kernels: profiling.explain_speedup(),
     "rss": lambda results, kernels: profiling.explain_rss(),
+    "payload.1mb": lambda results, kernels: payload.explain(results, "1mb"),
+    "payload.10mb": lambda results, kernels: payload.explain(results, "10mb"),
+    "cpu": lambda results, kernels: payload.explain_cpu(results),
 }
 
 

@@ -20,15 +20,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+import zmq
+import zmq.asyncio
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 from jupyter_client.manager import AsyncKernelManager, KernelManager
 
+from . import jsonwire
 from .install import DEFAULT_NAME, kernel_json
 from .policy import SandboxPolicy
+from .receive import (
+    Budget,
+    CallerLimits,
+    bounded_context,
+    oversize_error,
+    unpack_frames,
+    watch_disconnects,
+)
 
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
+_DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's exit
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 
@@ -104,36 +116,74 @@ Callback = Callable[[Any], None] | None
 
 
 class _Collector:
-    """Turns the IOPub messages of one request into an Execution."""
+    """Turns the IOPub messages of one request into an Execution, within the caller's limits."""
 
     def __init__(self, msg_id: str, on_stdout: Callback, on_stderr: Callback,
-                 on_display: Callback) -> None:
+                 on_display: Callback, limits: CallerLimits | None = None,
+                 session: Any = None) -> None:
         self.msg_id = msg_id
         self.execution = Execution()
         self.callbacks = {"stdout": on_stdout, "stderr": on_stderr, "display": on_display}
         self.idle = False
+        self.budget = Budget(limits or CallerLimits())
+        self.session = session
+
+    def feed_frames(self, frames: list[Any]) -> None:
+        """Take one message as it came off the socket (content parsed only if it is ours)."""
+        msg = unpack_frames(self.session, frames, self.msg_id)
+        if msg is not None:
+            self.feed(msg)
 
     def feed(self, msg: dict[str, Any]) -> None:
+        """Take one message; its content may still be packed (bytes), as unpack_frames leaves it."""
         if msg.get("parent_header", {}).get("msg_id") != self.msg_id:
             return
         kind, content = msg["header"]["msg_type"], msg["content"]
+        size = msg.get("content_size", 0)
+        if kind == "execute_result":
+            self._result(content, size)
+            return
+        if kind in ("display_data", "update_display_data") and not self.budget.take_display(size):
+            return
+        if isinstance(content, (bytes, memoryview)):
+            content = jsonwire.loads(content)
         ex = self.execution
         if kind == "stream":
-            ex.logs.append({"name": content["name"], "text": content["text"]})
-            self._call(content["name"], content["text"])
+            text = self.budget.take_output(content["text"])
+            if text:
+                ex.logs.append({"name": content["name"], "text": text})
+                self._call(content["name"], text)
         elif kind in ("display_data", "update_display_data"):
             ex.displays.append(content["data"])
             self._call("display", content["data"])
-        elif kind == "execute_result":
-            data = content["data"]
-            ex.text = data.get("text/plain")
-            json_data = data.get("application/json")
-            ex.result = json_data if isinstance(json_data, dict) else None
         elif kind == "error":
             ex.error = ExecutionError(content["ename"], content["evalue"],
                                       [_ANSI.sub("", line) for line in content["traceback"]])
         elif kind == "status" and content["execution_state"] == "idle":
             self.idle = True
+            self._add_markers()
+
+    def _result(self, content: Any, size: int) -> None:
+        ex = self.execution
+        problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
+        if problem is None:
+            if isinstance(content, (bytes, memoryview)):
+                content = jsonwire.loads(content, keep=True)  # handed to the caller: thawed
+            data = content["data"]
+            json_data = data.get("application/json")
+            problem = self.budget.result_problem(size, json_data)
+        if problem is not None:
+            ex.result = ex.text = None
+            ex.error = ExecutionError("ResultTooLarge", problem, [f"ResultTooLarge: {problem}"])
+            return
+        ex.text = data.get("text/plain")
+        ex.result = json_data if isinstance(json_data, dict) else None
+
+    def _add_markers(self) -> None:
+        for marker in (self.budget.output_marker(), self.budget.display_marker()):
+            if marker:
+                self.execution.logs.append({"name": "stderr", "text": marker})
+                self._call("stderr", marker)
 
     def _call(self, name: str, payload: Any) -> None:
         callback = self.callbacks.get(name)
@@ -156,7 +206,9 @@ def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: st
 def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float | None,
                      entrypoint: str, timeout_source: str) -> dict[str, Any]:
     msg = client.session.msg("execute_request", {
-        "code": code, "silent": False, "store_history": True,
+        # A main() call is not a notebook cell: no history to write (it costs the kernel a thread
+        # wake-up and a database row per call).
+        "code": code, "silent": False, "store_history": inputs is None,
         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
     msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint, timeout_source))
     return msg
@@ -184,6 +236,17 @@ class _Watchdog:
         # The kernel enforces `timeout` itself; the client steps in only if that did not work.
         self.deadline = None if timeout is None else self.started + timeout + grace
         self.interrupted_at: float | None = None
+        self.oversize = ("MessageTooLarge", "")
+        self.checked_at = self.started
+
+    def due(self) -> bool:
+        """Whether to look at the kernel now: when no message came, or every _POLL seconds
+        while messages keep coming (a stream of them must not hold the deadline off)."""
+        now = time.monotonic()
+        if now - self.checked_at < _POLL:
+            return False
+        self.checked_at = now
+        return True
 
     def check(self, alive: bool) -> str | None:
         """None (keep waiting), "interrupt", or why the kernel is lost ("died", "hung")."""
@@ -208,6 +271,11 @@ class _Watchdog:
             execution.error = ExecutionError(
                 "ExecutionTimeout", f"the execution ran past its {self.timeout:g} s limit and "
                 f"did not stop when interrupted; {restarted}")
+        elif lost == "oversize":
+            execution.result = execution.text = None
+            execution.error = ExecutionError(*self.oversize, [])
+            execution.error.value += f"; {restarted}"
+            execution.error.traceback.append(f"{execution.error.name}: {execution.error.value}")
         elif self.interrupted_at is not None and execution.error is not None \
                 and execution.error.name == "KeyboardInterrupt":
             error = execution.error
@@ -218,6 +286,61 @@ class _Watchdog:
             error.traceback.append(f"{error.name}: {error.value}")  # ends as the others do
         execution.state_lost = lost is not None
         return execution
+
+
+class _Inbox:
+    """A client's IOPub socket read frame by frame, and whether libzmq refused a frame."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.socket = client.iopub_channel.socket
+        self.monitor = watch_disconnects(self.socket)
+        self.refused = False  # the connection dropped: a frame past the caller's size limit
+        self.poller = self._poller()
+
+    def _poller(self) -> Any:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        return poller
+
+    def receive(self, timeout: float) -> list[Any] | None:
+        """The next message's frames, or None after `timeout` seconds without one."""
+        events = dict(self.poller.poll(timeout * 1000))
+        if self.monitor in events:
+            self.monitor.recv_multipart()
+            self.refused = True
+        if self.socket in events:
+            return self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
+        return None
+
+    def close(self) -> None:
+        """Stop watching the socket."""
+        try:
+            self.socket.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the socket is already closed
+        self.monitor.close(linger=0)
+
+
+class _AsyncInbox(_Inbox):
+    """The asyncio twin of _Inbox."""
+
+    def _poller(self) -> Any:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        return poller
+
+    async def receive(self, timeout: float) -> list[Any] | None:  # type: ignore[override]
+        """The next message's frames, or None after `timeout` seconds without one."""
+        events = dict(await self.poller.poll(timeout * 1000))
+        if self.monitor in events:
+            await self.monitor.recv_multipart()
+            self.refused = True
+        if self.socket in events:
+            return await self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
+        return None
 
 
 class _PackageSpecs(KernelSpecManager):
@@ -240,6 +363,16 @@ def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None) -> di
     return {"kernel_name": kernel_name}
 
 
+def _installed_policy(kernel_name: str) -> dict[str, Any]:
+    """The policy an installed kernelspec records (caller-side, so user code cannot alter it)."""
+    try:
+        spec = KernelSpecManager().get_kernel_spec(kernel_name)
+    except NoSuchKernel:
+        return {}  # start_kernel will say so
+    policy = spec.metadata.get("sandbox_kernel", {}).get("policy", {})
+    return policy if isinstance(policy, dict) else {}
+
+
 class _SandboxSettings:
     """What Sandbox and AsyncSandbox are made of: a kernel manager and their limits."""
 
@@ -249,15 +382,52 @@ class _SandboxSettings:
     # changes both: its limit is `--timeout`, and its kernel ends after the one run).
     timeout_source = "Sandbox.run(timeout=)"
     one_shot = False
+    context_class: type = zmq.Context
+    inbox_class: type = _Inbox
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
-                 grace: float = GRACE_SECONDS) -> None:
+                 grace: float = GRACE_SECONDS, max_output: int | None = None,
+                 max_result: int | None = None) -> None:
         self.manager = self.manager_class(**_manager_kwargs(kernel_name, policy))
+        jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
+        recorded = policy.as_dict() if policy is not None else (
+            _installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
+        # Enforced here on what arrives, whatever the kernel does (see receive.py).
+        self.limits = CallerLimits.from_policy(recorded, max_output, max_result)
+        self.context = bounded_context(self.limits, self.context_class)
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.client: Any = None
+        self._inbox: Any = None
         self._lock = self.lock_class()
+
+    def _collector(self, msg: dict[str, Any], on_stdout: Callback, on_stderr: Callback,
+                   on_display: Callback) -> _Collector:
+        return _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
+                          self.limits, self.client.session)
+
+    def _finish(self, watchdog: _Watchdog, collector: _Collector, lost: str | None) -> Execution:
+        watchdog.oversize = oversize_error(self.limits)
+        return watchdog.finish(collector.execution, lost, self.manager)
+
+    def _live_context(self) -> Any:
+        """The bounded ZMQ context for the client's sockets (a new one after close())."""
+        if self.context.closed:
+            self.context = bounded_context(self.limits, self.context_class)
+        return self.context
+
+    def _current_inbox(self) -> Any:
+        """The inbox of the current client (a restart replaces the client and its sockets)."""
+        if self._inbox is None or self._inbox.client is not self.client:
+            self._close_inbox()
+            self._inbox = self.inbox_class(self.client)
+        return self._inbox
+
+    def _close_inbox(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
 
 
 class Sandbox(_SandboxSettings):
@@ -276,7 +446,7 @@ class Sandbox(_SandboxSettings):
         self._connect()
 
     def _connect(self) -> None:
-        self.client = self.manager.client()
+        self.client = self.manager.client(context=self._live_context())
         self.client.start_channels()
         try:
             self.client.wait_for_ready(timeout=self.startup_timeout)
@@ -291,6 +461,8 @@ class Sandbox(_SandboxSettings):
         if self.manager.has_kernel:
             # Graceful by default; either way the scratch reaper removes the scratch directory.
             self.manager.shutdown_kernel(now=now)
+        self._close_inbox()
+        self.context.destroy(linger=0)
 
     def restart(self) -> None:
         """Replace the kernel with a fresh one; all state is lost."""
@@ -315,32 +487,47 @@ class Sandbox(_SandboxSettings):
             watchdog = _Watchdog(timeout, self.grace, self.one_shot)
             msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                    self.timeout_source)
-            collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
+            collector = self._collector(msg, on_stdout, on_stderr, on_display)
+            inbox = self._current_inbox()
             self.client.shell_channel.send(msg)
             lost = None
             while not collector.idle and not lost:
-                try:
-                    collector.feed(self.client.get_iopub_msg(timeout=_POLL))
-                    continue
-                except queue.Empty:
-                    pass
-                verdict = watchdog.check(self.manager.is_alive())
-                if verdict == "interrupt":
-                    self.interrupt()
-                else:
-                    lost = verdict
-            execution = watchdog.finish(collector.execution, lost, self.manager)
+                frames = inbox.receive(_POLL)
+                if frames is not None:
+                    collector.feed_frames(frames)
+                    if not watchdog.due():
+                        continue
+                lost = self._verdict(watchdog, inbox)
+            execution = self._finish(watchdog, collector, lost)
+            jsonwire.thaw()
             if lost:
                 self.restart()
             else:
                 self._take_reply(msg["header"]["msg_id"])
             return execution
 
+    def _verdict(self, watchdog: _Watchdog, inbox: _Inbox) -> str | None:
+        """Interrupt the kernel, or say why it is lost ("died", "hung", "oversize"), or None."""
+        alive = self.manager.is_alive()
+        if alive and inbox.refused:
+            # A dying kernel drops the connection too, a moment before it is seen to exit.
+            give_up = time.monotonic() + _DEATH_WAIT
+            while (alive := self.manager.is_alive()) and time.monotonic() < give_up:
+                time.sleep(_POLL / 4)
+            if alive:
+                return "oversize"
+        verdict = watchdog.check(alive)
+        if verdict == "interrupt":
+            self.interrupt()
+            return None
+        return verdict
+
     def _take_reply(self, msg_id: str) -> None:
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
-        while True:
+        give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
+        while (left := give_up - time.monotonic()) > 0:
             try:
-                reply = self.client.get_shell_msg(timeout=_REPLY_WAIT)
+                reply = self.client.get_shell_msg(timeout=left)
             except queue.Empty:
                 return
             if reply["parent_header"].get("msg_id") == msg_id:
@@ -352,6 +539,8 @@ class AsyncSandbox(_SandboxSettings):
 
     manager_class = AsyncKernelManager
     lock_class = asyncio.Lock
+    context_class = zmq.asyncio.Context
+    inbox_class = _AsyncInbox
 
     async def __aenter__(self) -> AsyncSandbox:
         await self.start()
@@ -366,7 +555,7 @@ class AsyncSandbox(_SandboxSettings):
         await self._connect()
 
     async def _connect(self) -> None:
-        self.client = self.manager.client()
+        self.client = self.manager.client(context=self._live_context())
         self.client.start_channels()
         try:
             await self.client.wait_for_ready(timeout=self.startup_timeout)
@@ -380,6 +569,8 @@ class AsyncSandbox(_SandboxSettings):
             self.client.stop_channels()
         if self.manager.has_kernel:
             await self.manager.shutdown_kernel()
+        self._close_inbox()
+        self.context.destroy(linger=0)
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one; all state is lost."""
@@ -399,32 +590,47 @@ class AsyncSandbox(_SandboxSettings):
             watchdog = _Watchdog(timeout, self.grace, self.one_shot)
             msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                    self.timeout_source)
-            collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display)
+            collector = self._collector(msg, on_stdout, on_stderr, on_display)
+            inbox = self._current_inbox()
             self.client.shell_channel.send(msg)
             lost = None
             while not collector.idle and not lost:
-                try:
-                    collector.feed(await self.client.get_iopub_msg(timeout=_POLL))
-                    continue
-                except queue.Empty:
-                    pass
-                verdict = watchdog.check(await self.manager.is_alive())
-                if verdict == "interrupt":
-                    await self.interrupt()
-                else:
-                    lost = verdict
-            execution = watchdog.finish(collector.execution, lost, self.manager)
+                frames = await inbox.receive(_POLL)
+                if frames is not None:
+                    collector.feed_frames(frames)
+                    if not watchdog.due():
+                        continue
+                lost = await self._verdict(watchdog, inbox)
+            execution = self._finish(watchdog, collector, lost)
+            jsonwire.thaw()
             if lost:
                 await self.restart()
             else:
                 await self._take_reply(msg["header"]["msg_id"])
             return execution
 
+    async def _verdict(self, watchdog: _Watchdog, inbox: _AsyncInbox) -> str | None:
+        """Interrupt the kernel, or say why it is lost ("died", "hung", "oversize"), or None."""
+        alive = await self.manager.is_alive()
+        if alive and inbox.refused:
+            # A dying kernel drops the connection too, a moment before it is seen to exit.
+            give_up = time.monotonic() + _DEATH_WAIT
+            while (alive := await self.manager.is_alive()) and time.monotonic() < give_up:
+                await asyncio.sleep(_POLL / 4)
+            if alive:
+                return "oversize"
+        verdict = watchdog.check(alive)
+        if verdict == "interrupt":
+            await self.interrupt()
+            return None
+        return verdict
+
     async def _take_reply(self, msg_id: str) -> None:
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
-        while True:
+        give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
+        while (left := give_up - time.monotonic()) > 0:
             try:
-                reply = await self.client.get_shell_msg(timeout=_REPLY_WAIT)
+                reply = await self.client.get_shell_msg(timeout=left)
             except queue.Empty:
                 return
             if reply["parent_header"].get("msg_id") == msg_id:

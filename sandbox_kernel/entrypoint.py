@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import math
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -49,6 +48,8 @@ from types import TracebackType
 from typing import Any
 
 from IPython.core.magic import no_var_expand
+
+from . import jsonwire
 
 DEFAULT_ENTRYPOINT = "main"
 _ASYNCIO_DIR = os.path.dirname(asyncio.__file__) + os.sep
@@ -159,68 +160,63 @@ def check_signature(func: Callable[..., Any], name: str, inputs: dict[str, Any])
         raise SignatureMismatch(f"{name}() {'; '.join(problems)} ({takes})")
 
 
-def json_problem(value: Any, path: str = "result", parents: frozenset[int] = frozenset()
-                 ) -> str | None:
-    """The first place where `value` is not JSON, as 'path: what', or None if it all is."""
-    if value is None or isinstance(value, (str, bool, int)):
-        return None
-    if isinstance(value, float):
-        ok = math.isfinite(value)
-        return None if ok else f"{path}: float {value!r} (NaN and Infinity are not JSON)"
-    if not isinstance(value, (dict, list, tuple)):
-        return f"{path}: {type(value).__name__}"
-    if id(value) in parents:
-        return f"{path}: circular reference"
-    parents = parents | {id(value)}
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{path}[{key!r}]: {type(key).__name__} key (JSON keys are strings)"
-            found = json_problem(item, f"{path}[{json.dumps(key, ensure_ascii=False)}]", parents)
-            if found:
-                return found
-        return None
-    for index, item in enumerate(value):
-        found = json_problem(item, f"{path}[{index}]", parents)
-        if found:
-            return found
-    return None
+def encode_result(value: Any, name: str, limit: int = 0) -> bytes:
+    """The returned dict as compact UTF-8 JSON, validated in the same pass that encodes it.
 
-
-def check_result(value: Any, name: str) -> dict[str, Any]:
-    """The returned dict as plain JSON values, or InvalidResult saying what is wrong where."""
+    InvalidResult says what is wrong where, or that the JSON is larger than `limit` bytes (the
+    policy's --max-result; 0: no limit). The caller enforces its own limit as well: this one
+    is a courtesy that tells the user early and plainly.
+    """
     if not isinstance(value, dict):
         got = f"None (did {name}() forget to return?)" if value is None else type(value).__name__
         raise InvalidResult(f"{name}() must return a dict, got {got}")
     try:
-        plain = json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError):
-        plain = None
-    # The C encoder's round trip is exact JSON unless it bent something on the way (it turns
-    # tuples into lists and int keys into strings): only then walk the value in Python.
-    if plain is not None and plain == value:
-        return plain  # type: ignore[no-any-return]
-    problem = json_problem(value)
-    if problem:
-        raise InvalidResult(f"{name}() returned a value that is not JSON: {problem}")
-    return plain  # type: ignore[return-value]
+        encoded = jsonwire.encode_result(value)
+    except jsonwire.NotJSON as exc:
+        raise InvalidResult(f"{name}() returned a value that is not JSON: {exc}") from None
+    if limit and len(encoded) > limit:
+        raise InvalidResult(f"{name}() returned {len(encoded):,} bytes of JSON, more than the "
+                            f"result limit of {limit:,} bytes (--max-result raises it)")
+    return encoded
 
 
-_INDENTED_UP_TO = 64 * 1024  # indenting runs in pure Python: large results stay compact
+def check_result(value: Any, name: str) -> dict[str, Any]:
+    """The returned dict as plain JSON values, or InvalidResult saying what is wrong where."""
+    return jsonwire.loads(encode_result(value, name))  # type: ignore[no-any-return]
 
 
-def result_text(result: dict[str, Any]) -> str:
-    """The text/plain form of a result: indented JSON, or compact JSON when it is large."""
-    compact = json.dumps(result, ensure_ascii=False)
-    if len(compact) > _INDENTED_UP_TO:
-        return compact
-    return json.dumps(result, indent=2, ensure_ascii=False)
+_INDENTED_UP_TO = 64 * 1024  # indenting runs in pure Python: larger results stay compact
+TEXT_COPY_UP_TO = 256 * 1024  # past this, text/plain is a one-line summary, not a second copy
+
+
+def result_text(result: dict[str, Any], encoded: bytes | None = None) -> str:
+    """The text/plain form of a result: indented JSON, compact JSON, or a summary when large."""
+    if encoded is None:
+        encoded = jsonwire.dumps(result)
+    if len(encoded) > TEXT_COPY_UP_TO:
+        return (f"<main() result: {len(encoded):,} bytes of JSON, in this message's "
+                "application/json>")
+    if len(encoded) > _INDENTED_UP_TO:
+        return encoded.decode("utf-8")
+    return json.dumps(result, indent=2, ensure_ascii=False, default=jsonwire.natives)
 
 
 def result_bundle(result: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(data, metadata) of the execute_result that carries a result."""
     data = {"application/json": result, "text/plain": result_text(result)}
     return data, {"sandbox": {"entrypoint": name}}
+
+
+def result_content(value: dict[str, Any], encoded: bytes, name: str, count: int) -> bytes:
+    """The execute_result's content, packed around the result's JSON so it is encoded once.
+
+    Session.send signs pre-packed content like any other: the result stays under the HMAC.
+    """
+    return b"".join((
+        b'{"execution_count":', str(int(count)).encode(),
+        b',"data":{"application/json":', encoded,
+        b',"text/plain":', jsonwire.dumps(result_text(value, encoded)),
+        b'},"metadata":{"sandbox":{"entrypoint":', jsonwire.dumps(name), b"}}}"))
 
 
 def prepare_call(namespace: dict[str, Any], name: Any, inputs: Any) -> Callable[..., Any]:
@@ -251,8 +247,8 @@ def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-async def _call(kernel: Any, request: Request) -> dict[str, Any]:
-    """Call the entrypoint named in the request, awaiting it if it is a coroutine function."""
+async def _call(kernel: Any, request: Request) -> tuple[dict[str, Any], bytes]:
+    """Call the entrypoint named in the request (awaiting a coroutine); its dict and JSON."""
     func = prepare_call(kernel.shell.user_ns, request.entrypoint, request.inputs)
     value = func(**request.inputs)
     if inspect.isawaitable(value):
@@ -260,16 +256,16 @@ async def _call(kernel: Any, request: Request) -> dict[str, Any]:
         # As ipykernel does for async cells: an interrupt cancels the coroutine, not the loop.
         with kernel._cancel_on_sigint(future):
             value = await future
-    return check_result(value, request.entrypoint)
+    return value, encode_result(value, request.entrypoint, getattr(kernel, "result_limit", 0))
 
 
-def _publish_result(kernel: Any, result: dict[str, Any], name: str, count: int) -> None:
-    data, metadata = result_bundle(result, name)
+def _publish_result(kernel: Any, value: dict[str, Any], encoded: bytes, name: str,
+                    count: int) -> None:
+    content = result_content(value, encoded, name, count)
     # Streams first, so everything main printed arrives before its result.
     sys.stdout.flush()
     sys.stderr.flush()
-    kernel.session.send(kernel.iopub_socket, "execute_result",
-                        {"execution_count": count, "data": data, "metadata": metadata},
+    kernel.session.send(kernel.iopub_socket, "execute_result", content,
                         parent=kernel.get_parent(), ident=kernel._topic("execute_result"))
 
 
@@ -299,13 +295,18 @@ async def execute(kernel: Any, request: Request,
     if reply["status"] != "ok":
         return reply
     try:
-        result = await _call(kernel, request)
+        value, encoded = await _call(kernel, request)
     except BaseException as exc:  # main's own errors, KeyboardInterrupt and SystemExit included
         return _show_error(kernel.shell, translate(exc), reply)
     finally:
         # Shows the figures main drew (matplotlib-inline flushes them on post_execute).
         kernel.shell.events.trigger("post_execute")
-    _publish_result(kernel, result, request.entrypoint, reply["execution_count"])
+    try:
+        _publish_result(kernel, value, encoded, request.entrypoint, reply["execution_count"])
+    except Exception as exc:  # whatever passed the check but cannot be sent is still an error
+        error = InvalidResult(f"{request.entrypoint}() returned a result that could not be "
+                              f"sent: {type(exc).__name__}: {exc}")
+        return _show_error(kernel.shell, error, reply)
     return reply
 
 

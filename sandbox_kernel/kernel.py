@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -14,7 +15,7 @@ from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Dict
 
-from . import __version__, entrypoint
+from . import __version__, entrypoint, jsonwire
 from .confine import denials
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
@@ -42,11 +43,24 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         entrypoint.load_ipython_extension(self.shell)  # the %main magic
+        jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
+        self._skip_unshown_log_records()
         self.deadline: Deadline | None = None
         self.file_access: denials.FileAccess | None = None  # set by the application
         # IPython's hook for errors it shows: the ones the sandbox has something to say about.
         self.shell.set_custom_exc(  # type: ignore[union-attr]
             (asyncio.CancelledError, ExecutionTimeout, OSError), self.show_error)
+
+    def _skip_unshown_log_records(self) -> None:
+        """Let the logger drop what no handler shows before building a record for it.
+
+        traitlets sets the logger to DEBUG and filters in its handlers, so ipykernel's debug
+        lines about every message were formatted and thrown away on every call.
+        """
+        handlers = self.log.handlers if isinstance(self.log, logging.Logger) else []
+        shown = min((handler.level for handler in handlers), default=logging.NOTSET)
+        if shown > self.log.level:
+            self.log.setLevel(shown)
 
     @property
     def banner(self) -> str:  # type: ignore[override]
@@ -64,6 +78,18 @@ class SandboxKernel(IPythonKernel):
         info["supported_features"] = [f for f in info["supported_features"] if f != "debugger"]
         info["sandbox"] = self.sandbox_info
         return info
+
+    @property
+    def result_limit(self) -> int:
+        """Largest main() result in bytes of JSON (0: none); the caller enforces it too."""
+        return self.policy.max_result_bytes
+
+    def _publish_execute_input(self, code: str, parent: dict[str, Any],
+                               execution_count: int) -> None:
+        # A main() call's caller sent the code itself: echoing it back carries nothing and
+        # costs every warm call an IOPub message. Notebook cells are echoed as usual.
+        if entrypoint.request_from(parent.get("metadata")) is None:
+            super()._publish_execute_input(code, parent, execution_count)
 
     def time_limit(self) -> tuple[float, str]:
         """Seconds the current execution may run (0: no limit) and where that number came from."""
@@ -100,6 +126,7 @@ class SandboxKernel(IPythonKernel):
             return reply
         finally:
             self.report_dropped_output()
+            jsonwire.thaw()  # a large request's parsed inputs rejoin the collector
 
     def translate_error(self, error: BaseException) -> BaseException:
         """The error to show: an async cell cancelled by the time limit shows the limit."""

@@ -67,6 +67,16 @@ class CappedOutStream(OutStream):
             super().write(kept)
         return len(string) if isinstance(string, str) else None
 
+    def flush(self) -> None:
+        """Flush, unless nothing was written since the last flush.
+
+        ipykernel flushes both streams several times per execution, and each flush waits for
+        a round trip through the IOPub thread: with nothing pending that is pure cost (about a
+        tenth of a warm main() call's CPU). Messages already queued keep their IOPub order.
+        """
+        if self._flush_pending or self._subprocess_flush_pending:
+            super().flush()
+
     def _send_the_other_stream_first(self) -> None:
         previous, _LastWriter.stream = _LastWriter.stream, self
         if previous is not None and previous is not self and previous._flush_pending \

@@ -98,6 +98,12 @@ class SandboxPolicy(Configurable):
         "marker says how much. 0 for no cap.",
     ).tag(config=True, flag="max-output", metavar="SIZE")
 
+    max_result_bytes = ByteSize(
+        16 * 2**20, help="Largest main() result, in bytes of JSON; past it the call fails with "
+        "InvalidResult (the kernel) or ResultTooLarge (the client, whatever the kernel sends). "
+        "0 for no limit.",
+    ).tag(config=True, flag="max-result", metavar="SIZE")
+
     run_as = Unicode(
         "auto", help="When started as root, whom user code runs as: 'auto' (a uid of the "
         "kernel's own from --uid-range), a user name or UID[:GID] (shared by every kernel "

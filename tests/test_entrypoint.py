@@ -314,10 +314,21 @@ def test_main_magic_in_a_notebook_run_by_nbclient(kernelspecs):
                             "line 1 column 8 (char 7)")
 
 
-def test_large_results_arrive_whole_as_compact_json(sandbox):
-    code = "def main(n):\n    return {'squares': [i * i for i in range(n)], 'pair': (1, 2)}"
-    ex = sandbox.run(code, inputs={"n": 100_000})
-    assert ex.error is None, ex.error
-    expected = {"squares": [i * i for i in range(100_000)], "pair": [1, 2]}
+SQUARES = "def main(n):\n    return {'squares': [i * i for i in range(n)], 'pair': (1, 2)}"
+
+
+def test_larger_results_arrive_whole_with_compact_text(sandbox):
+    ex = ok(sandbox.run(SQUARES, inputs={"n": 15_000}))  # ~100 KB: too big to indent
+    expected = {"squares": [i * i for i in range(15_000)], "pair": [1, 2]}
     assert ex.result == expected
-    assert json.loads(ex.text) == expected and "\n" not in ex.text  # too big to indent
+    assert json.loads(ex.text) == expected and "\n" not in ex.text
+
+
+def test_large_results_are_sent_once_with_a_summary_as_text(sandbox):
+    published, _ = raw_execute(sandbox.client, SQUARES, {"inputs": {"n": 100_000}})
+    (result,) = published
+    expected = {"squares": [i * i for i in range(100_000)], "pair": [1, 2]}
+    assert result["content"]["data"]["application/json"] == expected
+    size = len(json.dumps(expected, separators=(",", ":")))
+    assert result["content"]["data"]["text/plain"] == (
+        f"<main() result: {size:,} bytes of JSON, in this message's application/json>")
