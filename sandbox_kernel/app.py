@@ -283,7 +283,13 @@ class SandboxKernelApp(IPKernelApp):
         stall the exit as long as it likes) and garbage-collect every module of the process:
         seconds of CPU on a loaded host before the kernel's process is gone.
         """
-        self.close()  # sockets closed, ipykernel's threads stopped
+        # The control thread stops the main loop from inside shutdown_request, then still
+        # publishes its "idle" status; close() stops IOPub first, and a control thread still
+        # sending then blocks for good on the dead pipe (or libzmq aborts). Let it finish first.
+        if self.control_thread is not None and self.control_thread.is_alive():
+            self.control_thread.stop()
+            self.control_thread.join()
+        self.close()  # sockets closed, ipykernel's other threads stopped
         for stream in (sys.__stdout__, sys.__stderr__):
             try:
                 if stream is not None:

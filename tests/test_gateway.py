@@ -428,8 +428,11 @@ def test_kernel_cannot_connect_back_to_the_gateway(executor, gateway):
 def test_kernel_cannot_read_the_gateway_runtime_dir(executor):
     runtime_dir = os.environ["JUPYTER_RUNTIME_DIR"]
     error = executor.run_code(f"import os; os.listdir({runtime_dir!r})").error
-    assert (error.name, error.value) == ("PermissionError",
-                                         f"[Errno 13] Permission denied: {runtime_dir!r}")
+    assert (error.name, error.value) == ("PermissionError", (
+        f"[Errno 13] Permission denied: {runtime_dir!r}: the sandbox refused it: the path is "
+        "outside what this kernel was granted; to let user code read it, add it to the "
+        f"kernelspec with `sandbox-kernel install --read-path {runtime_dir}` (--write-path to "
+        "write there too) and restart the kernel"))
 
 
 def test_prespawned_kernel_is_the_sandbox_kernel(gateway):

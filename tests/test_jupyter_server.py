@@ -169,6 +169,9 @@ def test_notebook_session_runs_in_scratch_not_the_notebook_dir(server):
         assert where == "(True, False)"  # the kernel's private scratch, not the served root dir
         denied = executor.run_code(f"os.listdir({root!r})").error
         assert (denied.name, denied.value) == (
-            "PermissionError", f"[Errno 13] Permission denied: {root!r}")
+            "PermissionError", f"[Errno 13] Permission denied: {root!r}: the sandbox refused it: "
+            "the path is outside what this kernel was granted; to let user code read it, add it "
+            f"to the kernelspec with `sandbox-kernel install --read-path {root}` (--write-path to "
+            "write there too) and restart the kernel")
     finally:
         assert server.call("DELETE", f"/api/sessions/{session['id']}")[0] == 204
