@@ -19,7 +19,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 
 from sandbox_kernel.client import Sandbox
 from sandbox_kernel.confine import privileges
-from tests.helpers import evaluate
+from tests.helpers import evaluate, wait_until_ready
 
 RANGE = privileges.parse_range(privileges.DEFAULT_UID_RANGE)
 
@@ -132,3 +132,42 @@ def test_root_only_when_asked_for(private_dir):
         assert layers["reason"] == "--run-as root"
     finally:
         sandbox.close()
+
+
+# A launcher without CAP_SYS_ADMIN, as in a container that grants root no mount namespace.
+NO_MOUNTS_LAUNCHER = """
+import ctypes, os, sys
+assert ctypes.CDLL(None).prctl(24, 21, 0, 0, 0) == 0  # PR_CAPBSET_DROP, CAP_SYS_ADMIN
+os.execv(sys.executable, [sys.executable, "-I", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("run_as", ["auto", "root"])
+def test_without_a_mount_namespace_only_run_as_root_starts(private_dir, tmp_path, run_as):
+    from jupyter_client.blocking import BlockingKernelClient
+    from jupyter_client.connect import write_connection_file
+
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
+    process = subprocess.Popen(
+        [str(private_dir / "venv/bin/python"), "-c", NO_MOUNTS_LAUNCHER, "-m", "sandbox_kernel",
+         "-f", connection_file, "--scratch-size=0", f"--run-as={run_as}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        if run_as == "auto":
+            assert process.wait(timeout=60) == 3
+            refusal = process.stderr.read()
+            assert "cannot read the interpreter and no private mount namespace (unshare): " \
+                   "Operation not permitted; start the kernel with --run-as root" in refusal
+        else:  # explicitly root: it starts, as uid 0 without capabilities
+            client = BlockingKernelClient(connection_file=connection_file)
+            client.load_connection_file()
+            client.start_channels()
+            try:
+                wait_until_ready(client, process)
+                layers = client.kernel_info(reply=True, timeout=30)["content"]["sandbox"]
+                assert layers["layers"]["privileges"]["reason"] == "--run-as root"
+            finally:
+                client.stop_channels()
+    finally:
+        process.kill()
+        process.wait(30)
