@@ -137,7 +137,8 @@ class SandboxKernelApp(IPKernelApp):
         self.init_landlock(read_only, read_write)
         # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
         self.file_access = (
-            denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir)
+            denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir,
+                                       self.layers["privileges"].get("covered", ()))
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
 

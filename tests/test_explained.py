@@ -4,6 +4,8 @@ call, the timeout's real source, stdout and stderr in the order written, editabl
 
 import errno
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,19 +19,30 @@ OTHER_UID = 54321  # owns a file the kernel's user may not read, whatever that u
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """A notebook's folder (not granted) and a granted folder with a file its host refuses."""
-    base = tmp_path_factory.mktemp("explained")
+def folders():
+    """A notebook's folder (not granted) and a granted folder with a file its host refuses.
+
+    Under a directory every uid may enter, so that Landlock, not the kernel's private view of
+    an unreachable directory (see test_a_path_the_view_hides_says_so), is what refuses.
+    """
+    base = Path(tempfile.mkdtemp(prefix="sandbox-explained-"))
+    base.chmod(0o755)
+    yield from _project_and_grant(base)
+    shutil.rmtree(base)
+
+
+def _project_and_grant(base):
     project, granted = base / "project", base / "granted"
     project.mkdir()
     (project / "data.csv").write_text("a,b\n1,2\n")
     granted.mkdir()
     (granted / "open.txt").write_text("readable")
+    (granted / "open.txt").chmod(0o666)  # the host lets any uid write it: only Landlock refuses
     private = granted / "private.txt"
     private.write_text("the host says no")
     os.chown(private, OTHER_UID, OTHER_UID)
     private.chmod(0o600)
-    return project, granted
+    yield project, granted
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +209,18 @@ def test_an_editable_checkout_is_not_granted_as_a_whole(kernel):
     # what imports need is still there
     assert evaluate(kernel, "import sandbox_kernel.check\nsandbox_kernel.check.__name__") == \
         "sandbox_kernel.check"
+
+
+def test_a_path_the_view_hides_says_so(kernel):
+    """A directory the uid cannot enter shows, in the kernel's view, only what was granted."""
+    layers = kernel.client.kernel_info(reply=True, timeout=30)["content"]["sandbox"]["layers"]
+    covered = layers["privileges"].get("covered")
+    if not covered:
+        pytest.skip("no directory is covered here: the kernel's uid reaches its interpreter")
+    path = os.path.join(covered[0], "data.csv")
+    error = error_of(kernel, f"open({path!r})")
+    assert (error.name, error.value) == ("FileNotFoundError", (
+        f"[Errno 2] No such file or directory: {path!r}: the sandbox hides it: the path is "
+        "outside what this kernel was granted; to let user code read it, add it (or a folder "
+        f"above it) to the kernelspec with `sandbox-kernel install --read-path {path}` "
+        "(--write-path to write there too) and restart the kernel"))

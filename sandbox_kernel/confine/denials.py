@@ -163,14 +163,15 @@ class FileAccess:
     write: tuple[str, ...] = ()  # real paths granted read-write
     scratch: str = ""
     launch_dir: str = ""  # the cwd at launch: under Jupyter, the notebook's folder
+    hidden: tuple[str, ...] = ()  # directories the kernel's view covers: only grants show there
 
     @classmethod
     def granted(cls, read: Iterable[str], write: Iterable[str], scratch: str,
-                launch_dir: str) -> FileAccess:
+                launch_dir: str, hidden: Iterable[str] = ()) -> FileAccess:
         """FileAccess for Landlock with these grants (resolved, as Landlock resolves them)."""
         real = [os.path.realpath(path) for path in write]
         return cls(True, tuple(dict.fromkeys([*(os.path.realpath(p) for p in read), *real])),
-                   tuple(real), scratch, launch_dir)
+                   tuple(real), scratch, launch_dir, tuple(hidden))
 
 
 def _under(path: str, roots: Iterable[str]) -> bool:
@@ -206,10 +207,20 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
     return None  # inside a grant: the host itself refused
 
 
+def _hidden(exc: OSError, path: str, access: FileAccess) -> OSError | None:
+    if not _under(path, access.hidden) or _under(path, access.read):
+        return None  # not found on the host either, or inside a grant: the host's answer
+    return _explained(exc, "the sandbox hides it: the path is outside what this kernel was "
+                      "granted; to let user code read it, add it (or a folder above it) to the "
+                      f"kernelspec with `sandbox-kernel install --read-path {path}` (--write-path "
+                      "to write there too) and restart the kernel")
+
+
 def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | None:
     elsewhere = os.path.join(access.launch_dir, name)
     if not os.path.lexists(elsewhere):
-        return None
+        # A folder the kernel's view covers cannot be looked into: say where to look anyway.
+        return _hidden(exc, elsewhere, access)
     where = (f"the kernel's working directory is its private scratch ({access.scratch}), not "
              f"the folder it was started in ({access.launch_dir}: the notebook's folder under "
              f"Jupyter), which has {name!r}")
@@ -228,7 +239,9 @@ def explain_file_error(exc: BaseException, access: FileAccess | None) -> OSError
     name = os.fsdecode(exc.filename)
     if isinstance(exc, PermissionError) and exc.errno == errno.EACCES and access.landlock:
         return _refusal(exc, os.path.realpath(name), access)
-    if isinstance(exc, FileNotFoundError) and not os.path.isabs(name) and access.launch_dir \
+    if isinstance(exc, FileNotFoundError) and os.path.isabs(name):
+        return _hidden(exc, os.path.normpath(name), access)
+    if isinstance(exc, FileNotFoundError) and access.launch_dir \
             and os.path.realpath(access.launch_dir) != os.path.realpath(os.getcwd()):
         return _not_in_scratch(exc, name, access)
     return None
