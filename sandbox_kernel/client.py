@@ -15,7 +15,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,20 +220,23 @@ class _Watchdog:
 class _PackageSpecs(KernelSpecManager):
     """Serves a kernelspec built from this package, for sandboxes started without installing."""
 
-    def __init__(self, policy: SandboxPolicy, **kwargs: Any) -> None:
+    def __init__(self, policy: SandboxPolicy, cold_start: bool = False,
+                 preload: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)"))
+        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload))
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return self.spec
 
 
-def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None) -> dict[str, Any]:
+def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None, cold_start: bool,
+                    preload: Sequence[str]) -> dict[str, Any]:
     if kernel_name is None:
-        return {"kernel_name": "sandbox-package",
-                "kernel_spec_manager": _PackageSpecs(policy or SandboxPolicy())}
-    if policy is not None:
-        raise ValueError("give either kernel_name (an installed policy) or policy, not both")
+        specs = _PackageSpecs(policy or SandboxPolicy(), cold_start, preload)
+        return {"kernel_name": "sandbox-package", "kernel_spec_manager": specs}
+    if policy is not None or cold_start or preload:
+        raise ValueError("give either kernel_name (an installed kernelspec, which sets policy, "
+                         "cold start and preload) or those options, not both")
     return {"kernel_name": kernel_name}
 
 
@@ -245,8 +248,10 @@ class _SandboxSettings:
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
-                 grace: float = GRACE_SECONDS) -> None:
-        self.manager = self.manager_class(**_manager_kwargs(kernel_name, policy))
+                 grace: float = GRACE_SECONDS, cold_start: bool = False,
+                 preload: Sequence[str] = ()) -> None:
+        self.manager = self.manager_class(
+            **_manager_kwargs(kernel_name, policy, cold_start, preload))
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.client: Any = None

@@ -69,6 +69,16 @@ def ensure_clean(argv: Sequence[str]) -> str:
     current = os.environ.get(SCRATCH_VAR, "")
     if scratch.is_own(current) and dict(os.environ) == allowed(current, argv, os.environ):
         return current
+    env = prepare(argv, os.environ)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("unreachable: execve returned")
+
+
+def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
+    """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
+
+    Shared by the re-exec above and the fork server's children (launch/forkserver.py).
+    """
     scratch_dir = scratch.create()
     keep = scratch.start_reaper(scratch_dir)
     sizes = _option_values(argv, _SIZE_OPTIONS)
@@ -77,6 +87,4 @@ def ensure_clean(argv: Sequence[str]) -> str:
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     os.closerange(3, keep)
     os.closerange(keep + 1, 65536)
-    env = allowed(scratch_dir, argv, os.environ)
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-    raise AssertionError("unreachable: execve returned")
+    return allowed(scratch_dir, argv, current)
