@@ -29,6 +29,7 @@ from .policy import SandboxPolicy
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
+_IOPUB_JOIN = 0.2  # until the first IOPub message proves the subscription; then retry kernel_info
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 
@@ -154,10 +155,19 @@ def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: st
 def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float | None,
                      entrypoint: str) -> dict[str, Any]:
     msg = client.session.msg("execute_request", {
-        "code": code, "silent": False, "store_history": True,
+        # A main() call is a function call, not a notebook cell: no history to write.
+        "code": code, "silent": False, "store_history": inputs is None,
         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
     msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint))
     return msg
+
+
+def _check_start(alive: bool, deadline: float, timeout: float) -> None:
+    """Raise (as jupyter_client's wait_for_ready does) if the kernel died or took too long."""
+    if not alive:
+        raise RuntimeError("Kernel died before replying to kernel_info")
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"Kernel didn't respond in {timeout:g} seconds")
 
 
 def _exit_status(manager: Any) -> str:
@@ -277,10 +287,25 @@ class Sandbox(_SandboxSettings):
         self.client = self.manager.client()
         self.client.start_channels()
         try:
-            self.client.wait_for_ready(timeout=self.startup_timeout)
+            self._wait_for_ready()
         except RuntimeError:
             self.close()
             raise
+
+    def _wait_for_ready(self) -> None:
+        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            msg_id = self.client.kernel_info()
+            try:
+                while self.client.get_shell_msg(timeout=1.0)["parent_header"].get(
+                        "msg_id") != msg_id:
+                    pass
+                self.client.get_iopub_msg(timeout=_IOPUB_JOIN)  # the subscription is live
+                return
+            except queue.Empty:
+                pass
+            _check_start(self.manager.is_alive(), deadline, self.startup_timeout)
 
     def close(self) -> None:
         """Shut the kernel down."""
@@ -366,10 +391,25 @@ class AsyncSandbox(_SandboxSettings):
         self.client = self.manager.client()
         self.client.start_channels()
         try:
-            await self.client.wait_for_ready(timeout=self.startup_timeout)
+            await self._wait_for_ready()
         except RuntimeError:
             await self.close()
             raise
+
+    async def _wait_for_ready(self) -> None:
+        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            msg_id = self.client.kernel_info()
+            try:
+                while (await self.client.get_shell_msg(timeout=1.0))["parent_header"].get(
+                        "msg_id") != msg_id:
+                    pass
+                await self.client.get_iopub_msg(timeout=_IOPUB_JOIN)
+                return
+            except queue.Empty:
+                pass
+            _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
 
     async def close(self) -> None:
         """Shut the kernel down."""

@@ -138,6 +138,7 @@ class Server:
 
     def prepare(self) -> None:
         """Import what kernels need, then make sure that left exactly one thread."""
+        sys.modules["debugpy"] = None  # type: ignore[assignment]  # as in __main__: refused
         for name in (*KERNEL_IMPORTS, *self.preload):
             try:
                 importlib.import_module(name)
