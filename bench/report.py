@@ -28,6 +28,24 @@ ROWS = (  # (row id, what it measures), in table order
     ("concurrency.1", "7. Throughput, 1 sandbox driven by 1 thread"),
     ("concurrency.2", "7. Throughput, 2 sandboxes driven at once (one thread each)"),
     ("concurrency.4", "7. Throughput, 4 sandboxes driven at once (one thread each)"),
+    ("start.fork", "1. Start-to-ready, sandbox kernel forked from the fork server"),
+    ("cpu.plain", "1. Kernel CPU (user + system) to ready, plain ipykernel"),
+    ("cpu.sandbox", "1. Kernel CPU to ready, sandbox kernel started cold"),
+    ("cpu.fork", "1. Kernel CPU to ready, fork-served sandbox kernel"),
+    ("pss.sandbox", "6. PSS after start + one execute, sandbox kernel started cold"),
+    ("pss.fork", "6. PSS after start + one execute, fork-served (server alive)"),
+    ("fresh.cold", "8. Fresh kernel per request (start, small `main()`, shut down), cold"),
+    ("fresh.fork", "8. Fresh kernel per request, fork-served"),
+    ("fresh.pool", "8. Fresh kernel per request from a warm pool of 2 (get, call, close)"),
+    ("rate.cold", "8. Fresh-kernel requests/s, 2 at a time, cold"),
+    ("rate.fork", "8. Fresh-kernel requests/s, 2 at a time, fork-served"),
+    ("rate.pool", "8. Fresh-kernel requests/s, 2 at a time, warm pool of 2"),
+    ("rate.process", "8. Process-per-request requests/s, 2 at a time"),
+    ("pool.first", "8. Pool hand-out + first small `main()` call (pool full)"),
+    ("pandas.fork", "9. Code node importing pandas, fresh fork-served kernel (pandas preloaded)"),
+    ("pandas.process", "9. Code node importing pandas, process per request"),
+    ("pandas.rate.fork", "9. pandas code node requests/s, 2 at a time, fork-served"),
+    ("pandas.rate.process", "9. pandas code node requests/s, 2 at a time, process per request"),
 )
 PACKAGES = ("sandbox-kernel", "ipykernel", "ipython", "jupyter_client", "pyzmq", "tornado",
             "traitlets", "pyseccomp", "matplotlib")
@@ -49,9 +67,9 @@ def _compared(results: Results, row: str) -> str:
     target = TARGET_BY_ROW.get(row)
     found = verdict(results, target) if target else None
     if found and found.ratio is not None:
-        if target and target.at_least:
+        if target and target.key == "speedup":
             return f"warm `main()` call is {found.ratio:.1f}x faster"
-        return f"{found.ratio:.3f}x plain"
+        return f"{found.ratio:.3f}x `{target.denominator}`" if target else ""
     latency = samples.get(f"{row}.latency")
     if latency:
         return (f"latency median {_value(latency.median, 's')}, p90 {_value(latency.p90, 's')}; "

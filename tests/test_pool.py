@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from sandbox_kernel.launch.pool import KernelPool, PoolClosed, SandboxPool
+from sandbox_kernel.launch.pool import KernelPool, PoolClosed, PoolStartError, SandboxPool
 
 from .helpers import evaluate
 
@@ -49,3 +49,17 @@ def test_sync_pool_hands_out_started_private_kernels():
     assert spare.poll() is not None
     with pytest.raises(PoolClosed):
         pool.get()
+
+
+def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
+    async def scenario():
+        async with KernelPool(size=1, kernel_name="no-such-kernelspec") as pool:
+            with pytest.raises(PoolStartError, match="no-such-kernelspec"):
+                await pool.get()
+            with pytest.raises(PoolStartError):  # and again: the pool keeps trying
+                await pool.get()
+
+    asyncio.run(scenario())
+    with SandboxPool(size=1, kernel_name="no-such-kernelspec") as pool, \
+            pytest.raises(PoolStartError, match="no-such-kernelspec"):
+        pool.get(timeout=60)

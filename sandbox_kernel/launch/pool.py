@@ -30,6 +30,17 @@ class PoolClosed(RuntimeError):
     """The pool was closed: it hands out no more kernels."""
 
 
+class PoolStartError(RuntimeError):
+    """A kernel of the pool did not start; the message says why (the pool keeps trying)."""
+
+
+def _failure(exc: Exception) -> PoolStartError:
+    log.warning("sandbox-kernel pool: a kernel did not start: %s", exc)
+    error = PoolStartError(f"a kernel of the pool did not start: {exc}")
+    error.__cause__ = exc
+    return error
+
+
 class KernelPool:
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
@@ -38,7 +49,8 @@ class KernelPool:
             raise ValueError(f"a pool holds at least one kernel, not {size}")
         self.size = size
         self.sandbox_options = sandbox_options  # AsyncSandbox's: kernel_name, policy, preload...
-        self._ready: asyncio.Queue[AsyncSandbox] = asyncio.Queue()
+        # A start failure takes a kernel's place, so that a waiting get() hears of it.
+        self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
         self._wanted = asyncio.Event()
         self._starting = 0
         self._filler: asyncio.Task[None] | None = None
@@ -69,6 +81,8 @@ class KernelPool:
         self.start()
         sandbox = await self._ready.get()  # each kernel is in the queue once: handed out once
         self._wanted.set()
+        if isinstance(sandbox, PoolStartError):
+            raise sandbox
         return sandbox
 
     async def _fill(self) -> None:
@@ -79,10 +93,11 @@ class KernelPool:
                 sandbox = AsyncSandbox(**self.sandbox_options)
                 try:
                     await sandbox.start()
-                except Exception:  # a kernel that cannot start: say so, keep the pool alive
-                    log.exception("sandbox-kernel pool: a kernel did not start")
+                except Exception as exc:  # a kernel that cannot start: tell a taker, go on
+                    self._ready.put_nowait(_failure(exc))
+                    self._wanted.clear()  # try again once a taker has heard of it
                     await asyncio.sleep(_RETRY_SECONDS)
-                    continue
+                    break
                 if self._closed:
                     await sandbox.close()
                     return
@@ -96,7 +111,9 @@ class KernelPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._filler
         while not self._ready.empty():
-            await self._ready.get_nowait().close()
+            waiting = self._ready.get_nowait()
+            if not isinstance(waiting, PoolStartError):
+                await waiting.close()
 
 
 class SandboxPool:
@@ -107,7 +124,7 @@ class SandboxPool:
             raise ValueError(f"a pool holds at least one kernel, not {size}")
         self.size = size
         self.sandbox_options = sandbox_options
-        self._ready: queue.Queue[Sandbox] = queue.Queue()
+        self._ready: queue.Queue[Sandbox | PoolStartError] = queue.Queue()
         self._wanted = threading.Event()
         self._closed = threading.Event()
         self._filler = threading.Thread(target=self._fill, name="sandbox-pool", daemon=True)
@@ -134,6 +151,8 @@ class SandboxPool:
         except queue.Empty:
             raise TimeoutError(f"no kernel was ready within {timeout} s") from None
         self._wanted.set()
+        if isinstance(sandbox, PoolStartError):
+            raise sandbox
         return sandbox
 
     def _fill(self) -> None:
@@ -144,10 +163,11 @@ class SandboxPool:
                 sandbox = Sandbox(**self.sandbox_options)
                 try:
                     sandbox.start()
-                except Exception:
-                    log.exception("sandbox-kernel pool: a kernel did not start")
+                except Exception as exc:
+                    self._ready.put(_failure(exc))
+                    self._wanted.clear()  # try again once a taker has heard of it
                     self._closed.wait(_RETRY_SECONDS)
-                    continue
+                    break
                 if self._closed.is_set():
                     sandbox.close()
                     return
@@ -159,4 +179,6 @@ class SandboxPool:
         self._wanted.set()
         self._filler.join()
         while not self._ready.empty():
-            self._ready.get_nowait().close()
+            waiting = self._ready.get_nowait()
+            if not isinstance(waiting, PoolStartError):
+                waiting.close()
