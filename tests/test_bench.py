@@ -18,7 +18,8 @@ ROWS = ("start.plain", "start.sandbox", "execute.plain", "execute.sandbox", "mai
         "fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process", "pool.first",
         "pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process")
 SKIPPED_IN_QUICK = {"main.10mb", "concurrency.4", "pandas.fork", "pandas.process",
-                    "pandas.rate.fork", "pandas.rate.process"}
+                    "pandas.rate.fork", "pandas.rate.process", "fresh.pool", "rate.cold",
+                    "rate.fork", "rate.pool", "rate.process"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MEDIAN, COMPARED, MET = 1, 4, 6  # cells after the row id: label, median, p90, n, compared, ...
 

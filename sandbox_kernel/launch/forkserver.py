@@ -56,7 +56,10 @@ KERNEL_IMPORTS = (
     "jupyter_client.session", "jupyter_client.connect", "zmq.eventloop.zmqstream",
     "tornado.ioloop", "asyncio", "sqlite3", "comm", "sandbox_kernel.confine.seccomp",
     "sandbox_kernel.confine.landlock", "sandbox_kernel.confine.denials", "json", "ctypes",
-    "uuid", "hmac", "pickle",
+    "uuid", "hmac", "pickle", "psutil", "faulthandler", "unicodedata", "ipykernel.debugger",
+    "IPython.core.completerlib", "IPython.core.oinspect", "IPython.utils.wildcard",
+    "tornado.gen", "tornado.locks", "tornado.queues", "tornado.platform.asyncio",
+    "IPython.core.logger", "runpy",
 )
 DEFAULT_MAX_FORKS = 200
 DEFAULT_MAX_AGE = 600.0
@@ -442,6 +445,10 @@ class ForkedKernel:
         if ready:  # ended, but only its (gone) parent could learn how
             self.returncode = 255
             self._release()
+
+    def exit_fd(self) -> int:
+        """A descriptor that becomes readable when poll() may have news."""
+        return self.conn.fileno() if self.conn.fileno() >= 0 else self.pidfd
 
     def send_signal(self, signum: int) -> None:
         """Signal the kernel itself (never a recycled pid: the pidfd names this process)."""

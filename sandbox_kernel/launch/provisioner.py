@@ -54,6 +54,20 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
         self.fork_served = False
         return await super().launch_kernel(cmd, **kwargs)
 
+    async def wait(self) -> int | None:
+        """As LocalProvisioner's, but woken by the kernel's end instead of polling every 0.1 s."""
+        process = self.process
+        loop = asyncio.get_running_loop()
+        while isinstance(process, forkserver.ForkedKernel) and process.poll() is None:
+            news = asyncio.Event()
+            watched = process.exit_fd()  # the server's report, or the pidfd once it is gone
+            loop.add_reader(watched, news.set)
+            try:
+                await news.wait()
+            finally:
+                loop.remove_reader(watched)
+        return await super().wait()  # type: ignore[no-any-return]
+
     def _fork(self, cmd: list[str], kwargs: dict[str, Any]) -> forkserver.ForkedKernel:
         argv = _kernel_argv(cmd)
         env = dict(kwargs.get("env") or os.environ)
