@@ -82,7 +82,7 @@ EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
     "execute": _explain_execute,
     "speedup": lambda results, kernels: profiling.explain_speedup(),
     "rss": lambda results, kernels: profiling.explain_rss(),
-    "fork": lambda results, kernels: _related(results, "cpu.fork", "cpu.sandbox", "start.fork"),
+    "fork": lambda results, kernels: profiling.explain_fork(results.samples["cpu.fork"].median),
     "pss": lambda results, kernels: _related(results, "pss.fork", "pss.sandbox", "rss.fork"),
     "fresh": lambda results, kernels: _related(results, "fresh.fork", "fresh.pool",
                                                "rate.pool", "cpu.fork"),
