@@ -202,3 +202,21 @@ def test_the_server_is_single_threaded_and_recycled_after_max_forks():
     third = client.spawn(refused, {}, [0, 1, 2])
     assert client.server_pid() not in (None, server)
     third.wait(60)
+
+
+FDS = ("import os, re, collections\n"
+       "kinds = collections.Counter()\n"
+       "for fd in set(os.listdir('/proc/self/fd')) - {'0'}:  # stdin: /dev/null, not a pipe\n"
+       "    try:\n"
+       "        kinds[re.sub(r'\\[\\d+\\]|/.*', '', os.readlink(f'/proc/self/fd/{fd}'))] += 1\n"
+       "    except OSError:\n"
+       "        pass\n"
+       "dict(kinds)")
+
+
+def test_a_fork_served_kernel_holds_no_descriptor_a_cold_one_does_not():
+    with Sandbox(None) as forked, Sandbox(None, cold_start=True) as cold:
+        assert forked.manager.provisioner.fork_served
+        fork_fds, cold_fds = evaluate(forked, FDS), evaluate(cold, FDS)
+    assert "anon_inode:[pidfd]" not in fork_fds and "anon_inode:pidfd" not in fork_fds
+    assert fork_fds == cold_fds

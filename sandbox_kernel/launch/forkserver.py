@@ -232,6 +232,7 @@ class Server:
             raise ForkServerError("the server is multi-threaded and cannot fork safely")
         pid = os.fork()
         if pid == 0:
+            conn.close()  # the child's launcher talks to the server, not to the kernel
             self.become_kernel(argv, env, fds)
         self.forks += 1
         pidfd = os.pidfd_open(pid)
