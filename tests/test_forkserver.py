@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -220,3 +221,23 @@ def test_a_fork_served_kernel_holds_no_descriptor_a_cold_one_does_not():
         fork_fds, cold_fds = evaluate(forked, FDS), evaluate(cold, FDS)
     assert "anon_inode:[pidfd]" not in fork_fds and "anon_inode:pidfd" not in fork_fds
     assert fork_fds == cold_fds
+
+
+def test_user_code_cannot_reach_the_fork_server(fresh_sandbox):
+    """A kernel that could ask the server for kernels could run code outside its own limits."""
+    path = forkserver.ForkServerClient().socket_path
+    outcome = evaluate(fresh_sandbox, textwrap.dedent(f"""
+        import socket, errno
+        outcomes = []
+        for attempt in (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM),
+                        lambda: open({path!r}, 'rb'),
+                        lambda: __import__('os').listdir({str(Path(path).parent)!r})):
+            try:
+                attempt()
+                outcomes.append('done')
+            except OSError as exc:
+                outcomes.append(errno.errorcode[exc.errno])
+        outcomes
+        """))
+    assert outcome[0] == "EPERM"  # seccomp: no AF_UNIX sockets but socketpairs
+    assert outcome[1] in ("EACCES", "ENXIO") and outcome[2] == "EACCES"  # Landlock, mode 0700
