@@ -29,7 +29,9 @@ from .policy import SandboxPolicy
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
-_IOPUB_JOIN = 0.2  # until the first IOPub message proves the subscription; then retry kernel_info
+# After the kernel_info_reply, how long to wait for an IOPub message (which proves the
+# subscription) before asking again: a fork-served kernel answers before IOPub has joined.
+_IOPUB_JOIN = 0.05
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import gc
 import hashlib
 import importlib
 import json
@@ -148,6 +149,10 @@ class Server:
             except ImportError as exc:
                 if name in self.preload:
                     raise ForkServerError(f"cannot preload {name}: {exc}") from exc
+        # A collection in a child walks every object and writes to it: each page the server
+        # shares with its kernels would be copied. Frozen objects are never collected.
+        gc.collect()
+        gc.freeze()
         if thread_count() != 1:
             raise ForkServerError(f"the server has {thread_count()} threads after importing "
                                   f"{', '.join(self.preload) or 'the kernel'}; a multi-threaded "
