@@ -6,6 +6,7 @@ client costs is the same on both sides of every ratio.
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import tempfile
@@ -20,8 +21,10 @@ from sandbox_kernel.install import kernel_json
 from sandbox_kernel.policy import SandboxPolicy
 
 PLAIN = "plain"
-SANDBOX = "sandbox"
+SANDBOX = "sandbox"  # started cold: a new interpreter that re-executes itself clean
+FORK = "fork"  # the same kernel, forked from the fork server (launch/forkserver.py)
 KINDS = (PLAIN, SANDBOX)
+START_KINDS = (PLAIN, SANDBOX, FORK)
 READY_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
 _POLL = 0.005  # short, so polling adds at most a few ms to a start that takes hundreds
@@ -35,13 +38,22 @@ def kernel_argv(kind: str) -> list[str]:
     return kernel_json(SandboxPolicy(), "sandbox (bench)")["argv"]
 
 
+def kernel_metadata(kind: str) -> dict[str, Any]:
+    """The fork kind names the fork-server provisioner; the others start through Popen."""
+    if kind == FORK:
+        return {"kernel_provisioner": kernel_json(SandboxPolicy(), "")["metadata"][
+            "kernel_provisioner"]}
+    return {}
+
+
 class _Specs(KernelSpecManager):
     """Serves kernelspecs built here, so the benchmark needs nothing installed."""
 
-    def __init__(self, argv: list[str], **kwargs: Any) -> None:
+    def __init__(self, argv: list[str], metadata: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = KernelSpec(argv=argv, display_name="bench", language="python",
-                               interrupt_mode="signal")
+                               interrupt_mode="signal", metadata=metadata or {})
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return self.spec
@@ -52,7 +64,7 @@ class Kernel:
 
     def __init__(self, kind: str, argv: list[str] | None = None) -> None:
         self.kind = kind
-        specs = _Specs(argv or kernel_argv(kind))
+        specs = _Specs(argv or kernel_argv(kind), kernel_metadata(kind))
         self.manager = KernelManager(kernel_name=f"bench-{kind}", kernel_spec_manager=specs)
         self.client: Any = None
         self.log: Any = None
@@ -157,6 +169,18 @@ class Kernel:
     def peak_rss(self) -> int:
         """The kernel process's peak resident set size (VmHWM), in bytes."""
         return peak_rss(self.pid)
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the kernel process has used so far."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def pss(self) -> int:
+        """The kernel's proportional set size: pages shared with others count in part."""
+        for line in Path(f"/proc/{self.pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no Pss in /proc/{self.pid}/smaps_rollup")
 
     def close(self) -> None:
         """Stop the client and kill the kernel."""

@@ -372,3 +372,35 @@ def explain_speedup(repeats: int = 20) -> list[str]:
         f"{_ms(_bare_interpreter())}; importing and loading the seccomp filter brings it to "
         f"{_ms(seccomp)}; the rest is the request itself.",
     ]
+
+
+# --- fork-served start ---------------------------------------------------------------------------
+
+FORK_WRAPPER = Path(__file__).with_name("_profiled_fork.py")
+# The IPython and ipykernel work a forked child still does (the server cannot do it: it creates
+# the shell, traitlets singletons, sockets and threads that must be the kernel's own).
+FORK_STEPS = ("IPython/core/interactiveshell.py", "ipykernel/ipkernel.py", "ipykernel/zmqshell.py",
+              "IPython/core/history.py", "traitlets/config/application.py",
+              "sandbox_kernel/confine/", "sandbox_kernel/app.py", "ipykernel/kernelapp.py")
+
+
+def explain_fork(cpu_seconds: float) -> list[str]:
+    """Where a fork-served kernel's own start-up goes: cProfile of the child's initialize()."""
+    done = subprocess.run([sys.executable, "-I", str(FORK_WRAPPER)], capture_output=True,
+                          text=True, timeout=120, check=True)
+    profile = json.loads(done.stdout.strip().splitlines()[-1])
+    steps = sorted(((cumulative, f"{Path(path).name}:{name}")
+                    for path, _line, name, _own, cumulative, _callers in profile["functions"]
+                    if any(path.endswith(step) or step in path for step in FORK_STEPS)
+                    and (name.startswith(("init", "__init__", "install", "apply", "parse"))
+                         or name == "initialize")), reverse=True)
+    return [
+        f"A fork-served kernel used {_ms(cpu_seconds)} of CPU to ready (median, clock ticks). "
+        f"Under cProfile (overhead included) its initialize() took {_ms(profile['seconds'])}; "
+        "the largest steps (cumulative, nested steps overlap): "
+        + ", ".join(f"`{where}` {_ms(seconds)}" for seconds, where in steps[:12]) + ".",
+        "What remains is per-kernel by nature: the IPython shell (its history database in the "
+        "scratch, magics, traceback handlers), ipykernel's sockets and threads, the command line, "
+        "the confinement layers. The server has already imported every module a started kernel "
+        "imports through its first calls (forkserver.KERNEL_IMPORTS).",
+    ]

@@ -29,6 +29,24 @@ ROWS = (  # (row id, what it measures), in table order
     ("concurrency.1", "7. Throughput, 1 sandbox driven by 1 thread"),
     ("concurrency.2", "7. Throughput, 2 sandboxes driven at once (one thread each)"),
     ("concurrency.4", "7. Throughput, 4 sandboxes driven at once (one thread each)"),
+    ("start.fork", "1. Start-to-ready, sandbox kernel forked from the fork server"),
+    ("cpu.plain", "1. Kernel CPU (user + system) to ready, plain ipykernel"),
+    ("cpu.sandbox", "1. Kernel CPU to ready, sandbox kernel started cold"),
+    ("cpu.fork", "1. Kernel CPU to ready, fork-served sandbox kernel"),
+    ("pss.sandbox", "6. PSS per kernel, several cold sandbox kernels alive at once"),
+    ("pss.fork", "6. PSS per kernel, as many fork-served kernels alive at once (and the server)"),
+    ("fresh.cold", "8. Fresh kernel per request (start, small `main()`, shut down), cold"),
+    ("fresh.fork", "8. Fresh kernel per request, fork-served"),
+    ("fresh.pool", "8. Fresh kernel per request from a warm pool of 2 (get, call, close)"),
+    ("rate.cold", "8. Fresh-kernel requests/s, 2 at a time, cold"),
+    ("rate.fork", "8. Fresh-kernel requests/s, 2 at a time, fork-served"),
+    ("rate.pool", "8. Fresh-kernel requests/s, 2 at a time, warm pool of 2"),
+    ("rate.process", "8. Process-per-request requests/s, 2 at a time"),
+    ("pool.first", "8. Pool hand-out + first small `main()` call (pool full)"),
+    ("pandas.fork", "9. Code node importing pandas, fresh fork-served kernel (pandas preloaded)"),
+    ("pandas.process", "9. Code node importing pandas, process per request"),
+    ("pandas.rate.fork", "9. pandas code node requests/s, 2 at a time, fork-served"),
+    ("pandas.rate.process", "9. pandas code node requests/s, 2 at a time, process per request"),
     *payload.ROWS,
 )
 PACKAGES = ("sandbox-kernel", "ipykernel", "ipython", "jupyter_client", "pyzmq", "tornado",
@@ -54,9 +72,9 @@ def _compared(results: Results, row: str) -> str:
     target = TARGET_BY_ROW.get(row)
     found = verdict(results, target) if target else None
     if found and found.ratio is not None:
-        if target and target.at_least:
+        if target and target.key == "speedup":
             return f"warm `main()` call is {found.ratio:.1f}x faster"
-        return f"{found.ratio:.3f}x plain"
+        return f"{found.ratio:.3f}x `{target.denominator}`" if target else ""
     latency = samples.get(f"{row}.latency")
     if latency:
         return (f"latency median {_value(latency.median, 's')}, p90 {_value(latency.p90, 's')}; "
@@ -153,6 +171,22 @@ METHOD = """\
   `main()`, prints the JSON. Warm calls and per-request calls alternate in blocks of 10.
 - **Peak RSS**: `VmHWM` of the kernel process after start-to-ready and one `pass`, one reading
   per fresh kernel of the start-up measurement.
+- **Fork-served start** (`start.fork`): the same kernelspec with `metadata.kernel_provisioner`
+  naming the fork-server provisioner; the server is already running (started by the first,
+  discarded start). **Kernel CPU to ready**: user + system time of the kernel process when
+  its `kernel_info_reply` arrives (`/proc/<pid>/stat`; clock ticks, 10 ms). For a cold sandbox
+  kernel this includes the first interpreter that re-executes itself; the fork server's own
+  imports are paid once per server and not counted.
+- **PSS**: `Pss` of `/proc/<pid>/smaps_rollup` with several kernels of one kind alive at once
+  (4 in a full run), after one `pass` each; each kernel is one reading.
+- **Fresh kernel per request** (rows 8): `Sandbox(None)` started, one small `main()` call,
+  shut down, one request at a time. The pool rows use `launch.pool.KernelPool` of 2 kernels
+  (`get()`, the call, `close()`; the pool refills behind). Rates: a fixed number of requests
+  from two threads at once (two cores), completed requests / wall-clock seconds; the
+  process-per-request runner driven the same way.
+- **pandas code node** (rows 9): `import pandas` and a small Series sum in `main()`, per request:
+  a fresh fork-served kernel from a server that preloaded numpy and pandas, against
+  `_child.py` importing pandas.
 - **Concurrency**: N warm sandboxes, one thread each, each making the same number of small
   `main()` calls at once; completed calls / wall-clock seconds, over several rounds.
 - **Median and p90**: p90 is the slow end: the 90th percentile of a time, the 10th percentile of a

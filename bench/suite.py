@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bench import calls, payload
-from bench.kernels import KINDS, Kernel
+from bench import calls, fresh, payload
+from bench.kernels import FORK, KINDS, SANDBOX, START_KINDS, Kernel
 from bench.stats import Sample
 from sandbox_kernel.client import Sandbox
 
@@ -37,12 +37,21 @@ class Plan:
     warmups: int = 1  # discarded repetitions before each measurement
     cpu_calls: int = 200  # warm calls per kernel-CPU reading (the clock ticks every 10 ms)
     cpu_rounds: int = 5
+    fresh: int = 1  # fresh-kernel requests timed one at a time, per kind; pool hand-outs
+    fresh_rounds: int = 0  # rounds of the requests-per-second rows; 0 skips them
+    fresh_each: int = 2  # requests in one such round
+    pandas: int = 0  # pandas code-node requests per kind (and rounds of its rates); 0 skips
+    pss_kernels: int = 2  # kernels alive at once when PSS is read (shared pages are split)
 
 
 FULL = Plan(starts=30, executes=1000, calls=100, mb_calls=20, ten_mb_calls=6,
-            concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2)
+            concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2,
+            fresh=15, fresh_rounds=3, fresh_each=12, pandas=6, pss_kernels=4)
 QUICK = Plan(starts=2, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
              concurrency=(1, 2), rounds=2, calls_each=5, cpu_calls=50, cpu_rounds=1)
+RATE_ROWS = ("fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process")
+FRESH_ROWS = ("fresh.cold", "fresh.fork", "pool.first", *RATE_ROWS)
+PANDAS_ROWS = ("pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process")
 
 
 @dataclass
@@ -84,19 +93,41 @@ def _alternating(count: int) -> Iterator[tuple[int, str]]:
 
 
 def measure_starts(results: Results) -> None:
-    """1 and 6: start-to-ready of fresh kernels, and their peak RSS after one execute."""
+    """1 and 6: start-to-ready of fresh kernels (cold and fork-served), CPU, RSS and PSS."""
     plan = results.plan
-    for repetition, kind in _alternating(plan.warmups + plan.starts):
-        kernel = Kernel(kind)
+    for repetition in range(plan.warmups + plan.starts):
+        for kind in START_KINDS:
+            kernel = Kernel(kind)
+            try:
+                seconds = kernel.start()
+                cpu = kernel.cpu_seconds()
+                kernel.warm_up()  # the one trivial execute
+                rss = kernel.peak_rss()
+            finally:
+                kernel.close()
+            if repetition >= plan.warmups:  # the first starts also fill the page cache
+                results.sample(f"start.{kind}", "s").add(seconds)
+                results.sample(f"rss.{kind}", "bytes").add(rss)
+                results.sample(f"cpu.{kind}", "s").add(cpu)
+
+
+def measure_pss(results: Results) -> None:
+    """6: PSS per kernel with several alive at once, cold against fork-served.
+
+    PSS splits each shared page among the processes mapping it: cold kernels share the
+    libraries' file pages, fork-served ones also the server's whole heap of imported modules.
+    """
+    for kind in (SANDBOX, FORK):
+        kernels = [Kernel(kind) for _ in range(results.plan.pss_kernels)]
         try:
-            seconds = kernel.start()
-            kernel.warm_up()  # the one trivial execute
-            rss = kernel.peak_rss()
+            for kernel in kernels:
+                kernel.start()
+                kernel.warm_up()
+            for kernel in kernels:
+                results.sample(f"pss.{kind}", "bytes").add(kernel.pss())
         finally:
-            kernel.close()
-        if repetition >= plan.warmups:  # the first starts also fill the page cache
-            results.sample(f"start.{kind}", "s").add(seconds)
-            results.sample(f"rss.{kind}", "bytes").add(rss)
+            for kernel in kernels:
+                kernel.close()
 
 
 def measure_executes(results: Results) -> dict[str, Kernel]:
@@ -234,6 +265,52 @@ def _alive(sandboxes: list[Sandbox], index: int) -> Sandbox:
     return sandboxes[index]
 
 
+def measure_fresh(results: Results) -> None:
+    """8: a fresh kernel per request (cold, fork-served, pooled) against a process per request."""
+    plan = results.plan
+    small = calls.SMALL_CALL
+    requests = {"cold": lambda: fresh.request_in_fresh_kernel(small, cold=True),
+                "fork": lambda: fresh.request_in_fresh_kernel(small, cold=False),
+                "process": lambda: calls.call_in_fresh_process(small)}
+    for _ in range(plan.fresh):  # the starts above warmed the page cache and the server
+        for kind in ("cold", "fork"):
+            results.sample(f"fresh.{kind}", "s").add(requests[kind]())
+    if not plan.fresh_rounds:
+        for row in RATE_ROWS:
+            results.skipped[row] = SKIPPED_BY_QUICK
+    for _ in range(plan.fresh_rounds):
+        for kind, request in requests.items():
+            results.sample(f"rate.{kind}", "req/s", higher_is_better=True).add(
+                fresh.requests_per_second(request, plan.fresh_each))
+        rate, latencies = fresh.pool_rate(plan.fresh_each)
+        results.sample("rate.pool", "req/s", higher_is_better=True).add(rate)
+        for seconds in latencies:
+            results.sample("fresh.pool", "s").add(seconds)
+    for seconds in fresh.pool_first_calls(plan.fresh):
+        results.sample("pool.first", "s").add(seconds)
+
+
+def measure_pandas(results: Results) -> None:
+    """9: a code node that imports pandas, per request: fork server with pandas preloaded."""
+    plan = results.plan
+    if not plan.pandas:
+        for row in PANDAS_ROWS:
+            results.skipped[row] = SKIPPED_BY_QUICK
+        return
+    node = fresh.PANDAS_CALL
+    requests = {"fork": lambda: fresh.request_in_fresh_kernel(node, False, fresh.PRELOAD),
+                "process": lambda: calls.call_in_fresh_process(node)}
+    for repetition in range(1 + plan.pandas):  # the first fills the server's preload
+        for kind, request in requests.items():
+            seconds = request()
+            if repetition:
+                results.sample(f"pandas.{kind}", "s").add(seconds)
+    for _ in range(plan.fresh_rounds):
+        for kind, request in requests.items():
+            results.sample(f"pandas.rate.{kind}", "req/s", higher_is_better=True).add(
+                fresh.requests_per_second(request, plan.pandas))
+
+
 def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
         progress: Callable[[str], None] = print) -> Results:
     """Every measurement, then `explain` for the targets that were missed."""
@@ -242,6 +319,8 @@ def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
     progress("1, 6: kernel start-to-ready and peak RSS (plain/sandbox alternating)")
     with recording_failure(results, "start.plain", "start.sandbox", "rss.plain", "rss.sandbox"):
         measure_starts(results)
+    with recording_failure(results, "pss.sandbox", "pss.fork"):
+        measure_pss(results)
     progress("2: warm execute round trips")
     kernels: dict[str, Kernel] = {}
     try:
@@ -250,6 +329,11 @@ def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
         progress("3, 4, 5, 7: main() calls, throughput, process per request, concurrency")
         with recording_failure(results, *SANDBOX_CALL_ROWS):
             measure_sandbox_calls(results)
+        progress("8, 9: a fresh kernel per request: cold, fork-served, pooled, pandas")
+        with recording_failure(results, *FRESH_ROWS):
+            measure_fresh(results)
+        with recording_failure(results, *PANDAS_ROWS):
+            measure_pandas(results)
         progress("profiling the targets that were missed")
         explain(results, kernels)
     finally:

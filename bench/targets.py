@@ -36,7 +36,12 @@ class Target:
 
 
 TARGETS = (
-    Target("start", "start.sandbox", "start.plain", 1.10),
+    Target("start", "start.sandbox", "start.plain", 1.00),
+    Target("fork", "start.fork", "start.plain", 0.15),
+    Target("pss", "pss.fork", "pss.sandbox", 0.6),
+    Target("fresh", "rate.fork", "rate.process", 1.5, at_least=True),
+    Target("pandas", "pandas.rate.fork", "pandas.rate.process", 5.0, at_least=True),
+    Target("pool", "pool.first", "main.small", 2.5),
     Target("execute", "execute.sandbox", "execute.plain", 1.05),
     Target("speedup", "process.small", "main.small", 10.0, at_least=True),
     Target("rss", "rss.sandbox", "rss.plain", 1.10),
@@ -94,7 +99,24 @@ EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
     "payload.1mb": lambda results, kernels: payload.explain(results, "1mb"),
     "payload.10mb": lambda results, kernels: payload.explain(results, "10mb"),
     "cpu": lambda results, kernels: payload.explain_cpu(results),
+    "fork": lambda results, kernels: profiling.explain_fork(results.samples["cpu.fork"].median),
+    "pss": lambda results, kernels: _related(results, "pss.fork", "pss.sandbox", "rss.fork"),
+    "fresh": lambda results, kernels: _related(results, "fresh.fork", "fresh.pool",
+                                               "rate.pool", "cpu.fork"),
+    "pandas": lambda results, kernels: _related(results, "pandas.fork", "pandas.process"),
+    "pool": lambda results, kernels: _related(results, "pool.first", "fresh.pool"),
 }
+
+
+def _related(results: Results, *rows: str) -> list[str]:
+    """The rows that account for a fork-server target: where its time or memory goes."""
+    lines = []
+    for row in rows:
+        sample = results.samples.get(row)
+        if sample:
+            lines.append(f"`{row}`: median {sample.median:.4g} {sample.unit}, "
+                         f"p90 {sample.p90:.4g} (n={len(sample)})")
+    return lines or ["No related rows were measured."]
 
 
 def explainer(mode: str) -> Callable[[Results, dict[str, Kernel]], None]:

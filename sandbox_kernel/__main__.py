@@ -11,6 +11,9 @@ if __name__ == "__main__":
     from sandbox_kernel.confine.environment import ensure_clean
 
     ensure_clean(sys.argv[1:])
+    # The sandbox refuses the debugger (debugpy's adapter is a subprocess), yet ipykernel
+    # imports debugpy at start (60-125 ms). None tells ipykernel, and user code, it is absent.
+    sys.modules["debugpy"] = None  # type: ignore[assignment]
     from sandbox_kernel.app import main
 
     main()

@@ -86,6 +86,16 @@ class SandboxKernelApp(IPKernelApp):
         self.kernel.file_access = self.file_access
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
+    def _ip_default(self) -> str:
+        """Loopback, without the host scan behind jupyter_client's default.
+
+        jupyter_client computes this default even when the connection file names the address:
+        importing psutil and listing the host's interfaces cost 60 ms of every start.
+        """
+        if self.transport == "tcp":
+            return "127.0.0.1"
+        return super()._ip_default()  # type: ignore[no-any-return]
+
     def init_sockets(self) -> None:
         """Apply the single-threaded layers first: ipykernel starts threads from here on."""
         self.init_confinement()

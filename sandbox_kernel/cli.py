@@ -31,7 +31,8 @@ class _NotStarted(Exception):
 def _install(args: argparse.Namespace) -> int:
     prefix = sys.prefix if args.sys_prefix else args.prefix
     path = install.install(policy.from_arguments(args), name=args.name,
-                           display_name=args.display_name, user=args.user, prefix=prefix)
+                           display_name=args.display_name, user=args.user, prefix=prefix,
+                           cold_start=args.cold_start, preload=args.preload)
     print(f"Installed kernelspec {args.name} in {path}")
     return 0
 
@@ -123,7 +124,8 @@ def _run(args: argparse.Namespace) -> int:
             Path(args.save_displays).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UsageError(f"cannot create {args.save_displays}: {exc.strerror or exc}") from None
-    sandbox = client.Sandbox(kernel_name=None, policy=effective)
+    sandbox = client.Sandbox(kernel_name=None, policy=effective, cold_start=args.cold_start,
+                             preload=args.preload)
     sandbox.timeout_source, sandbox.one_shot = timeout_source, True
     try:
         execution = _run_once(sandbox, code, inputs, effective.timeout, args.json)
@@ -167,6 +169,21 @@ def _add_location(command: argparse.ArgumentParser) -> None:
     command.add_argument("--name", default=install.DEFAULT_NAME, help="kernelspec name")
 
 
+def _module_list(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """How kernels start: forked from a preloaded server (default) or cold."""
+    group = parser.add_argument_group("kernel start-up")
+    group.add_argument("--cold-start", action="store_true",
+                       help="start each kernel as a new interpreter instead of forking it from "
+                       "the fork server (slower; no state shared with a server at all)")
+    group.add_argument("--preload", metavar="MODULES", type=_module_list, default=[],
+                       help="comma-separated modules the fork server imports before forking "
+                       "kernels, so user code imports them for free (e.g. numpy,pandas)")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     top = argparse.ArgumentParser(prog="sandbox-kernel", description=__doc__)
@@ -178,6 +195,7 @@ def parser() -> argparse.ArgumentParser:
     inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
                       help="name shown in JupyterLab's launcher")
     policy.add_arguments(inst)
+    add_launch_arguments(inst)
     inst.set_defaults(handler=_install)
 
     uninst = sub.add_parser("uninstall", help="remove a kernelspec that install wrote",
@@ -203,6 +221,7 @@ def parser() -> argparse.ArgumentParser:
                          "error) as one JSON object on stdout, and nothing on stderr")
     run_cmd.add_argument("--save-displays", metavar="DIR",
                          help="write each display (chart, HTML, ...) to DIR as display-N.EXT")
+    add_launch_arguments(run_cmd)
     policy.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
     run_cmd.set_defaults(handler=_run)
 

@@ -15,7 +15,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,9 @@ _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 _POLL = 0.2
 _DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's exit
+# After the kernel_info_reply, how long to wait for an IOPub message (which proves the
+# subscription) before asking again: a fork-served kernel answers before IOPub has joined.
+_IOPUB_JOIN = 0.05
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 
@@ -214,6 +217,14 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
     return msg
 
 
+def _check_start(alive: bool, deadline: float, timeout: float) -> None:
+    """Raise (as jupyter_client's wait_for_ready does) if the kernel died or took too long."""
+    if not alive:
+        raise RuntimeError("Kernel died before replying to kernel_info")
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"Kernel didn't respond in {timeout:g} seconds")
+
+
 def _exit_status(manager: Any) -> str:
     """How the kernel process ended, e.g. "exit status 1" or "killed by signal SIGSEGV"."""
     code = getattr(getattr(manager.provisioner, "process", None), "returncode", None)
@@ -346,20 +357,23 @@ class _AsyncInbox(_Inbox):
 class _PackageSpecs(KernelSpecManager):
     """Serves a kernelspec built from this package, for sandboxes started without installing."""
 
-    def __init__(self, policy: SandboxPolicy, **kwargs: Any) -> None:
+    def __init__(self, policy: SandboxPolicy, cold_start: bool = False,
+                 preload: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)"))
+        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload))
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return self.spec
 
 
-def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None) -> dict[str, Any]:
+def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None, cold_start: bool,
+                    preload: Sequence[str]) -> dict[str, Any]:
     if kernel_name is None:
-        return {"kernel_name": "sandbox-package",
-                "kernel_spec_manager": _PackageSpecs(policy or SandboxPolicy())}
-    if policy is not None:
-        raise ValueError("give either kernel_name (an installed policy) or policy, not both")
+        specs = _PackageSpecs(policy or SandboxPolicy(), cold_start, preload)
+        return {"kernel_name": "sandbox-package", "kernel_spec_manager": specs}
+    if policy is not None or cold_start or preload:
+        raise ValueError("give either kernel_name (an installed kernelspec, which sets policy, "
+                         "cold start and preload) or those options, not both")
     return {"kernel_name": kernel_name}
 
 
@@ -388,8 +402,10 @@ class _SandboxSettings:
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
                  grace: float = GRACE_SECONDS, max_output: int | None = None,
-                 max_result: int | None = None) -> None:
-        self.manager = self.manager_class(**_manager_kwargs(kernel_name, policy))
+                 max_result: int | None = None, cold_start: bool = False,
+                 preload: Sequence[str] = ()) -> None:
+        self.manager = self.manager_class(
+            **_manager_kwargs(kernel_name, policy, cold_start, preload))
         jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
         recorded = policy.as_dict() if policy is not None else (
             _installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
@@ -449,10 +465,25 @@ class Sandbox(_SandboxSettings):
         self.client = self.manager.client(context=self._live_context())
         self.client.start_channels()
         try:
-            self.client.wait_for_ready(timeout=self.startup_timeout)
+            self._wait_for_ready()
         except RuntimeError:
             self.close()
             raise
+
+    def _wait_for_ready(self) -> None:
+        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            msg_id = self.client.kernel_info()
+            try:
+                while self.client.get_shell_msg(timeout=1.0)["parent_header"].get(
+                        "msg_id") != msg_id:
+                    pass
+                self.client.get_iopub_msg(timeout=_IOPUB_JOIN)  # the subscription is live
+                return
+            except queue.Empty:
+                pass
+            _check_start(self.manager.is_alive(), deadline, self.startup_timeout)
 
     def close(self, now: bool = False) -> None:
         """Shut the kernel down (now: kill it, without waiting for the code it runs)."""
@@ -558,10 +589,25 @@ class AsyncSandbox(_SandboxSettings):
         self.client = self.manager.client(context=self._live_context())
         self.client.start_channels()
         try:
-            await self.client.wait_for_ready(timeout=self.startup_timeout)
+            await self._wait_for_ready()
         except RuntimeError:
             await self.close()
             raise
+
+    async def _wait_for_ready(self) -> None:
+        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            msg_id = self.client.kernel_info()
+            try:
+                while (await self.client.get_shell_msg(timeout=1.0))["parent_header"].get(
+                        "msg_id") != msg_id:
+                    pass
+                await self.client.get_iopub_msg(timeout=_IOPUB_JOIN)
+                return
+            except queue.Empty:
+                pass
+            _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
 
     async def close(self) -> None:
         """Shut the kernel down."""

@@ -6,11 +6,13 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH, jupyter_data_dir
 
+from .launch.provisioner import NAME as PROVISIONER
 from .policy import SandboxPolicy
 
 DEFAULT_NAME = "sandbox"
@@ -30,24 +32,34 @@ def template_dir() -> Path:
     raise InstallError(f"the kernelspec template is missing next to {here}; reinstall the package")
 
 
-def kernel_json(policy: SandboxPolicy, display_name: str) -> dict:
+def provisioner(cold_start: bool = False, preload: Sequence[str] = ()) -> dict:
+    """The kernelspec's `metadata.kernel_provisioner`: fork-served unless cold_start."""
+    return {"provisioner_name": PROVISIONER,
+            "config": {"cold_start": cold_start, "preload": sorted(set(preload))}}
+
+
+def kernel_json(policy: SandboxPolicy, display_name: str, cold_start: bool = False,
+                preload: Sequence[str] = ()) -> dict:
     """kernel.json for this interpreter, with the policy both in argv and in the metadata."""
     spec = json.loads((template_dir() / "kernel.json").read_text())
     argv = [sys.executable if arg == "{python}" else arg for arg in spec["argv"]]
     spec["argv"] = argv + policy.to_argv()
     spec["display_name"] = display_name
     spec["metadata"]["sandbox_kernel"]["policy"] = policy.as_dict()
+    spec["metadata"]["kernel_provisioner"] = provisioner(cold_start, preload)
     return spec
 
 
 def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
             display_name: str = DEFAULT_DISPLAY_NAME, user: bool = False,
-            prefix: str | None = None) -> str:
+            prefix: str | None = None, cold_start: bool = False,
+            preload: Sequence[str] = ()) -> str:
     """Install the kernelspec `name`(replacing one of that name); return its directory."""
     with tempfile.TemporaryDirectory() as tmp:
         for logo in template_dir().glob("logo-*"):
             shutil.copy(logo, tmp)
-        Path(tmp, "kernel.json").write_text(json.dumps(kernel_json(policy, display_name), indent=2))
+        Path(tmp, "kernel.json").write_text(json.dumps(
+            kernel_json(policy, display_name, cold_start, preload), indent=2))
         try:
             return KernelSpecManager().install_kernel_spec(
                 tmp, kernel_name=name, user=user, prefix=prefix)

@@ -57,3 +57,12 @@ def fresh_sandbox(kernelspecs):
     with Sandbox("sandbox") as sb:
         yield sb
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers():
+    """Fork servers this session started end with it (their kernels have ended already)."""
+    yield
+    from sandbox_kernel.launch import forkserver
+
+    forkserver.stop_servers()

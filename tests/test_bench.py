@@ -13,9 +13,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ROWS = ("start.plain", "start.sandbox", "execute.plain", "execute.sandbox", "main.small",
         "main.1mb", "main.10mb", "process.small", "rss.plain", "rss.sandbox",
-        "concurrency.1", "concurrency.2", "concurrency.4",
+        "concurrency.1", "concurrency.2", "concurrency.4", "start.fork", "cpu.plain",
+        "cpu.sandbox", "cpu.fork", "pss.sandbox", "pss.fork", "fresh.cold", "fresh.fork",
+        "fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process", "pool.first",
+        "pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process",
         "floor.1mb", "floor.10mb", "cpu.small", "capacity.small")
-SKIPPED_IN_QUICK = {"main.10mb", "floor.10mb", "concurrency.4"}
+SKIPPED_IN_QUICK = {"main.10mb", "floor.10mb", "concurrency.4", "pandas.fork", "pandas.process",
+                    "pandas.rate.fork", "pandas.rate.process", "fresh.pool", "rate.cold",
+                    "rate.fork", "rate.pool", "rate.process"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MEDIAN, COMPARED, MET = 1, 4, 6  # cells after the row id: label, median, p90, n, compared, ...
 

@@ -662,31 +662,41 @@ k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'forged\\n'}
     assert "forged\n" in ex.stdout  # user code can speak as its kernel; frontends must cope
 
 
-def _processes_mentioning(text: str) -> list[int]:
+def _children_of(pid: int) -> list[int]:
+    """Processes whose parent is pid (a fork-served kernel's command line is its server's)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_text():
+            if entry.name.isdigit() and f"\nPPid:\t{pid}\n" in (entry / "status").read_text():
                 found.append(int(entry.name))
         except OSError:  # gone meanwhile
             pass
     return found
 
 
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def test_no_stray_processes_are_left(tmp_path):
     """A kernel that ends leaves nothing behind: not itself, not its scratch reaper."""
     sb = Sandbox(None, policy=SandboxPolicy(**HOSTILE_POLICY))
     sb.start()
-    connection_file = sb.manager.connection_file
+    kernel = sb.manager.provisioner.process.pid
     ok(sb.run("import threading\nfor _ in range(5):\n"
               "    threading.Thread(target=__import__('time').sleep, args=(60,)).start()"))
-    assert len(_processes_mentioning(connection_file)) == 2  # the kernel and its reaper
+    processes = [kernel, *_children_of(kernel)]
+    assert len(processes) == 2  # the kernel and its reaper
     sb.close()
     for _ in range(50):
-        if not _processes_mentioning(connection_file):
+        if not any(map(_alive, processes)):
             break
         time.sleep(0.1)
-    assert _processes_mentioning(connection_file) == []
+    assert not any(map(_alive, processes))
 
 
 def security_table() -> str:

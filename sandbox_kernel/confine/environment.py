@@ -72,6 +72,16 @@ def ensure_clean(argv: Sequence[str]) -> str:
     current = os.environ.get(SCRATCH_VAR, "")
     if scratch.is_own(current) and dict(os.environ) == allowed(current, argv, os.environ):
         return current
+    env = prepare(argv, os.environ)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("unreachable: execve returned")
+
+
+def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
+    """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
+
+    Shared by the re-exec above and the fork server's children (launch/forkserver.py).
+    """
     scratch_dir = scratch.create()
     keep = reaper.start(scratch_dir)  # from here on fds 0-2 are no longer the launcher's
     sizes = _option_values(argv, _SIZE_OPTIONS)
@@ -80,7 +90,6 @@ def ensure_clean(argv: Sequence[str]) -> str:
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     os.closerange(3, keep)
     os.closerange(keep + 1, 65536)
-    env = allowed(scratch_dir, argv, os.environ)
+    env = allowed(scratch_dir, argv, current)
     env[REAPER_VAR] = str(keep)
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-    raise AssertionError("unreachable: execve returned")
+    return env

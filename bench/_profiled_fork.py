@@ -1,0 +1,73 @@
+"""Profile what a fork-served kernel does after the fork, up to serving; print it as JSON.
+
+Usage: python -I _profiled_fork.py. A fork server (in this process, no socket traffic) imports
+what it always imports; a forked child then runs `become_kernel` with a connection file of its
+own, under cProfile, until the application's initialize() returns; it writes the profile to a
+descriptor opened before the sandbox closed everything else, and exits without serving.
+"""
+
+import cProfile
+import json
+import os
+import pstats
+import sys
+import tempfile
+import time
+
+if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # bench's modules must not shadow anything the kernel imports
+
+from jupyter_client.connect import write_connection_file
+
+import sandbox_kernel.app
+from sandbox_kernel.launch.forkserver import Server
+
+_MIN_SECONDS = 0.0001
+
+
+MARKER = "BENCH-PROFILE "
+
+
+def _profiled_main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter()
+    profile = cProfile.Profile()
+    app = sandbox_kernel.app.SandboxKernelApp.instance()
+    profile.enable()
+    app.initialize(argv)
+    profile.disable()
+    functions = [[path, line, name, own, cumulative, []]
+                 for (path, line, name), (_cc, _nc, own, cumulative, _callers)
+                 in pstats.Stats(profile).stats.items()  # type: ignore[attr-defined]
+                 if cumulative >= _MIN_SECONDS]
+    blob = json.dumps({"seconds": time.perf_counter() - started, "functions": functions})
+    with os.fdopen(app.launcher_stderr, "wb") as stream:  # fd 2 before ipykernel took it
+        stream.write(f"\n{MARKER}{blob}\n".encode())
+    os._exit(0)
+
+
+def run() -> None:
+    """Fork one profiled kernel and print its profile."""
+    directory = tempfile.mkdtemp()
+    server = Server(os.path.join(directory, "server.sock"))
+    server.prepare()
+    server.bind()
+    connection, _ = write_connection_file(os.path.join(directory, "kernel.json"),
+                                          ip="127.0.0.1", key=b"bench")
+    read_end, write_end = os.pipe()
+    sandbox_kernel.app.main = _profiled_main
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        server.become_kernel(["-f", connection], {}, [0, 1, write_end])  # the pipe as stderr
+    os.close(write_end)
+    chunks = []
+    while chunk := os.read(read_end, 1 << 16):
+        chunks.append(chunk)
+    os.waitpid(pid, 0)
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        if line.startswith(MARKER):
+            print(line[len(MARKER):])
+
+
+if __name__ == "__main__":
+    run()

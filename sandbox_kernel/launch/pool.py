@@ -1,0 +1,206 @@
+"""Warm pools: N started kernels waiting, so a fresh kernel is a queue pop.
+
+    async with KernelPool(size=4, policy=SandboxPolicy()) as pool:
+        sandbox = await pool.get()      # started, never handed out before; the caller owns it
+        try:
+            ex = await sandbox.run(code, inputs={...})
+        finally:
+            await sandbox.close()
+
+The pool refills in the background after every hand-out. `SandboxPool` is the same for the
+synchronous `Sandbox`, with a thread doing the refilling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from typing import Any
+
+from ..client import AsyncSandbox, Sandbox
+
+log = logging.getLogger(__name__)
+_RETRY_SECONDS = 1.0  # after a kernel failed to start, before trying again
+
+
+class PoolClosed(RuntimeError):
+    """The pool was closed: it hands out no more kernels."""
+
+
+class PoolStartError(RuntimeError):
+    """A kernel of the pool did not start; the message says why (the pool keeps trying)."""
+
+
+def _failure(exc: Exception) -> PoolStartError:
+    log.warning("sandbox-kernel pool: a kernel did not start: %s", exc)
+    error = PoolStartError(f"a kernel of the pool did not start: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+# The kernel's first execution pays for first-time work (compiling, caches); a silent one that
+# leaves no history, no execution count and no variable makes the caller's first call a warm one.
+_WARM_UP = {"code": "pass", "silent": True, "store_history": False}
+_WARM_UP_TIMEOUT = 60.0
+
+
+def _warm_up(sandbox: Sandbox) -> None:
+    msg_id = sandbox.client.execute(**_WARM_UP)
+    while sandbox.client.get_shell_msg(timeout=_WARM_UP_TIMEOUT)["parent_header"].get(
+            "msg_id") != msg_id:
+        pass
+
+
+async def _warm_up_async(sandbox: AsyncSandbox) -> None:
+    msg_id = sandbox.client.execute(**_WARM_UP)
+    while (await sandbox.client.get_shell_msg(timeout=_WARM_UP_TIMEOUT))["parent_header"].get(
+            "msg_id") != msg_id:
+        pass
+
+
+class KernelPool:
+    """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
+
+    def __init__(self, size: int = 2, **sandbox_options: Any) -> None:
+        if size < 1:
+            raise ValueError(f"a pool holds at least one kernel, not {size}")
+        self.size = size
+        self.sandbox_options = sandbox_options  # AsyncSandbox's: kernel_name, policy, preload...
+        # A start failure takes a kernel's place, so that a waiting get() hears of it.
+        self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
+        self._wanted = asyncio.Event()
+        self._starting = 0
+        self._filler: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> KernelPool:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def start(self) -> None:
+        """Begin filling the pool in the background (get() does this too)."""
+        if self._filler is None and not self._closed:
+            self._filler = asyncio.create_task(self._fill())
+            self._wanted.set()
+
+    @property
+    def ready(self) -> int:
+        """Kernels waiting to be handed out."""
+        return self._ready.qsize()
+
+    async def get(self) -> AsyncSandbox:
+        """A started kernel of its own for the caller, who must close it; waits if none is ready."""
+        if self._closed:
+            raise PoolClosed("the kernel pool is closed")
+        self.start()
+        sandbox = await self._ready.get()  # each kernel is in the queue once: handed out once
+        self._wanted.set()
+        if isinstance(sandbox, PoolStartError):
+            raise sandbox
+        return sandbox
+
+    async def _fill(self) -> None:
+        while not self._closed:
+            await self._wanted.wait()
+            self._wanted.clear()
+            while not self._closed and self._ready.qsize() < self.size:
+                sandbox = AsyncSandbox(**self.sandbox_options)
+                try:
+                    await sandbox.start()
+                    await _warm_up_async(sandbox)
+                except Exception as exc:  # a kernel that cannot start: tell a taker, go on
+                    self._ready.put_nowait(_failure(exc))
+                    self._wanted.clear()  # try again once a taker has heard of it
+                    await asyncio.sleep(_RETRY_SECONDS)
+                    break
+                if self._closed:
+                    await sandbox.close()
+                    return
+                self._ready.put_nowait(sandbox)
+
+    async def close(self) -> None:
+        """Stop refilling and shut down every kernel not handed out."""
+        self._closed = True
+        if self._filler is not None:
+            self._filler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._filler
+        while not self._ready.empty():
+            waiting = self._ready.get_nowait()
+            if not isinstance(waiting, PoolStartError):
+                await waiting.close()
+
+
+class SandboxPool:
+    """Keeps `size` started Sandbox kernels ready; `get()` takes one. A thread refills it."""
+
+    def __init__(self, size: int = 2, **sandbox_options: Any) -> None:
+        if size < 1:
+            raise ValueError(f"a pool holds at least one kernel, not {size}")
+        self.size = size
+        self.sandbox_options = sandbox_options
+        self._ready: queue.Queue[Sandbox | PoolStartError] = queue.Queue()
+        self._wanted = threading.Event()
+        self._closed = threading.Event()
+        self._filler = threading.Thread(target=self._fill, name="sandbox-pool", daemon=True)
+        self._filler.start()
+        self._wanted.set()
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def ready(self) -> int:
+        """Kernels waiting to be handed out."""
+        return self._ready.qsize()
+
+    def get(self, timeout: float | None = None) -> Sandbox:
+        """A started kernel of its own for the caller, who must close it."""
+        if self._closed.is_set():
+            raise PoolClosed("the kernel pool is closed")
+        try:
+            sandbox = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no kernel was ready within {timeout} s") from None
+        self._wanted.set()
+        if isinstance(sandbox, PoolStartError):
+            raise sandbox
+        return sandbox
+
+    def _fill(self) -> None:
+        while not self._closed.is_set():
+            self._wanted.wait()
+            self._wanted.clear()
+            while not self._closed.is_set() and self._ready.qsize() < self.size:
+                sandbox = Sandbox(**self.sandbox_options)
+                try:
+                    sandbox.start()
+                    _warm_up(sandbox)
+                except Exception as exc:
+                    self._ready.put(_failure(exc))
+                    self._wanted.clear()  # try again once a taker has heard of it
+                    self._closed.wait(_RETRY_SECONDS)
+                    break
+                if self._closed.is_set():
+                    sandbox.close()
+                    return
+                self._ready.put(sandbox)
+
+    def close(self) -> None:
+        """Stop refilling and shut down every kernel not handed out."""
+        self._closed.set()
+        self._wanted.set()
+        self._filler.join()
+        while not self._ready.empty():
+            waiting = self._ready.get_nowait()
+            if not isinstance(waiting, PoolStartError):
+                waiting.close()

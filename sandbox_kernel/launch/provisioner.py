@@ -1,0 +1,96 @@
+"""A jupyter_client kernel provisioner that gets kernels from the fork server.
+
+Chosen by a kernelspec's `metadata.kernel_provisioner` (`sandbox-kernel install` writes it), so
+JupyterLab, Kernel Gateway, nbclient, papermill and `Sandbox` get fork-served kernels without any
+change on their side. The forked kernel stands in for LocalProvisioner's Popen object, so polling,
+waiting, interrupting (a signal: the kernelspec's interrupt mode), restarting and killing go
+through LocalProvisioner unchanged. When no fork server can be had, the kernel starts cold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+from typing import Any
+
+from jupyter_client.provisioning import LocalProvisioner
+from traitlets import Bool, Float, Int, List, Unicode
+
+from . import forkserver
+
+NAME = "sandbox-fork-provisioner"
+
+
+class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
+    """LocalProvisioner whose kernels are forked from a preloaded server instead of exec'd."""
+
+    cold_start = Bool(False, help="Start every kernel cold (exec a new interpreter) instead of "
+                      "forking it from the fork server.").tag(config=True)
+    preload = List(Unicode(), help="Modules the fork server imports before forking kernels, "
+                   "e.g. ['numpy', 'pandas'].").tag(config=True)
+    max_forks = Int(forkserver.DEFAULT_MAX_FORKS, help="Kernels one fork server forks before a "
+                    "fresh server (new hash seed and address layout) replaces it."
+                    ).tag(config=True)
+    max_age = Float(forkserver.DEFAULT_MAX_AGE, help="Seconds a fork server forks kernels before "
+                    "a fresh one replaces it.").tag(config=True)
+    idle = Float(forkserver.DEFAULT_IDLE, help="Seconds a fork server without kernels or requests "
+                 "waits before it exits.").tag(config=True)
+
+    fork_served = False
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
+        """Fork the kernel from the server; start it cold if there is no server to be had."""
+        if not self.cold_start:
+            try:
+                process = await asyncio.to_thread(self._fork, cmd, kwargs)
+            except forkserver.ForkServerError as exc:
+                self.log.warning("sandbox-kernel: starting the kernel cold: %s", exc)
+            else:
+                self.process, self.pid, self.pgid = process, process.pid, process.pid  # type: ignore[assignment]
+                self.cwd = kwargs.get("cwd", pathlib.Path.cwd())
+                self.fork_served = True
+                return self.connection_info
+        self.fork_served = False
+        return await super().launch_kernel(cmd, **kwargs)
+
+    async def wait(self) -> int | None:
+        """As LocalProvisioner's, but woken by the kernel's end instead of polling every 0.1 s."""
+        process = self.process
+        loop = asyncio.get_running_loop()
+        while isinstance(process, forkserver.ForkedKernel) and process.poll() is None:
+            news = asyncio.Event()
+            watched = process.exit_fd()  # the server's report, or the pidfd once it is gone
+            loop.add_reader(watched, news.set)
+            try:
+                await news.wait()
+            finally:
+                loop.remove_reader(watched)
+        return await super().wait()  # type: ignore[no-any-return]
+
+    def _fork(self, cmd: list[str], kwargs: dict[str, Any]) -> forkserver.ForkedKernel:
+        argv = _kernel_argv(cmd)
+        env = dict(kwargs.get("env") or os.environ)
+        # The server kills a kernel whose launcher hangs up: no parent poller needed (it would
+        # end the kernel when the server, its real parent, is replaced).
+        env.pop("JPY_PARENT_PID", None)
+        client = forkserver.ForkServerClient(
+            python=cmd[0], preload=self.preload, max_forks=self.max_forks,
+            max_age=self.max_age, idle=self.idle)
+        stdio = forkserver.stdio_fds(kwargs.get("stdout"), kwargs.get("stderr"))
+        try:
+            return client.spawn(argv, env, stdio)
+        finally:
+            os.close(stdio[0])
+
+
+def _kernel_argv(cmd: list[str]) -> list[str]:
+    """The kernel's own arguments in `python -I -m sandbox_kernel ARGS`; else no fork."""
+    try:
+        start = cmd.index("sandbox_kernel") + 1
+    except ValueError:
+        start = 0
+    if start < 3 or cmd[start - 2] != "-m":
+        raise forkserver.ForkServerError(
+            f"the kernelspec's argv {cmd[:4]} does not run `python -m sandbox_kernel`")
+    return [os.path.expanduser(arg) for arg in cmd[start:]]

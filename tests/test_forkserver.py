@@ -1,0 +1,243 @@
+"""Fork-served kernels: as fresh and private as cold ones; the server is expendable."""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_kernel.client import Sandbox
+from sandbox_kernel.launch import forkserver
+
+from .helpers import evaluate, ok
+
+PROBE = ("import os, random, tempfile, numpy\n"
+         "(os.getpid(), os.getppid(), os.getuid(), os.getcwd(), tempfile.gettempdir(), "
+         "random.random(), float(numpy.random.random()), os.environ['HOME'])")
+
+
+def _server_pid(preload=()):
+    return forkserver.ForkServerClient(preload=preload).server_pid()
+
+
+def _kernel_pid(sb):
+    return sb.manager.provisioner.process.pid
+
+
+@pytest.fixture
+def numpy_pair():
+    """Two kernels forked from one server that preloaded numpy."""
+    with Sandbox(None, preload=["numpy"]) as first, Sandbox(None, preload=["numpy"]) as second:
+        yield first, second
+
+
+def test_kernels_are_fork_served_by_default(numpy_pair):
+    first, _ = numpy_pair
+    assert first.manager.provisioner.fork_served
+    pid, ppid, *_ = evaluate(first, PROBE)
+    assert pid == _kernel_pid(first)
+    assert ppid == _server_pid(["numpy"])  # forked, not exec'd by jupyter_client
+
+
+def test_two_kernels_differ_and_see_nothing_of_each_other(numpy_pair):
+    first, second = numpy_pair
+    a, b = evaluate(first, PROBE), evaluate(second, PROBE)
+    assert a[1] == b[1]  # one server
+    assert a[0] != b[0]
+    assert a[3] != b[3] and a[4] == a[3] and b[4] == b[3] and a[7] == a[3]  # own scratch
+    assert a[5] != b[5] and a[6] != b[6]  # random and numpy random reseeded per kernel
+    ok(first.run("open('secret.txt', 'w').write('from the first kernel')"))
+    seen = evaluate(second, textwrap.dedent(f"""
+        import errno
+        outcomes = []
+        for probe in (lambda: open({a[3] + '/secret.txt'!r}).read(),
+                      lambda: os.listdir({a[3]!r}),
+                      lambda: open('/proc/{a[0]}/environ').read()):
+            try:
+                outcomes.append(('read', probe()))
+            except OSError as exc:
+                outcomes.append((type(exc).__name__, errno.errorcode[exc.errno]))
+        outcomes
+        """))
+    # Landlock refuses, or the first kernel's private tmpfs is not even there to be seen.
+    hidden = {("PermissionError", "EACCES"), ("FileNotFoundError", "ENOENT")}
+    assert set(seen) <= hidden, seen
+
+
+@pytest.mark.xfail(strict=False, reason="one uid per kernel arrives with the privileges "
+                   "change; today every kernel of a host shares 'nobody' or root")
+def test_two_kernels_run_as_different_users(numpy_pair):
+    first, second = numpy_pair
+    a, b = evaluate(first, PROBE), evaluate(second, PROBE)
+    assert a[2] != 0 and b[2] != 0 and a[2] != b[2]
+
+
+def test_a_kernel_carries_nothing_of_an_earlier_kernels_code():
+    with Sandbox(None) as first:
+        ok(first.run("import json, random, builtins, sys, tempfile\n"
+                     "json.PLANTED = 1; builtins.PLANTED = 1; random.seed(42)\n"
+                     "sys.modules['planted'] = json; tempfile.tempdir = '/tmp'\n"
+                     "open('left-behind', 'w').write('x')"))
+        seeded = evaluate(first, "random.random()")
+        with Sandbox(None) as second:
+            state = evaluate(second, textwrap.dedent("""
+                import json, random, builtins, sys, tempfile, os
+                (hasattr(json, 'PLANTED'), hasattr(builtins, 'PLANTED'), 'planted' in sys.modules,
+                 tempfile.gettempdir() == os.getcwd(), os.listdir('.'), random.random())
+                """))
+    assert state[:5] == (False, False, False, True, ['.ipython'])  # IPython's own, new
+    assert state[5] != seeded  # not the sequence the earlier kernel seeded
+
+
+def test_killing_the_server_loses_no_running_kernel():
+    with Sandbox(None) as survivor:
+        old_server = _server_pid()
+        assert old_server is not None
+        os.kill(old_server, signal.SIGKILL)
+        assert evaluate(survivor, "6 * 7") == 42
+        # Interrupt still reaches it, through its pidfd.
+        timer = threading.Timer(1.0, survivor.interrupt)
+        timer.start()
+        execution = survivor.run("import time; time.sleep(30)")
+        timer.join()
+        assert execution.error is not None and execution.error.name == "KeyboardInterrupt"
+        with Sandbox(None) as newcomer:
+            assert newcomer.manager.provisioner.fork_served
+            assert _server_pid() not in (None, old_server)
+            assert evaluate(newcomer, "1 + 1") == 2
+        assert evaluate(survivor, "6 * 7") == 42
+        process = survivor.manager.provisioner.process
+    assert process.poll() is not None  # shut down cleanly though its parent is gone
+
+
+def test_interrupt_and_restart_behave_as_with_a_cold_kernel(fresh_sandbox):
+    sb = fresh_sandbox
+    assert sb.manager.provisioner.fork_served
+    ok(sb.run("x = 1"))
+    timer = threading.Timer(1.0, sb.interrupt)
+    timer.start()
+    execution = sb.run("import time; time.sleep(30)")
+    timer.join()
+    assert execution.error is not None and execution.error.name == "KeyboardInterrupt"
+    assert evaluate(sb, "x") == 1
+    before = _kernel_pid(sb)
+    sb.restart()
+    assert sb.manager.provisioner.fork_served and _kernel_pid(sb) != before
+    assert evaluate(sb, "'x' in globals()") is False
+
+
+def test_a_kernel_that_dies_reports_its_exit_status(fresh_sandbox):
+    execution = fresh_sandbox.run("import os; os.kill(os.getpid(), 9)")
+    assert execution.error is not None and execution.error.name == "KernelDied"
+    assert "killed by signal SIGKILL" in execution.error.value
+    assert evaluate(fresh_sandbox, "2 + 2") == 4  # restarted, fork-served again
+
+
+def test_the_kernel_ends_with_its_launcher():
+    script = textwrap.dedent("""
+        import os, sys
+        from sandbox_kernel.client import Sandbox
+        sb = Sandbox(None)
+        sb.start()
+        print(sb.manager.provisioner.process.pid, flush=True)
+        os._exit(0)  # no shutdown: the launcher just vanishes
+        """)
+    launcher = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120, check=True)
+    pid = int(launcher.stdout.split()[-1])
+    try:
+        pidfd = os.pidfd_open(pid)  # it is not our child: a pidfd tells when it has ended
+    except ProcessLookupError:
+        return  # already gone
+    try:
+        ended, _, _ = select.select([pidfd], [], [], 30)
+    finally:
+        os.close(pidfd)
+    assert ended, f"kernel {pid} outlived its launcher"
+
+
+def test_without_a_server_the_kernel_starts_cold():
+    with Sandbox(None, preload=["no_such_module_for_the_fork_server"]) as sb:
+        assert not sb.manager.provisioner.fork_served
+        assert evaluate(sb, "1 + 2") == 3
+    log = (forkserver.runtime_dir().glob("*.log"))
+    assert any("cannot preload no_such_module_for_the_fork_server" in path.read_text()
+               for path in log)
+
+
+def test_cold_start_opts_out():
+    with Sandbox(None, cold_start=True) as sb:
+        assert not sb.manager.provisioner.fork_served
+        assert evaluate(sb, "import os; os.getppid() != os.getpid()") is True
+
+
+def test_preloaded_matplotlib_uses_the_kernels_own_config_dir():
+    with Sandbox(None, preload=["matplotlib", "matplotlib.pyplot"]) as sb:
+        dirs = evaluate(sb, "import os, sys, matplotlib\n"
+                            "('matplotlib' in sys.modules, matplotlib.get_configdir(), "
+                            "matplotlib.get_cachedir(), os.getcwd())")
+    assert dirs[0]
+    assert dirs[1].startswith(dirs[3]) and dirs[2].startswith(dirs[3])
+
+
+def test_the_server_is_single_threaded_and_recycled_after_max_forks():
+    client = forkserver.ForkServerClient(preload=["numpy", "pandas"], max_forks=2)
+    refused = ["--SandboxPolicy.run_as=no-such-user-here"]  # each kernel exits before serving
+    first = client.spawn(refused, {}, [0, 1, 2])
+    server = client.server_pid()
+    with open(f"/proc/{server}/status") as status:
+        assert "Threads:\t1\n" in status.read()
+    second = client.spawn(refused, {}, [0, 1, 2])
+    for kernel in (first, second):
+        assert kernel.wait(60) == 3  # refused to start, and the server reported it
+    deadline = time.monotonic() + 30
+    while client.server_pid() == server and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.server_pid() is None  # retired after two forks; the next spawn starts one
+    third = client.spawn(refused, {}, [0, 1, 2])
+    assert client.server_pid() not in (None, server)
+    third.wait(60)
+
+
+FDS = ("import os, re, collections\n"
+       "kinds = collections.Counter()\n"
+       "for fd in set(os.listdir('/proc/self/fd')) - {'0'}:  # stdin: /dev/null, not a pipe\n"
+       "    try:\n"
+       "        kinds[re.sub(r'\\[\\d+\\]|/.*', '', os.readlink(f'/proc/self/fd/{fd}'))] += 1\n"
+       "    except OSError:\n"
+       "        pass\n"
+       "dict(kinds)")
+
+
+def test_a_fork_served_kernel_holds_no_descriptor_a_cold_one_does_not():
+    with Sandbox(None) as forked, Sandbox(None, cold_start=True) as cold:
+        assert forked.manager.provisioner.fork_served
+        fork_fds, cold_fds = evaluate(forked, FDS), evaluate(cold, FDS)
+    assert "anon_inode:[pidfd]" not in fork_fds and "anon_inode:pidfd" not in fork_fds
+    assert fork_fds == cold_fds
+
+
+def test_user_code_cannot_reach_the_fork_server(fresh_sandbox):
+    """A kernel that could ask the server for kernels could run code outside its own limits."""
+    path = forkserver.ForkServerClient().socket_path
+    outcome = evaluate(fresh_sandbox, textwrap.dedent(f"""
+        import socket, errno
+        outcomes = []
+        for attempt in (lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM),
+                        lambda: open({path!r}, 'rb'),
+                        lambda: __import__('os').listdir({str(Path(path).parent)!r})):
+            try:
+                attempt()
+                outcomes.append('done')
+            except OSError as exc:
+                outcomes.append(errno.errorcode[exc.errno])
+        outcomes
+        """))
+    assert outcome[0] == "EPERM"  # seccomp: no AF_UNIX sockets but socketpairs
+    assert outcome[1] in ("EACCES", "ENXIO") and outcome[2] == "EACCES"  # Landlock, mode 0700
