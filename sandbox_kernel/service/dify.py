@@ -22,7 +22,7 @@ from ..client import Execution
 from .runs import SERVICE_TIMEOUT, Busy, RunRecord, unless_disconnected
 
 log = logging.getLogger("sandbox_kernel.service")
-router = APIRouter(include_in_schema=False)
+router = APIRouter(tags=["dify-sandbox"])
 
 NETWORK_DISABLED = "network is disabled, please enable it in the configuration"
 TIMEOUT_NAMES = {SERVICE_TIMEOUT}  # the kernel's own limit and the client's use the same name
@@ -213,7 +213,7 @@ def run_data(execution: Execution) -> dict[str, Any]:
 
 # --- routes --------------------------------------------------------------------------------
 
-@router.get("/health")
+@router.get("/health", summary="Liveness: \"ok\"")
 async def health() -> GoJSON:
     return GoJSON("ok")
 
@@ -228,7 +228,8 @@ def _unauthorized(request: Request) -> Response:
     return Response(status_code=401)
 
 
-@router.post("/v1/sandbox/run")
+@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel: body {language, code, "
+             "preload, enable_network}, header X-Api-Key")
 async def run(request: Request) -> Response:
     if not _authorized(request):
         return _unauthorized(request)
