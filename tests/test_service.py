@@ -670,6 +670,7 @@ def test_log_lines_never_carry_code(server):
 @pytest.fixture
 def small_server(tmp_path):
     srv = Server(tmp_path, "--pool-size", "0", "--max-body", "65536",
+                 "--max-output-total", "100000",
                  env={"MAX_REQUESTS": "2", "MAX_WORKERS": "1", "WORKER_TIMEOUT": "20",
                       "ENABLE_NETWORK": "false"})
     yield srv
@@ -770,3 +771,50 @@ def test_graceful_shutdown_leaves_nothing_behind(tmp_path):
     if scratch.exists():
         left = [p.name for p in scratch.iterdir() if int(p.name.split("-")[1]) in kernels]
         assert not left
+
+
+def test_output_past_the_service_cap_ends_the_run(small_server):
+    # Around the kernel's own output cap: messages sent straight to the IOPub socket.
+    flood = ("k = get_ipython().kernel\n"
+             "for _ in range(200):\n"
+             "    k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'x' * 10000},"
+             " parent=k.get_parent())\n"
+             "import time\ntime.sleep(10)\n")
+    started = time.monotonic()
+    answer = httpx.post(small_server.url + "/api/v1/execute", headers=auth(DIFY_KEY), timeout=30,
+                        json={"code": flood})
+    assert time.monotonic() - started < 8  # cut at the cap, not at the sleep's end
+    execution = answer.json()
+    assert execution["error"]["name"] == "OutputLimitExceeded"
+    assert "100000 bytes" in execution["error"]["value"]
+    assert len(execution["stdout"]) <= 100_000
+    assert small_server.wait_until(lambda s: s["kernels_live"] == 0)["kernels_live"] == 0
+
+
+def test_network_kernels_get_the_proxy(tmp_path):
+    srv = Server(tmp_path, "--pool-size", "0", env={"HTTPS_PROXY": "http://127.0.0.1:3128"})
+    try:
+        code = "import os\nprint(os.environ.get('HTTPS_PROXY'))"
+        for network, seen in ((True, "http://127.0.0.1:3128\n"), (False, "None\n")):
+            answer = httpx.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=60, json={
+                "language": "python3", "code": code, "enable_network": network})
+            assert answer.json()["data"]["stdout"] == seen
+    finally:
+        srv.stop()
+
+
+def test_a_kernel_that_cannot_start_is_a_500_envelope(tmp_path):
+    srv = Server(tmp_path, "--pool-size", "0", "--memory-limit", "1M")
+    try:
+        answer = httpx.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=90, json={
+            "language": "python3", "code": "print(1)"})
+        assert answer.status_code == 200
+        body = answer.json()
+        assert body["code"] == -500 and body["data"] is None
+        assert body["message"].startswith("the offline kernel did not start")
+        native = httpx.post(srv.url + "/api/v1/execute", headers=auth(DIFY_KEY), timeout=90,
+                            json={"code": "1"})
+        assert native.status_code == 503
+        assert srv.ready()["kernels_live"] == 0
+    finally:
+        srv.stop()

@@ -19,6 +19,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..client import Execution
+from .access import json_line
+from .kernels import KernelUnavailable
 from .runs import SERVICE_TIMEOUT, Busy, RunRecord, unless_disconnected
 
 log = logging.getLogger("sandbox_kernel.service")
@@ -264,8 +266,12 @@ async def _run_admitted(request: Request, service: Any) -> Response:
     record = RunRecord()
     request.state.record = record
     timeout = service.config.worker_timeout
-    outcome = await unless_disconnected(request, service.runner.run(
-        values["code"], network=network, timeout=timeout, record=record))
+    try:
+        outcome = await unless_disconnected(request, service.runner.run(
+            values["code"], network=network, timeout=timeout, record=record))
+    except KernelUnavailable as exc:  # dify-sandbox answers a runner failure so, too
+        log.error(json_line(event="kernel_unavailable", error=str(exc)))
+        return error_answer(200, -500, str(exc))
     if outcome is None:  # the client left; its kernel is already being shut down
         service.metrics.runs.labels(api="dify", outcome="abandoned").inc()
         return Response(status_code=499)
