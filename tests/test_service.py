@@ -387,6 +387,32 @@ def test_go_escapes_html_characters(server):
     assert b'"stdout":"\\u003ca \\u0026 b\\u003e\\n"' in answer.content
 
 
+def test_hostile_bodies_get_clear_answers(server):
+    deep = _post(server, b'{"language": "python3", "code": ' + b"[" * 100_000, "application/json")
+    assert deep.status_code == 400
+    assert deep.json()["code"] == -400
+    nul = _post(server, json.dumps({"language": "python3", "code": "print(1)\x00"}).encode(),
+                "application/json")
+    assert nul.status_code == 200 and nul.json()["data"]["exit_code"] == 255
+    native = httpx.post(server.url + "/api/v1/execute", headers=auth(KEY_A),
+                        content=b'{"code": ' + b"[" * 100_000)  # deep, and not even JSON
+    assert 400 <= native.status_code < 500
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_output_that_utf8_cannot_hold(server):
+    code = "print('a\\ud800b')"
+    dify = _post(server, json.dumps({"language": "python3", "code": code}).encode(),
+                 "application/json")
+    assert dify.status_code == 200 and dify.json()["data"]["exit_code"] == 0
+    native = httpx.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={"code": code})
+    assert native.status_code == 200
+    assert native.json()["stdout"] in ("a\ud800b\n", "a\ufffdb\n", "ab\n")
+    result = httpx.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={
+        "code": "def main():\n    return {'s': 'x\\ud800'}", "inputs": {}})
+    assert result.status_code == 200
+
+
 def test_dependencies(server):
     headers = {"X-Api-Key": DIFY_KEY}
     listed = httpx.get(server.url + "/v1/sandbox/dependencies?language=python3", headers=headers)

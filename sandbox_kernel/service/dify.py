@@ -91,6 +91,8 @@ def _from_json(body: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BindError(_go_syntax_error(exc)) from None
+    except RecursionError:  # Go's decoder stops at 10000 levels; Python's stack sooner
+        raise BindError("exceeded max depth") from None
     if not isinstance(document, dict):
         kind = "null" if document is None else _JSON_KINDS.get(type(document), "value")
         if document is None:

@@ -156,8 +156,15 @@ def _session(request: Request, key: ApiKey, session_id: str) -> Session:
     return session
 
 
+class ExecutionJSON(JSONResponse):
+    """JSON with non-ASCII escaped: kernel output may hold lone surrogates, which UTF-8 cannot."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _event(name: str, data: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=name)
+    return ServerSentEvent(data=json.dumps(data), event=name)
 
 
 def _final_events(execution: Execution) -> list[ServerSentEvent]:
@@ -244,7 +251,7 @@ async def execute(body: OneShotRequest, request: Request,
         raise HTTPException(503, str(exc), headers={"Retry-After": "5"}) from None
     if execution is None:
         return Response(status_code=499)
-    return JSONResponse(execution.to_dict())
+    return ExecutionJSON(execution.to_dict())
 
 
 # --- sessions ------------------------------------------------------------------------------
@@ -351,7 +358,7 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
     execution = await unless_disconnected(request, work())
     if execution is None:
         return Response(status_code=499)
-    return JSONResponse(execution.to_dict())
+    return ExecutionJSON(execution.to_dict())
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -409,7 +416,8 @@ async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict)
         raise HTTPException(exc.status, str(exc)) from None
     if execution.error is not None:
         status = _FILE_ERRORS.get(execution.error.name, 500)
-        raise HTTPException(status, f"{execution.error.name}: {execution.error.value}")
+        text = f"{execution.error.name}: {execution.error.value}"
+        raise HTTPException(status, text.encode("utf-8", "replace").decode("utf-8"))
     if not isinstance(execution.result, dict):
         raise HTTPException(502, "the kernel did not answer the file operation")
     return execution.result

@@ -121,7 +121,9 @@ class Sessions:
             self.kernels.discard(session.sandbox)
 
     def delete(self, session: Session) -> None:
+        """Forget the session and shut its kernel down; a call already holding it gets 410."""
         self._sessions.pop(session.id, None)
+        session.dead = session.dead or "the session was closed"
         self.kernels.discard(session.sandbox)
 
     def cull(self) -> list[str]:
