@@ -45,6 +45,7 @@ router = APIRouter(prefix="/api/v1", tags=["native"])
 bearer = HTTPBearer(auto_error=False, description="An API key from the keys file.")
 SSE = "text/event-stream"
 FILE_HELPER = "__sandbox_files__"
+FILE_TIMEOUT = 60.0  # seconds a file transfer may take inside the kernel
 
 
 # --- shapes --------------------------------------------------------------------------------
@@ -222,9 +223,8 @@ async def execute(body: OneShotRequest, request: Request,
     timeout = _timeout(service, body.timeout)
     if body.network and not service.config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
-    slot = service.admission.slot()
     try:
-        slot.__enter__()
+        release = service.admission.enter()
     except Busy:
         service.metrics.denials.labels(reason="too_many_requests").inc()
         raise HTTPException(503, "too many runs in flight; try again later",
@@ -240,7 +240,7 @@ async def execute(body: OneShotRequest, request: Request,
             service.count_run("native", execution)
             return execution
         finally:
-            slot.__exit__(None, None, None)
+            release()
 
     if _wants_events(request):
         stream = _Stream()
@@ -340,9 +340,8 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
     service = service_of(request)
     session = _session(request, key, session_id)
     timeout = _timeout(service, body.timeout)
-    using = service.sessions.using(session)
     try:
-        sandbox = await using.__aenter__()
+        sandbox = await service.sessions.acquire(session)
     except SessionError as exc:
         raise HTTPException(exc.status, str(exc)) from None
 
@@ -350,7 +349,7 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
         try:
             return await _session_run(service, session, sandbox, body, timeout, on_output)
         finally:
-            await using.__aexit__(None, None, None)
+            service.sessions.release(session)
 
     if _wants_events(request):
         stream = _Stream()
@@ -403,7 +402,7 @@ _FILE_ERRORS = {"FileNotFoundError": 404, "IsADirectoryError": 400, "NotADirecto
 async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict) -> dict:
     service = service_of(request)
     session = _session(request, key, session_id)
-    timeout = service.config.max_timeout
+    timeout = min(service.config.max_timeout, FILE_TIMEOUT)
     try:
         async with service.sessions.using(session) as sandbox:
             execution, lost = await bounded(
