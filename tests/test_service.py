@@ -272,6 +272,16 @@ def test_stderr_warnings_do_not_fail_a_run(server, platform):
                     "data": {"stdout": "", "stderr": "warn\n", "error": "", "exit_code": 0}}
 
 
+def test_a_kernel_that_dies_is_exit_code_minus_one(server):
+    data = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
+        "language": "python3",
+        "code": "import os, signal\nprint(1, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"}
+    ).json()["data"]
+    assert data == {"stdout": "1\n", "stderr": "", "exit_code": -1, "error":
+                    "process exited with code -1\n"
+                    "error: the kernel process died (killed by signal SIGKILL)\n"}
+
+
 def test_sys_exit_is_an_exit_status(server):
     def run(code):
         return http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
