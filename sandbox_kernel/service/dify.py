@@ -163,7 +163,12 @@ async def bind(request: Request, fields: tuple[str, ...], required: tuple[str, .
             values = _from_form(parse_qs(request.url.query, keep_blank_values=True), fields)
         _validate(values, required)
     except BindError as exc:
-        return None, error_answer(status, -400, str(exc))
+        answer = error_answer(status, -400, str(exc))
+        if status == 400:
+            # gin's BindJSON writes the 400 status line before c.JSON sets its header, so Go's
+            # net/http sniffs the body instead: the envelope goes out as text/plain.
+            answer.headers["content-type"] = "text/plain; charset=utf-8"
+        return None, answer
     return values, None
 
 
