@@ -95,7 +95,7 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=120)  # grace 10 s, then kernels shut down in parallel
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -639,7 +639,11 @@ def test_interrupt(server, session):
 
     worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 20
+    while not http.get(session, headers=auth(KEY_B)).json()["busy"]:
+        assert time.monotonic() < deadline, "the execution never started"
+        time.sleep(0.1)
+    time.sleep(0.5)  # into the sleep
     busy = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "1"})
     assert busy.status_code == 409
     assert http.post(session + "/interrupt", headers=auth(KEY_B)).status_code == 204
@@ -650,12 +654,16 @@ def test_interrupt(server, session):
 
 
 def test_a_session_whose_kernel_died_says_so(server, session):
+    pid = int(http.post(session + "/execute", headers=auth(KEY_B),
+                        json={"code": "import os\nos.getpid()"}).json()["text"])
     code = ("import os, signal, threading, time\n"
             "threading.Thread(target=lambda: (time.sleep(0.3), "
             "os.kill(os.getpid(), signal.SIGKILL))).start()\n")
     assert http.post(session + "/execute", headers=auth(KEY_B),
-                      json={"code": code}).json()["error"] is None
-    time.sleep(1.5)
+                     json={"code": code}).json()["error"] is None
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # died between calls
+        time.sleep(0.1)
     answer = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "1"})
     assert answer.status_code == 410
     assert "kernel is gone" in answer.json()["detail"]
