@@ -284,8 +284,10 @@ def test_a_kernel_that_dies_is_exit_code_minus_one(server):
 
 def test_sys_exit_is_an_exit_status(server):
     def run(code):
-        return http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
-                         json={"language": "python3", "code": code}).json()["data"]
+        body = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+                         json={"language": "python3", "code": code}).json()
+        assert body["code"] == 0, body
+        return body["data"]
     assert run("import sys\nprint('x')\nsys.exit(0)\nprint('y')") == {
         "stdout": "x\n", "stderr": "", "error": "", "exit_code": 0}
     failed = run("import sys\nsys.exit(3)")
