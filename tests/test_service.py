@@ -275,7 +275,9 @@ def test_stderr_warnings_do_not_fail_a_run(server, platform):
 def test_a_kernel_that_dies_is_exit_code_minus_one(server):
     data = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3",
-        "code": "import os, signal\nprint(1, flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"}
+        # (the pause lets the IOPub thread send the line before the process is gone)
+        "code": "import os, signal, time\nprint(1, flush=True)\ntime.sleep(0.5)\n"
+                "os.kill(os.getpid(), signal.SIGKILL)"}
     ).json()["data"]
     assert data == {"stdout": "1\n", "stderr": "", "exit_code": -1, "error":
                     "process exited with code -1\n"
