@@ -230,6 +230,10 @@ def parser() -> argparse.ArgumentParser:
                        help="print the whole report as one JSON object, for machines")
     policy.add_arguments(check)
     check.set_defaults(handler=_check)
+
+    from .service import serve  # argparse and traitlets only: the server extra loads on use
+
+    serve.add_parser(sub)
     return top
 
 

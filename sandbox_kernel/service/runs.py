@@ -1,0 +1,202 @@
+"""Stateless runs: admission (in-flight cap, worker queue), a fresh kernel each, a deadline.
+
+The deadline is the service's own: the kernel is asked to stop at `timeout` and the client
+interrupts it a little later, but if neither works the service cancels the run at
+`timeout + grace` and throws the kernel away. Nothing the kernel does can hold a worker longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from ..client import Execution, ExecutionError
+from .kernels import Kernels, kernel_id
+
+T = TypeVar("T")
+SERVICE_TIMEOUT = "ExecutionTimeout"
+
+
+class Busy(Exception):
+    """More runs are in flight than the service admits."""
+
+
+class OutputLimit(Exception):
+    """The code sent more output than the service takes from one execution."""
+
+
+OUTPUT_LIMIT = "OutputLimitExceeded"
+
+
+class OutputBudget:
+    """Bytes of output (streams and displays) one execution may still send the service.
+
+    The kernel caps its own output, but user code can get around that; this cap is the service's.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.left = limit, limit
+
+    def spend(self, payload: Any) -> None:
+        if isinstance(payload, str):
+            size = len(payload)
+        elif isinstance(payload, dict):
+            size = sum(len(v) if isinstance(v, str) else len(json.dumps(v, default=str))
+                       for v in payload.values())
+        else:
+            size = len(str(payload))
+        self.left -= size
+        if self.left < 0:
+            raise OutputLimit(f"the execution sent more than {self.limit} bytes of output "
+                              "(--max-output-total); the rest was dropped")
+
+
+def output_limited(record: RunRecord, message: str, state_lost: bool) -> Execution:
+    """The execution a run gets when its output went past the service's limit."""
+    error = ExecutionError(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
+    return Execution(logs=list(record.chunks), state_lost=state_lost, error=error)
+
+
+class Admission:
+    """MAX_REQUESTS runs in flight (then Busy at once); MAX_WORKERS of them executing."""
+
+    def __init__(self, max_requests: int, max_workers: int) -> None:
+        self.max_requests = max_requests
+        self.in_flight = 0
+        self.workers = asyncio.Semaphore(max_workers)
+
+    def enter(self) -> Callable[[], None]:
+        """Take an in-flight place, or raise Busy; returns the (idempotent) release."""
+        if self.in_flight >= self.max_requests:
+            raise Busy
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+        return release
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold an in-flight place for the block; raises Busy when none is free."""
+        release = self.enter()
+        try:
+            yield
+        finally:
+            release()
+
+
+@dataclass
+class RunRecord:
+    """What a request learns about its run, for its log line and its answer."""
+
+    kernel_id: str = ""
+    chunks: list[dict[str, str]] = field(default_factory=list)
+
+
+def service_timeout(timeout: float, record: RunRecord) -> Execution:
+    """The execution a run gets when the service had to stop it."""
+    message = (f"the execution ran past its {timeout:g} s limit and did not stop; the service "
+               "shut its kernel down")
+    error = ExecutionError(SERVICE_TIMEOUT, message, [f"{SERVICE_TIMEOUT}: {message}"])
+    return Execution(logs=list(record.chunks), state_lost=True, error=error)
+
+
+async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
+                  record: RunRecord) -> tuple[Execution, bool]:
+    """The run's execution, and whether the service's own deadline had to end it."""
+    try:
+        return await asyncio.wait_for(run, timeout + grace), False
+    except asyncio.TimeoutError:
+        return service_timeout(timeout, record), True
+
+
+class Runner:
+    """Runs code on a fresh kernel per call."""
+
+    def __init__(self, kernels: Kernels, admission: Admission, grace: float,
+                 output_limit: int) -> None:
+        self.kernels, self.admission, self.grace = kernels, admission, grace
+        self.output_limit = output_limit
+
+    async def run(self, code: str, *, network: bool, timeout: float,
+                  inputs: dict | None = None, record: RunRecord,
+                  on_output: Callable[[str, Any], None] | None = None) -> tuple[Execution, bool]:
+        """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot."""
+        async with self.admission.workers:
+            sandbox = await self.kernels.get(network)
+            record.kernel_id = kernel_id(sandbox)
+            try:
+                on = callbacks(record, OutputBudget(self.output_limit), on_output)
+                return await bounded(
+                    sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
+                                on_stderr=on["stderr"], on_display=on["display"]),
+                    timeout, self.grace, record)
+            except OutputLimit as exc:
+                return output_limited(record, str(exc), state_lost=True), False
+            finally:
+                self.kernels.discard(sandbox)  # also when the client went away mid-run
+
+
+def callbacks(record: RunRecord, budget: OutputBudget,
+              on_output: Callable[[str, Any], None] | None) -> dict[str, Callable[[Any], None]]:
+    """Keep stream chunks (for a run the service must cut short), count output against the
+    budget (raising OutputLimit out of the client's run), and pass output on."""
+    def stream(name: str) -> Callable[[Any], None]:
+        def receive(text: Any) -> None:
+            budget.spend(text)
+            record.chunks.append({"name": name, "text": text})
+            if on_output:
+                on_output(name, text)
+        return receive
+
+    def display(bundle: Any) -> None:
+        budget.spend(bundle)
+        if on_output:
+            on_output("display", bundle)
+
+    return {"stdout": stream("stdout"), "stderr": stream("stderr"), "display": display}
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone away (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run work; cancel it (its finally blocks free the kernel) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_exit(task: asyncio.Task[Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    """Cancel the task if the block is left before it finished (e.g. an SSE client left)."""
+    try:
+        yield task
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
