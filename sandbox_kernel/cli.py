@@ -164,11 +164,20 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="what this host supports and the effective policy")
     policy.add_arguments(check)
     check.set_defaults(handler=_check)
+
+    # Parsed by launch/eg.py itself (see main()); listed here for --help.
+    sub.add_parser("eg-launch", add_help=False,
+                   help="start a sandboxed kernel for Jupyter Enterprise Gateway (its launcher)")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `sandbox-kernel` console script."""
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["eg-launch"]:  # EG's own argument forms, parsed by the launcher
+        from .launch import eg
+
+        return eg.main(given[1:])
     args = parser().parse_args(argv)
     try:
         return int(args.handler(args))
