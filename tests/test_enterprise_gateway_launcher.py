@@ -1,0 +1,258 @@
+"""`sandbox-kernel eg-launch` against Enterprise Gateway's own receiving side (no EG server).
+
+EG's `ResponseManager`, run in EG's own virtualenv (tests/eg_receiver.py), gives a kernel id,
+its public key and response address; the launcher runs as EG would start it; the payload must
+decrypt there, and the kernel must then work over the decrypted connection info, answer the
+comm port's signals, and end (scratch and connection file gone) on its shutdown request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+
+from . import eg_venv
+
+SECRET = "eg-secret-token-7f3a"  # stands for EG's credentials in the launcher's environment
+PORT_LOW, PORT_HIGH = 43000, 44999
+
+
+@pytest.fixture(scope="module")
+def eg_python():
+    """Enterprise Gateway's interpreter (its own venv, cached between runs)."""
+    try:
+        return eg_venv.ensure()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"Enterprise Gateway could not be installed in its own venv: {exc}")
+
+
+def send_request(port: int, request: dict) -> None:
+    """Send a comm-port request the way EG's RemoteProcessProxy does."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(json.dumps(request).encode())
+        if request.get("shutdown"):
+            sock.shutdown(socket.SHUT_WR)
+
+
+def execute(kc: BlockingKernelClient, code: str, metadata: dict | None = None,
+            timeout: float = 60, on_busy=None) -> dict:
+    """Run code; collect its result, stdout and error up to the kernel's idle status."""
+    msg = kc.session.msg("execute_request", {
+        "code": code, "silent": False, "store_history": True, "user_expressions": {},
+        "allow_stdin": False, "stop_on_error": False}, metadata=metadata or {})
+    kc.shell_channel.send(msg)
+    out: dict = {"result": None, "text": None, "stdout": "", "error": None}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            reply = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no idle within {timeout} s for {code!r}: {out}") from None
+        if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            continue
+        kind, content = reply["msg_type"], reply["content"]
+        if kind == "stream" and content["name"] == "stdout":
+            out["stdout"] += content["text"]
+        elif kind == "execute_result":
+            out["result"] = content["data"].get("application/json")
+            out["text"] = content["data"].get("text/plain")
+        elif kind == "error":
+            out["error"] = (content["ename"], content["evalue"])
+        elif kind == "status" and content["execution_state"] == "busy" and on_busy:
+            on_busy()
+        elif kind == "status" and content["execution_state"] == "idle":
+            return out
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def listener_of(kernel_pid: int) -> int:
+    """The comm-port listener: the kernel's child still running the launcher's command line."""
+    for child in children(kernel_pid):
+        if b"eg-launch" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+    raise AssertionError(f"kernel {kernel_pid} has no comm-port listener child")
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def launched(eg_python, tmp_path_factory):
+    """A kernel started by eg-launch and reported to EG's ResponseManager."""
+    env = {**os.environ, "EG_RESPONSE_IP": "127.0.0.1"}
+    receiver = subprocess.Popen([str(eg_python), str(Path(__file__).with_name("eg_receiver.py")),
+                                 "90"], stdout=subprocess.PIPE, text=True, env=env)
+    assert receiver.stdout is not None
+    eg = json.loads(receiver.stdout.readline())
+    launcher_env = {**os.environ, "EG_AUTH_TOKEN": SECRET, "KERNEL_USERNAME": "alice",
+                    "PUBLIC_KEY": eg["public_key"], "LD_PRELOAD": "", "PYTHONPATH": "/nowhere"}
+    log = tmp_path_factory.mktemp("eg") / "launcher.log"
+    with open(log, "w") as log_file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
+             "--RemoteProcessProxy.kernel-id", eg["kernel_id"],
+             "--RemoteProcessProxy.port-range", f"{PORT_LOW}..{PORT_HIGH}",
+             "--RemoteProcessProxy.response-address", eg["response_address"],
+             "--RemoteProcessProxy.spark-context-initialization-mode", "none",
+             "--ip", "127.0.0.1", "--SandboxPolicy.timeout=30"],  # public key: from PUBLIC_KEY
+            env=launcher_env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        info = json.loads(receiver.stdout.readline())
+        assert "error" not in info, f"{info}; launcher log: {log.read_text()}"
+        kc = BlockingKernelClient()
+        kc.load_connection_info(info)
+        kc.start_channels()
+        kc.wait_for_ready(timeout=90)
+        yield {"info": info, "kc": kc, "launcher": launcher, "eg": eg}
+        kc.stop_channels()
+    finally:
+        receiver.wait(timeout=30)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=30)
+
+
+def test_payload_decrypts_in_eg(launched):
+    info, launcher = launched["info"], launched["launcher"]
+    assert info["kernel_id"] == launched["eg"]["kernel_id"]
+    assert info["pid"] == launcher.pid  # the launcher became the kernel: EG's pid is right
+    assert info["pgid"] == os.getpgid(launcher.pid)
+    ports = [info[f"{name}_port"] for name in ("shell", "iopub", "stdin", "hb", "control")]
+    assert len(set(ports + [info["comm_port"]])) == 6
+    assert all(PORT_LOW <= port <= PORT_HIGH for port in ports + [info["comm_port"]])
+    assert info["transport"] == "tcp" and info["signature_scheme"] == "hmac-sha256"
+
+
+def test_main_call_over_decrypted_connection(launched):
+    out = execute(launched["kc"], "def main(x):\n    print('log line')\n    return {'y': 2 * x}",
+                  metadata={"sandbox": {"entrypoint": "main", "inputs": {"x": 21}}})
+    assert out["error"] is None, out
+    assert out["result"] == {"y": 42}
+    assert out["stdout"] == "log line\n"
+
+
+def test_kernel_is_sandboxed_and_holds_nothing_of_eg(launched):
+    kc = launched["kc"]
+    out = execute(kc, "import os\ntry:\n    os.fork()\nexcept OSError as e:\n"
+                      "    print(type(e).__name__, e.errno)")
+    assert out["stdout"].startswith("PermissionError 1"), out
+    out = execute(kc, "import os\n(sorted(os.environ), open('/proc/self/environ', 'rb').read(),"
+                      " sorted(os.listdir('/proc/self/fd')))")
+    assert out["error"] is None, out
+    names, raw_environ, _ = eval(out["text"])  # a repr of plain literals
+    for leaked in ("EG_AUTH_TOKEN", "PUBLIC_KEY", "KERNEL_USERNAME", "LD_PRELOAD",
+                   "PYTHONPATH"):
+        assert leaked not in names
+    assert SECRET.encode() not in raw_environ and b"PUBLIC_KEY" not in raw_environ
+    # The comm port's socket stays with the listener, not the kernel.
+    comm_inodes = _socket_inodes_on_port(launched["info"]["comm_port"])
+    assert comm_inodes
+    kernel_fds = {os.readlink(f"/proc/{launched['launcher'].pid}/fd/{fd}")
+                  for fd in os.listdir(f"/proc/{launched['launcher'].pid}/fd")}
+    assert not {f"socket:[{inode}]" for inode in comm_inodes} & kernel_fds
+
+
+def _socket_inodes_on_port(port: int) -> set[str]:
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":  # LISTEN
+            inodes.add(fields[9])
+    return inodes
+
+
+def test_user_code_cannot_reach_the_listener(launched):
+    kernel_pid = launched["launcher"].pid
+    listener = listener_of(kernel_pid)
+    out = execute(launched["kc"], f"""
+import os, signal
+outcomes = []
+for attempt in (lambda: os.kill({listener}, signal.SIGKILL),
+                lambda: open('/proc/{listener}/environ', 'rb').read(),
+                lambda: open('/proc/{listener}/mem', 'rb'),
+                lambda: os.killpg({listener}, signal.SIGKILL)):
+    try:
+        attempt()
+        outcomes.append('done')
+    except OSError as e:
+        outcomes.append(type(e).__name__)
+outcomes""")
+    assert out["error"] is None, out
+    outcomes = eval(out["text"])
+    assert outcomes[:2] == ["PermissionError", "PermissionError"], outcomes
+    assert "done" not in outcomes, outcomes
+    assert alive(listener)
+    send_request(launched["info"]["comm_port"], {"signum": 0})  # EG's liveness poll
+    assert execute(launched["kc"], "1 + 1")["text"] == "2"
+
+
+def test_signum_2_interrupts_a_running_cell(launched):
+    port = launched["info"]["comm_port"]
+    out = execute(launched["kc"], "import time\nfor _ in range(600):\n    time.sleep(0.1)",
+                  on_busy=lambda: (time.sleep(1), send_request(port, {"signum": 2})))
+    assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt", out
+    assert execute(launched["kc"], "6 * 7")["text"] == "42"  # the kernel lives on
+
+
+def test_shutdown_ends_kernel_and_removes_scratch(launched):
+    kc, launcher, info = launched["kc"], launched["launcher"], launched["info"]
+    out = execute(kc, "import os\nos.getcwd()")
+    scratch = eval(out["text"])
+    assert Path(scratch).is_dir()
+    connection_dir = _connection_file_dir(launcher.pid)
+    listener = listener_of(launcher.pid)
+    send_request(info["comm_port"], {"shutdown": 1})
+    assert launcher.wait(timeout=30) in (-signal.SIGTERM, 0)
+    wait_until(lambda: not alive(listener), 15, "the listener to exit")
+    wait_until(lambda: not Path(scratch).exists(), 15, f"scratch {scratch} to be removed")
+    wait_until(lambda: not connection_dir.exists(), 15, "the connection file to be removed")
+    with pytest.raises(ConnectionRefusedError):
+        send_request(info["comm_port"], {"signum": 0})
+
+
+def _connection_file_dir(pid: int) -> Path:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return Path(argv[argv.index(b"-f") + 1].decode()).parent
+
+
+def test_bad_arguments_are_refused_with_the_reason():
+    run = subprocess.run([sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
+                          "--kernel-id", "k", "--response-address", "127.0.0.1:1",
+                          "--public-key", "x", "--port-range", "5..3"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "port range '5..3'" in run.stderr
+    run = subprocess.run([sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
+                          "--kernel-id", "k", "--response-address", "127.0.0.1:1",
+                          "--public-key", "x", "--ip=127.0.0.1", "--KernelApp.foo=1"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--KernelApp.foo=1" in run.stderr
