@@ -147,8 +147,9 @@ def test_payload_decrypts_in_eg(launched):
     assert info["pid"] == launcher.pid  # the launcher became the kernel: EG's pid is right
     assert info["pgid"] == os.getpgid(launcher.pid)
     ports = [info[f"{name}_port"] for name in ("shell", "iopub", "stdin", "hb", "control")]
-    assert len(set(ports + [info["comm_port"]])) == 6
-    assert all(PORT_LOW <= port <= PORT_HIGH for port in ports + [info["comm_port"]])
+    ports.append(info["comm_port"])
+    assert len(set(ports)) == 6
+    assert all(PORT_LOW <= port <= PORT_HIGH for port in ports)
     assert info["transport"] == "tcp" and info["signature_scheme"] == "hmac-sha256"
 
 
@@ -165,10 +166,9 @@ def test_kernel_is_sandboxed_and_holds_nothing_of_eg(launched):
     out = execute(kc, "import os\ntry:\n    os.fork()\nexcept OSError as e:\n"
                       "    print(type(e).__name__, e.errno)")
     assert out["stdout"].startswith("PermissionError 1"), out
-    out = execute(kc, "import os\n(sorted(os.environ), open('/proc/self/environ', 'rb').read(),"
-                      " sorted(os.listdir('/proc/self/fd')))")
+    out = execute(kc, "import os\n(sorted(os.environ), open('/proc/self/environ', 'rb').read())")
     assert out["error"] is None, out
-    names, raw_environ, _ = eval(out["text"])  # a repr of plain literals
+    names, raw_environ = eval(out["text"])  # a repr of plain literals
     for leaked in ("EG_AUTH_TOKEN", "PUBLIC_KEY", "KERNEL_USERNAME", "LD_PRELOAD",
                    "PYTHONPATH"):
         assert leaked not in names
