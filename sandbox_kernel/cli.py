@@ -11,6 +11,7 @@ from pathlib import Path
 from traitlets import TraitError
 
 from . import __version__, check, client, install, policy
+from .launch import eg_kernelspec
 
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
 USAGE_ERROR = 2
@@ -24,7 +25,9 @@ class UsageError(Exception):
 def _install(args: argparse.Namespace) -> int:
     prefix = sys.prefix if args.sys_prefix else args.prefix
     path = install.install(policy.from_arguments(args), name=args.name,
-                           display_name=args.display_name, user=args.user, prefix=prefix)
+                           display_name=args.display_name, user=args.user, prefix=prefix,
+                           enterprise_gateway=args.enterprise_gateway,
+                           eg_spec=eg_kernelspec.from_arguments(args))
     print(f"Installed kernelspec {args.name} in {path}")
     return 0
 
@@ -140,6 +143,7 @@ def parser() -> argparse.ArgumentParser:
     inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
                       help="name shown in JupyterLab's launcher")
     policy.add_arguments(inst)
+    eg_kernelspec.add_arguments(inst)
     inst.set_defaults(handler=_install)
 
     run_cmd = sub.add_parser(

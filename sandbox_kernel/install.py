@@ -10,6 +10,7 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager
 
+from .launch import eg_kernelspec
 from .policy import SandboxPolicy
 
 DEFAULT_NAME = "sandbox"
@@ -41,8 +42,25 @@ def kernel_json(policy: SandboxPolicy, display_name: str) -> dict:
 
 def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
             display_name: str = DEFAULT_DISPLAY_NAME, user: bool = False,
-            prefix: str | None = None) -> str:
-    """Install the kernelspec `name`(replacing one of that name); return its directory."""
+            prefix: str | None = None, enterprise_gateway: str | None = None,
+            eg_spec: eg_kernelspec.EnterpriseGatewaySpec | None = None) -> str:
+    """Install the kernelspec `name`(replacing one of that name); return its directory.
+
+    With enterprise_gateway (kubernetes, docker, distributed) the kernelspec is one for
+    Jupyter Enterprise Gateway's process proxy of that name (see launch/eg_kernelspec.py).
+    """
+    path = _install_files(policy, name, display_name, user, prefix)
+    if enterprise_gateway:
+        try:
+            eg_kernelspec.write(Path(path), enterprise_gateway, policy, display_name,
+                                eg_spec or eg_kernelspec.EnterpriseGatewaySpec(), path)
+        except ValueError as exc:
+            raise InstallError(str(exc)) from exc
+    return path
+
+
+def _install_files(policy: SandboxPolicy, name: str, display_name: str, user: bool,
+                   prefix: str | None) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for logo in template_dir().glob("logo-*"):
             shutil.copy(logo, tmp)

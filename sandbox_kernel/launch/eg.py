@@ -25,6 +25,7 @@ import json
 import os
 import random
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -39,6 +40,9 @@ from ..confine.environment import PASSED_THROUGH, SAFE_PATH
 LAUNCHER_VERSION = 1  # the payload format EG's ResponseManager decodes
 PORT_COUNT = 5  # shell, iopub, stdin, heartbeat, control
 POLICY_PREFIX = "--SandboxPolicy."
+# The policy options when none are given on the command line (EG's docker launcher passes the
+# kernelspec's env to the container, not its argv).
+POLICY_VARIABLE = "SANDBOX_KERNEL_EG_POLICY"
 MAX_REQUEST_BYTES = 4096  # EG's requests are a few bytes of JSON
 REQUEST_TIMEOUT = 5.0  # seconds one comm-port client may take to send its request
 SHUTDOWN_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when EG asks the kernel to end
@@ -123,6 +127,8 @@ def _parse_address(text: str) -> tuple[str, int]:
 def parse_arguments(argv: list[str], environ: dict[str, str] | os._Environ[str]) -> LaunchRequest:
     """The launch request from EG's arguments (either spelling) and container variables."""
     args, rest = _parser().parse_known_args(argv)
+    if not rest and environ.get(POLICY_VARIABLE):
+        rest = shlex.split(environ[POLICY_VARIABLE])
     for name, variable in _ENV_FALLBACKS.items():
         if getattr(args, name) is None and environ.get(variable):
             setattr(args, name, environ[variable])
