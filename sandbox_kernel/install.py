@@ -49,13 +49,15 @@ def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
     With enterprise_gateway (kubernetes, docker, distributed) the kernelspec is one for
     Jupyter Enterprise Gateway's process proxy of that name (see launch/eg_kernelspec.py).
     """
-    path = _install_files(policy, name, display_name, user, prefix)
+    eg_spec = eg_spec or eg_kernelspec.EnterpriseGatewaySpec()
     if enterprise_gateway:
         try:
-            eg_kernelspec.write(Path(path), enterprise_gateway, policy, display_name,
-                                eg_spec or eg_kernelspec.EnterpriseGatewaySpec(), path)
+            eg_kernelspec.check(enterprise_gateway, eg_spec)
         except ValueError as exc:
             raise InstallError(str(exc)) from exc
+    path = _install_files(policy, name, display_name, user, prefix)
+    if enterprise_gateway:
+        eg_kernelspec.write(Path(path), enterprise_gateway, policy, display_name, eg_spec, path)
     return path
 
 

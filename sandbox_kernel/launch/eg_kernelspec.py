@@ -150,6 +150,13 @@ def network_policy(spec: EnterpriseGatewaySpec) -> str:
                    port_high=int(high), response_port=spec.response_port)
 
 
+def check(kind: str, spec: EnterpriseGatewaySpec) -> None:
+    """Raise ValueError, naming the flag, for settings that cannot produce a valid kernelspec."""
+    if kind == "kubernetes":
+        spec.seccomp_stanza()
+        network_policy(spec)
+
+
 def write(directory: Path, kind: str, policy: SandboxPolicy, display_name: str,
           spec: EnterpriseGatewaySpec, kernel_dir: str) -> None:
     """Write the EG kernelspec's files into directory (installed afterwards as kernel_dir)."""
