@@ -64,7 +64,7 @@ def k8s_spec(tmp_path_factory):
          "--name", "sandbox_kubernetes", "--enterprise-gateway", "kubernetes",
          "--image", "registry.example/sandbox-kernel:1.0", "--timeout", "30",
          "--k8s-memory-limit", "1Gi", "--k8s-scratch-size", "512Mi",
-         "--eg-port-range", "40000..40999"],
+         "--eg-port-range", "40000..41000"],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     return prefix / "share" / "jupyter" / "kernels" / "sandbox_kubernetes"
@@ -120,7 +120,7 @@ def test_network_policy_is_valid_and_narrow(k8s_spec):
     assert spec["podSelector"] == {"matchLabels": {"sandbox-kernel": "true"}}
     assert spec["policyTypes"] == ["Ingress", "Egress"]
     (ingress,) = spec["ingress"]
-    assert ingress["ports"] == [{"protocol": "TCP", "port": 40000, "endPort": 40999}]
+    assert ingress["ports"] == [{"protocol": "TCP", "port": 40000, "endPort": 41000}]
     (egress,) = spec["egress"]
     assert egress["ports"] == [{"protocol": "TCP", "port": 8877}]
     for rule in (ingress["from"], egress["to"]):
@@ -163,3 +163,15 @@ def test_bad_seccomp_profile_is_refused(tmp_path):
          "--enterprise-gateway", "kubernetes", "--k8s-seccomp-profile", "Unconfined"],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "RuntimeDefault" in run.stderr
+
+
+def test_check_pod_manifest_is_valid_and_confined_like_a_kernel(k8s_spec):
+    root = Path(__file__).resolve().parent.parent / "deploy" / "enterprise-gateway"
+    check = yaml.safe_load((root / "check-pod.yaml").read_text())
+    round_trip(check, "V1Pod")
+    (pod,) = render_like_eg(k8s_spec / "scripts", CLIENT_ENV)
+    for key in ("securityContext", "automountServiceAccountToken", "enableServiceLinks"):
+        assert check["spec"][key] == pod["spec"][key]
+    assert check["spec"]["containers"][0]["securityContext"] == \
+        pod["spec"]["containers"][0]["securityContext"]
+    assert check["spec"]["containers"][0]["command"][-1] == "check"

@@ -71,7 +71,8 @@ class EnterpriseGatewaySpec(Configurable):
         "Docker's default allow seccomp, prctl and landlock_*) or Localhost:<path on the node>.",
     ).tag(config=True, flag="k8s-seccomp-profile", metavar="PROFILE")
     port_range = Unicode(
-        "40000..40999", help="EG's port range (EG_PORT_RANGE), for the NetworkPolicy.",
+        "40000..41000", help="EG's port range (EG_PORT_RANGE, at least 1000 ports), for the "
+        "NetworkPolicy.",
     ).tag(config=True, flag="eg-port-range", metavar="LOW..HIGH")
     response_port = Int(8877, help="EG's response port (EG_RESPONSE_PORT), for the "
                         "NetworkPolicy.").tag(config=True, flag="eg-response-port", metavar="N")
