@@ -175,3 +175,20 @@ def test_check_pod_manifest_is_valid_and_confined_like_a_kernel(k8s_spec):
     assert check["spec"]["containers"][0]["securityContext"] == \
         pod["spec"]["containers"][0]["securityContext"]
     assert check["spec"]["containers"][0]["command"][-1] == "check"
+
+
+def test_shipped_seccomp_profile_is_the_generated_one(k8s_spec):
+    from sandbox_kernel.confine import seccomp
+    from sandbox_kernel.launch.eg_kernelspec import pod_seccomp_profile
+
+    shipped = Path(__file__).resolve().parent.parent / "deploy" / "enterprise-gateway"
+    profile = json.loads((shipped / "seccomp-profile.json").read_text())
+    assert profile == pod_seccomp_profile()
+    assert json.loads((k8s_spec / "seccomp-profile.json").read_text()) == profile
+    allowed = set(profile["syscalls"][0]["names"])
+    # What the kernel needs to confine itself, and nothing that breaks out of a container.
+    assert {"seccomp", "prctl", "landlock_create_ruleset", "landlock_add_rule",
+            "landlock_restrict_self"} <= allowed
+    assert not {"mount", "unshare", "setns", "bpf", "ptrace", "keyctl", "io_uring_setup",
+                "open_by_handle_at", "init_module", "kexec_load"} & allowed
+    assert set(seccomp.ALLOWED) <= allowed

@@ -8,6 +8,7 @@ comm port's signals, and end (scratch and connection file gone) on its shutdown 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -105,9 +106,10 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def launched(eg_python, tmp_path_factory):
-    """A kernel started by eg-launch and reported to EG's ResponseManager."""
+@contextlib.contextmanager
+def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
+                   policy: tuple[str, ...] = ("--SandboxPolicy.timeout=30",)):
+    """Start eg-launch (under wrapper) as EG would and yield what EG's ResponseManager got."""
     env = {**os.environ, "EG_RESPONSE_IP": "127.0.0.1"}
     receiver = subprocess.Popen([str(eg_python), str(Path(__file__).with_name("eg_receiver.py")),
                                  "90"], stdout=subprocess.PIPE, text=True, env=env)
@@ -115,30 +117,50 @@ def launched(eg_python, tmp_path_factory):
     eg = json.loads(receiver.stdout.readline())
     launcher_env = {**os.environ, "EG_AUTH_TOKEN": SECRET, "KERNEL_USERNAME": "alice",
                     "PUBLIC_KEY": eg["public_key"], "LD_PRELOAD": "", "PYTHONPATH": "/nowhere"}
-    log = tmp_path_factory.mktemp("eg") / "launcher.log"
     with open(log, "w") as log_file:
         launcher = subprocess.Popen(
-            [sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
+            [*wrapper, sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
              "--RemoteProcessProxy.kernel-id", eg["kernel_id"],
              "--RemoteProcessProxy.port-range", f"{PORT_LOW}..{PORT_HIGH}",
              "--RemoteProcessProxy.response-address", eg["response_address"],
              "--RemoteProcessProxy.spark-context-initialization-mode", "none",
-             "--ip", "127.0.0.1", "--SandboxPolicy.timeout=30"],  # public key: from PUBLIC_KEY
+             "--ip", "127.0.0.1", *policy],  # the public key: from PUBLIC_KEY, as in a pod
             env=launcher_env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         info = json.loads(receiver.stdout.readline())
         assert "error" not in info, f"{info}; launcher log: {log.read_text()}"
-        kc = BlockingKernelClient()
-        kc.load_connection_info(info)
-        kc.start_channels()
-        kc.wait_for_ready(timeout=90)
-        yield {"info": info, "kc": kc, "launcher": launcher, "eg": eg}
-        kc.stop_channels()
+        yield {"info": info, "launcher": launcher, "eg": eg}
     finally:
         receiver.wait(timeout=30)
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(timeout=30)
+
+
+def connect_client(info: dict) -> BlockingKernelClient:
+    """A client on the decrypted connection info, once the kernel answers kernel_info."""
+    kc = BlockingKernelClient()
+    kc.load_connection_info(info)
+    # No heartbeat channel: its 1 s deadline misreads a loaded 2-core machine as a dead kernel.
+    kc.start_channels(hb=False)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        kc.kernel_info()
+        try:  # any reply will do: a late one answers an earlier request
+            if kc.get_shell_msg(timeout=5)["msg_type"] == "kernel_info_reply":
+                return kc
+        except queue.Empty:
+            continue
+    raise AssertionError("the kernel did not answer kernel_info within 90 s")
+
+
+@pytest.fixture(scope="module")
+def launched(eg_python, tmp_path_factory):
+    """A kernel started by eg-launch and reported to EG's ResponseManager."""
+    with launch_with_eg(eg_python, tmp_path_factory.mktemp("eg") / "launcher.log") as launch:
+        kc = connect_client(launch["info"])
+        yield {**launch, "kc": kc}
+        kc.stop_channels()
 
 
 def test_payload_decrypts_in_eg(launched):
@@ -256,3 +278,68 @@ def test_bad_arguments_are_refused_with_the_reason():
                           "--public-key", "x", "--ip=127.0.0.1", "--KernelApp.foo=1"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--KernelApp.foo=1" in run.stderr
+
+
+# Loads a seccomp profile in OCI/Docker JSON form, as a container runtime would, then execs.
+PROFILE_LOADER = """
+import json, os, sys
+import pyseccomp as sc
+profile = json.load(open(sys.argv[1]))
+flt = sc.SyscallFilter(sc.ERRNO(profile["defaultErrnoRet"]))
+flt.set_attr(sc.Attr.CTL_NNP, 1)
+for group in profile["syscalls"]:
+    action = sc.ALLOW if group["action"] == "SCMP_ACT_ALLOW" else sc.ERRNO(group["errnoRet"])
+    args = [sc.Arg(a["index"], sc.MASKED_EQ, a["value"], a["valueTwo"])
+            for a in group.get("args", [])]
+    for name in group["names"]:
+        number = sc.resolve_syscall(sc.Arch.NATIVE, name)
+        if number >= 0:
+            flt.add_rule(action, number, *args)
+flt.load()
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _profile_wrapper(tmp_path: Path, profile: dict) -> tuple[str, ...]:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    return (sys.executable, "-c", PROFILE_LOADER, str(path))
+
+
+# Under the pod's Localhost profile no tmpfs can be mounted (no unshare/mount): the pod bounds
+# scratch with its emptyDir instead.
+PROFILE_POLICY = ("--SandboxPolicy.scratch_size=0", "--SandboxPolicy.timeout=30")
+
+
+def test_kernel_starts_and_confines_itself_under_the_pod_seccomp_profile(eg_python, tmp_path):
+    from sandbox_kernel.launch.eg_kernelspec import pod_seccomp_profile
+
+    wrapper = _profile_wrapper(tmp_path, pod_seccomp_profile())
+    with launch_with_eg(eg_python, tmp_path / "launcher.log", wrapper, PROFILE_POLICY) as launch:
+        kc = connect_client(launch["info"])
+        try:
+            out = execute(kc, "import os\ntry:\n    os.fork()\nexcept OSError as e:\n"
+                              "    print(type(e).__name__)\nopen('/proc/self/status').read()")
+            assert out["stdout"] == "PermissionError\n", out
+            status = eval(out["text"])
+            # Two filters stacked: the pod's and the kernel's own (loaded through the first).
+            assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status
+            assert "Seccomp_filters:\t3" in status, status  # pod + denylist + allowlist
+            send_request(launch["info"]["comm_port"], {"shutdown": 1})
+            assert launch["launcher"].wait(timeout=30) in (-signal.SIGTERM, 0)
+        finally:
+            kc.stop_channels()
+
+
+def test_runtime_profile_without_landlock_makes_the_kernel_refuse(eg_python, tmp_path):
+    from sandbox_kernel.launch.eg_kernelspec import pod_seccomp_profile
+
+    profile = pod_seccomp_profile()
+    allowed = profile["syscalls"][0]
+    allowed["names"] = [name for name in allowed["names"] if not name.startswith("landlock_")]
+    log = tmp_path / "launcher.log"
+    wrapper = _profile_wrapper(tmp_path, profile)
+    with launch_with_eg(eg_python, log, wrapper, PROFILE_POLICY) as launch:
+        assert launch["launcher"].wait(timeout=60) != 0
+    assert "landlock" in log.read_text().lower()
+    assert "--no-landlock" in log.read_text()

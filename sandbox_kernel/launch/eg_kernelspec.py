@@ -6,7 +6,8 @@ ssh) the argv is `sandbox-kernel eg-launch` with the policy. For `kubernetes` an
 argv runs EG's own launch_kubernetes.py / launch_docker.py on EG's side (from EG's kernelspecs,
 placed in scripts/ next to what we write); in the container, the image runs
 `sandbox-kernel eg-launch`. For kubernetes we also write scripts/kernel-pod.yaml.j2 (the
-hardened pod EG's script renders) and kernel-networkpolicy.yaml (to apply once).
+hardened pod EG's script renders), kernel-networkpolicy.yaml (to apply once) and
+seccomp-profile.json (a Localhost profile for nodes whose runtime default refuses Landlock).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from traitlets import Int, Unicode
 from traitlets.config import Configurable
 
+from ..confine import seccomp
 from ..policy import SandboxPolicy
 from .eg import POLICY_VARIABLE
 
@@ -86,6 +88,47 @@ class EnterpriseGatewaySpec(Configurable):
             return {"type": "Localhost", "localhostProfile": path}
         raise ValueError(f"--k8s-seccomp-profile {self.seccomp_profile!r}: use RuntimeDefault "
                          "or Localhost:<profile path relative to the kubelet's seccomp dir>")
+
+
+# What the launcher and the kernel's start-up need from the pod's profile on top of what the
+# kernel's own filter allows user code: processes (the listener, the exec into the kernel, its
+# clean re-exec, the scratch reaper), sockets, installing the kernel's filter, watching and
+# signalling the kernel, identity and limits (set-up as root), file modes of the scratch.
+STARTUP_SYSCALLS = (
+    "fork", "vfork", "execve", "socket", "socketpair", "prctl", "seccomp",
+    "kill", "tgkill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
+    "pidfd_open", "pidfd_send_signal", "prlimit64", "setrlimit", "get_robust_list",
+    "sched_getaffinity", "sched_setaffinity", "sched_setparam", "sched_setscheduler",
+    "sched_setattr", "setpriority", "ioprio_get", "capset",
+    "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setgroups",
+    "setfsuid", "setfsgid", "chmod", "fchmod", "fchmodat", "fchmodat2",
+)
+# Namespace flags a clone() may not carry (what container runtimes refuse without
+# CAP_SYS_ADMIN): NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
+_CLONE_NAMESPACES = 0x7E020000
+_ENOSYS = 38
+
+
+def pod_seccomp_profile() -> dict[str, Any]:
+    """A Localhost seccomp profile (OCI/Docker JSON) for kernel pods: deny by default.
+
+    For nodes whose runtime default refuses landlock_*; everything else it refuses stays
+    refused (mount, unshare, bpf, keyrings, ptrace, io_uring...).
+    """
+    allowed = sorted(set(seccomp.ALLOWED) | set(STARTUP_SYSCALLS))
+    return {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": 1,
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"],
+        "syscalls": [
+            {"names": allowed, "action": "SCMP_ACT_ALLOW"},
+            {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+             "args": [{"index": 0, "value": _CLONE_NAMESPACES, "valueTwo": 0,
+                       "op": "SCMP_CMP_MASKED_EQ"}]},
+            # glibc falls back from clone3 to clone on ENOSYS (clone3's flags are in memory).
+            {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS},
+        ],
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,3 +211,5 @@ def write(directory: Path, kind: str, policy: SandboxPolicy, display_name: str,
         scripts.mkdir()
         (scripts / "kernel-pod.yaml.j2").write_text(pod_template(policy, spec))
         (directory / "kernel-networkpolicy.yaml").write_text(network_policy(spec))
+        profile = json.dumps(pod_seccomp_profile(), indent=2) + "\n"
+        (directory / "seccomp-profile.json").write_text(profile)
