@@ -8,6 +8,7 @@ comm port's signals, and end (scratch and connection file gone) on its shutdown 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -108,7 +109,8 @@ def wait_until(condition, timeout: float, what: str) -> None:
 
 @contextlib.contextmanager
 def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
-                   policy: tuple[str, ...] = ("--SandboxPolicy.timeout=30",)):
+                   policy: tuple[str, ...] = ("--SandboxPolicy.timeout=30",),
+                   extra_env: dict[str, str] | None = None):
     """Start eg-launch (under wrapper) as EG would and yield what EG's ResponseManager got."""
     env = {**os.environ, "EG_RESPONSE_IP": "127.0.0.1"}
     receiver = subprocess.Popen([str(eg_python), str(Path(__file__).with_name("eg_receiver.py")),
@@ -116,7 +118,8 @@ def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
     assert receiver.stdout is not None
     eg = json.loads(receiver.stdout.readline())
     launcher_env = {**os.environ, "EG_AUTH_TOKEN": SECRET, "KERNEL_USERNAME": "alice",
-                    "PUBLIC_KEY": eg["public_key"], "LD_PRELOAD": "", "PYTHONPATH": "/nowhere"}
+                    "PUBLIC_KEY": eg["public_key"], "LD_PRELOAD": "", "PYTHONPATH": "/nowhere",
+                    **(extra_env or {})}
     with open(log, "w") as log_file:
         launcher = subprocess.Popen(
             [*wrapper, sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
@@ -339,7 +342,33 @@ def test_runtime_profile_without_landlock_makes_the_kernel_refuse(eg_python, tmp
     allowed["names"] = [name for name in allowed["names"] if not name.startswith("landlock_")]
     log = tmp_path / "launcher.log"
     wrapper = _profile_wrapper(tmp_path, profile)
-    with launch_with_eg(eg_python, log, wrapper, PROFILE_POLICY) as launch:
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    with launch_with_eg(eg_python, log, wrapper, PROFILE_POLICY, {"TMPDIR": str(tmpdir)}) as launch:
         assert launch["launcher"].wait(timeout=60) != 0
+        # The listener saw the kernel end: it exits and takes the connection file with it.
+        wait_until(lambda: not list(tmpdir.iterdir()), 15, "the connection file's removal")
+        with pytest.raises(ConnectionRefusedError):
+            send_request(launch["info"]["comm_port"], {"signum": 0})
     assert "landlock" in log.read_text().lower()
     assert "--no-landlock" in log.read_text()
+
+
+def test_unreachable_eg_fails_cleanly(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024).public_key()
+    der = key.public_bytes(serialization.Encoding.DER,
+                           serialization.PublicFormat.SubjectPublicKeyInfo)
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    run = subprocess.run(
+        [sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch", "--kernel-id", "k1",
+         "--response-address", f"127.0.0.1:{port}", "--public-key",
+         base64.b64encode(der).decode(), "--ip", "127.0.0.1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == 3
+    assert f"cannot reach EG's response address 127.0.0.1:{port}" in run.stderr
+    assert list(tmp_path.iterdir()) == []  # no connection file left behind
