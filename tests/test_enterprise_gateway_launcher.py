@@ -240,6 +240,19 @@ outcomes""")
     assert execute(launched["kc"], "1 + 1")["text"] == "2"
 
 
+def test_listener_ignores_malformed_requests(launched):
+    port, kernel_pid = launched["info"]["comm_port"], launched["launcher"].pid
+    listener = listener_of(kernel_pid)
+    for junk in (b"not json", b'{"signum": "9"}', b'{"signum": 99999}', b'{"signum": true}',
+                 b'["shutdown"]', b"{" * 10000):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(junk)
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass  # connects and sends nothing: the listener moves on after its deadline
+    assert alive(listener) and alive(kernel_pid)
+    assert execute(launched["kc"], "2 + 2")["text"] == "4"
+
+
 def test_signum_2_interrupts_a_running_cell(launched):
     port = launched["info"]["comm_port"]
     out = execute(launched["kc"], "import time\nfor _ in range(600):\n    time.sleep(0.1)",

@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,10 +222,14 @@ def _read_request(server: socket.socket) -> dict | None:
     except OSError:
         return None
     data = b""
+    deadline = time.monotonic() + REQUEST_TIMEOUT  # for the whole request, not per recv
     with conn:
-        conn.settimeout(REQUEST_TIMEOUT)
         try:
             while len(data) <= MAX_REQUEST_BYTES:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                conn.settimeout(remaining)
                 chunk = conn.recv(1024)
                 if not chunk:
                     break
@@ -279,7 +284,7 @@ def serve_comm_port(server: socket.socket, pidfd: int) -> None:
                 if request is None:
                     continue
                 signum = request.get("signum")
-                if isinstance(signum, int) and 0 < signum < signal.NSIG:
+                if type(signum) is int and 0 < signum < signal.NSIG:  # not bool, not str
                     try:
                         signal.pidfd_send_signal(pidfd, signum)
                     except ProcessLookupError:
@@ -306,6 +311,7 @@ def _listener_main(server: socket.socket, kernel_pid: int, workdir: str) -> None
     try:
         serve_comm_port(server, pidfd)
     finally:
+        server.close()  # refuse EG's polls first: the kernel is gone
         shutil.rmtree(workdir, ignore_errors=True)
 
 
