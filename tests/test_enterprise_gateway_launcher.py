@@ -110,8 +110,12 @@ def wait_until(condition, timeout: float, what: str) -> None:
 @contextlib.contextmanager
 def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
                    policy: tuple[str, ...] = ("--SandboxPolicy.timeout=30",),
-                   extra_env: dict[str, str] | None = None):
-    """Start eg-launch (under wrapper) as EG would and yield what EG's ResponseManager got."""
+                   extra_env: dict[str, str] | None = None, as_container: bool = False):
+    """Start eg-launch (under wrapper) as EG would and yield what EG's ResponseManager got.
+
+    as_container: everything through the variables launch_kubernetes.py / launch_docker.py
+    set in the container, and the image's bare command, as in a pod.
+    """
     env = {**os.environ, "EG_RESPONSE_IP": "127.0.0.1"}
     receiver = subprocess.Popen([str(eg_python), str(Path(__file__).with_name("eg_receiver.py")),
                                  "90"], stdout=subprocess.PIPE, text=True, env=env)
@@ -120,15 +124,20 @@ def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
     launcher_env = {**os.environ, "EG_AUTH_TOKEN": SECRET, "KERNEL_USERNAME": "alice",
                     "PUBLIC_KEY": eg["public_key"], "LD_PRELOAD": "", "PYTHONPATH": "/nowhere",
                     **(extra_env or {})}
+    command = [*wrapper, sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch"]
+    if as_container:
+        launcher_env.update(KERNEL_ID=eg["kernel_id"], PORT_RANGE=f"{PORT_LOW}..{PORT_HIGH}",
+                            RESPONSE_ADDRESS=eg["response_address"],
+                            SANDBOX_KERNEL_EG_POLICY=" ".join(policy))
+    else:  # the public key still comes from PUBLIC_KEY
+        command += ["--RemoteProcessProxy.kernel-id", eg["kernel_id"],
+                    "--RemoteProcessProxy.port-range", f"{PORT_LOW}..{PORT_HIGH}",
+                    "--RemoteProcessProxy.response-address", eg["response_address"],
+                    "--RemoteProcessProxy.spark-context-initialization-mode", "none", *policy]
     with open(log, "w") as log_file:
         launcher = subprocess.Popen(
-            [*wrapper, sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
-             "--RemoteProcessProxy.kernel-id", eg["kernel_id"],
-             "--RemoteProcessProxy.port-range", f"{PORT_LOW}..{PORT_HIGH}",
-             "--RemoteProcessProxy.response-address", eg["response_address"],
-             "--RemoteProcessProxy.spark-context-initialization-mode", "none",
-             "--ip", "127.0.0.1", *policy],  # the public key: from PUBLIC_KEY, as in a pod
-            env=launcher_env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            [*command, "--ip", "127.0.0.1"], env=launcher_env, stdout=log_file,
+            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         info = json.loads(receiver.stdout.readline())
         assert "error" not in info, f"{info}; launcher log: {log.read_text()}"
@@ -150,10 +159,12 @@ def connect_client(info: dict) -> BlockingKernelClient:
     while time.monotonic() < deadline:
         kc.kernel_info()
         try:  # any reply will do: a late one answers an earlier request
-            if kc.get_shell_msg(timeout=5)["msg_type"] == "kernel_info_reply":
-                return kc
+            reply = kc.get_shell_msg(timeout=5)
         except queue.Empty:
             continue
+        if reply["msg_type"] == "kernel_info_reply":
+            kc.sandbox_info = reply["content"]["sandbox"]  # type: ignore[attr-defined]
+            return kc
     raise AssertionError("the kernel did not answer kernel_info within 90 s")
 
 
@@ -331,9 +342,14 @@ def test_kernel_starts_and_confines_itself_under_the_pod_seccomp_profile(eg_pyth
     from sandbox_kernel.launch.eg_kernelspec import pod_seccomp_profile
 
     wrapper = _profile_wrapper(tmp_path, pod_seccomp_profile())
-    with launch_with_eg(eg_python, tmp_path / "launcher.log", wrapper, PROFILE_POLICY) as launch:
+    with launch_with_eg(eg_python, tmp_path / "launcher.log", wrapper, PROFILE_POLICY,
+                        as_container=True) as launch:
         kc = connect_client(launch["info"])
         try:
+            policy = kc.sandbox_info["policy"]  # from SANDBOX_KERNEL_EG_POLICY
+            assert policy["timeout"] == 30 and policy["scratch_size"] == 0
+            layers = kc.sandbox_info["layers"]
+            assert layers["landlock"]["active"] and layers["seccomp"]["active"], layers
             out = execute(kc, "import os\ntry:\n    os.fork()\nexcept OSError as e:\n"
                               "    print(type(e).__name__)\nopen('/proc/self/status').read()")
             assert out["stdout"] == "PermissionError\n", out
