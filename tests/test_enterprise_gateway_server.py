@@ -53,11 +53,11 @@ def gateway(tmp_path_factory):
     env = {**os.environ, "JUPYTER_PATH": str(root / "prefix" / "share" / "jupyter"),
            "EG_REMOTE_HOSTS": "localhost", "EG_RESPONSE_IP": "127.0.0.1",
            "EG_RESPONSE_PORT": str(free_port()), "EG_KERNEL_LOG_DIR": str(root),
-           "EG_KERNEL_LAUNCH_TIMEOUT": "90"}
+           "EG_KERNEL_LAUNCH_TIMEOUT": "90", "EG_AUTH_TOKEN": TOKEN}
     log = open(root / "eg.log", "w")  # closed in the finally below
     server = subprocess.Popen(
         [str(eg_python), "-m", "enterprise_gateway", "--ip=127.0.0.1", f"--port={port}",
-         f"--EnterpriseGatewayApp.auth_token={TOKEN}", "--EnterpriseGatewayApp.list_kernels=True",
+         "--EnterpriseGatewayApp.list_kernels=True",
          "--EnterpriseGatewayApp.allowed_kernels=['sandbox_distributed']",
          "--EnterpriseGatewayApp.default_kernel_name=sandbox_distributed"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
@@ -136,6 +136,10 @@ def test_code_runs_fork_is_refused_interrupt_and_delete_work(gateway):
         out = run(ws, "import os\nprint('hi')\n(os.getpid(), os.getcwd())")
         assert out["error"] is None and out["stdout"] == "hi\n", out
         kernel_pid, scratch = eval(out["text"])
+        out = run(ws, "import os\n(dict(os.environ), open('/proc/self/environ', 'rb').read())")
+        environ, raw = eval(out["text"])
+        assert not [name for name in environ if name.startswith(("EG_", "KERNEL_"))], environ
+        assert TOKEN.encode() not in raw and b"alice" not in raw
         out = run(ws, "def main(x):\n    return {'double': 2 * x}", inputs={"x": 21})
         assert out["result"] == {"double": 42}, out
         out = run(ws, "import os\nos.fork()")
