@@ -192,3 +192,15 @@ def test_shipped_seccomp_profile_is_the_generated_one(k8s_spec):
     assert not {"mount", "unshare", "setns", "bpf", "ptrace", "keyctl", "io_uring_setup",
                 "open_by_handle_at", "init_module", "kexec_load"} & allowed
     assert set(seccomp.ALLOWED) <= allowed
+
+
+def test_kernel_is_execd_with_none_of_egs_environment():
+    from sandbox_kernel.launch.eg import kernel_environment
+
+    eg_env = {"PATH": "/opt/eg/bin:/usr/bin", "LANG": "de_DE.UTF-8", "EG_AUTH_TOKEN": "t",
+              "PUBLIC_KEY": "k", "LD_PRELOAD": "/x.so", "PYTHONPATH": "/y", "DATA_URL": "u"}
+    assert kernel_environment([], eg_env) == {"PATH": "/usr/local/bin:/usr/bin:/bin",
+                                              "LANG": "de_DE.UTF-8"}
+    granted = kernel_environment(["--SandboxPolicy.pass_env=DATA_URL"], eg_env)
+    assert granted["DATA_URL"] == "u" and "EG_AUTH_TOKEN" not in granted
+    assert "DATA_URL" not in kernel_environment(["--SandboxPolicy.pass_env"], eg_env)

@@ -299,17 +299,16 @@ def _listener_main(server: socket.socket, kernel_pid: int, workdir: str) -> None
     os.setsid()  # EG may signal the kernel's process group; that must not end the listener
     try:
         pidfd = os.pidfd_open(kernel_pid)
-    except OSError:
-        return
-    if os.getppid() != kernel_pid:  # the kernel ended before we could watch it
-        return
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    keep = sorted((0, 1, 2, server.fileno(), pidfd))
-    for low, high in zip(keep, [*keep[1:], 65536], strict=True):
-        os.closerange(low + 1, high)
-    try:
+        if os.getppid() != kernel_pid:  # the kernel ended before we could watch it
+            return
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        keep = sorted((0, 1, 2, server.fileno(), pidfd))
+        for low, high in zip(keep, [*keep[1:], 65536], strict=True):
+            os.closerange(low + 1, high)
         serve_comm_port(server, pidfd)
+    except OSError as exc:
+        print(f"sandbox-kernel eg-launch: comm-port listener: {exc}", file=sys.stderr)
     finally:
         server.close()  # refuse EG's polls first: the kernel is gone
         shutil.rmtree(workdir, ignore_errors=True)
@@ -340,7 +339,7 @@ def kernel_environment(policy_argv: list[str], environ: dict[str, str] | os._Env
     passed = list(PASSED_THROUGH)
     for index, arg in enumerate(policy_argv):
         name, sep, value = arg.partition("=")
-        if name == f"{POLICY_PREFIX}pass_env":
+        if name == f"{POLICY_PREFIX}pass_env" and (sep or index + 1 < len(policy_argv)):
             passed.append(value if sep else policy_argv[index + 1])
     return {"PATH": SAFE_PATH, **{name: environ[name] for name in passed if name in environ}}
 
