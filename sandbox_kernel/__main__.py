@@ -3,7 +3,8 @@
 import sys
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("install", "uninstall", "run", "check", "serve"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("install", "uninstall", "run", "check", "serve",
+                                             "eg-launch"):
         from sandbox_kernel.cli import main as cli_main
 
         sys.exit(cli_main())

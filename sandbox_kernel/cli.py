@@ -12,6 +12,7 @@ from pathlib import Path
 from traitlets import TraitError
 
 from . import __version__, check, client, install, policy
+from .launch import eg_kernelspec
 
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
 USAGE_ERROR = 2
@@ -32,7 +33,9 @@ def _install(args: argparse.Namespace) -> int:
     prefix = sys.prefix if args.sys_prefix else args.prefix
     path = install.install(policy.from_arguments(args), name=args.name,
                            display_name=args.display_name, user=args.user, prefix=prefix,
-                           cold_start=args.cold_start, preload=args.preload)
+                           cold_start=args.cold_start, preload=args.preload,
+                           enterprise_gateway=args.enterprise_gateway,
+                           eg_spec=eg_kernelspec.from_arguments(args))
     print(f"Installed kernelspec {args.name} in {path}")
     return 0
 
@@ -196,6 +199,7 @@ def parser() -> argparse.ArgumentParser:
                       help="name shown in JupyterLab's launcher")
     policy.add_arguments(inst)
     add_launch_arguments(inst)
+    eg_kernelspec.add_arguments(inst)
     inst.set_defaults(handler=_install)
 
     uninst = sub.add_parser("uninstall", help="remove a kernelspec that install wrote",
@@ -234,11 +238,20 @@ def parser() -> argparse.ArgumentParser:
     from .service import serve  # argparse and traitlets only: the server extra loads on use
 
     serve.add_parser(sub)
+
+    # Parsed by launch/eg.py itself (see main()); listed here for --help.
+    sub.add_parser("eg-launch", add_help=False,
+                   help="start a sandboxed kernel for Jupyter Enterprise Gateway (its launcher)")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `sandbox-kernel` console script."""
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["eg-launch"]:  # EG's own argument forms, parsed by the launcher
+        from .launch import eg
+
+        return eg.main(given[1:])
     args = parser().parse_args(argv)
     try:
         return int(args.handler(args))

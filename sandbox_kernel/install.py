@@ -12,6 +12,7 @@ from pathlib import Path
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_core.paths import SYSTEM_JUPYTER_PATH, jupyter_data_dir
 
+from .launch import eg_kernelspec
 from .launch.provisioner import NAME as PROVISIONER
 from .policy import SandboxPolicy
 
@@ -52,9 +53,28 @@ def kernel_json(policy: SandboxPolicy, display_name: str, cold_start: bool = Fal
 
 def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
             display_name: str = DEFAULT_DISPLAY_NAME, user: bool = False,
-            prefix: str | None = None, cold_start: bool = False,
-            preload: Sequence[str] = ()) -> str:
-    """Install the kernelspec `name`(replacing one of that name); return its directory."""
+            prefix: str | None = None, enterprise_gateway: str | None = None,
+            eg_spec: eg_kernelspec.EnterpriseGatewaySpec | None = None,
+            cold_start: bool = False, preload: Sequence[str] = ()) -> str:
+    """Install the kernelspec `name`(replacing one of that name); return its directory.
+
+    With enterprise_gateway (kubernetes, docker, distributed) the kernelspec is one for
+    Jupyter Enterprise Gateway's process proxy of that name (see launch/eg_kernelspec.py).
+    """
+    eg_spec = eg_spec or eg_kernelspec.EnterpriseGatewaySpec()
+    if enterprise_gateway:
+        try:
+            eg_kernelspec.check(enterprise_gateway, eg_spec)
+        except ValueError as exc:
+            raise InstallError(str(exc)) from exc
+    path = _install_files(policy, name, display_name, user, prefix, cold_start, preload)
+    if enterprise_gateway:
+        eg_kernelspec.write(Path(path), enterprise_gateway, policy, display_name, eg_spec, path)
+    return path
+
+
+def _install_files(policy: SandboxPolicy, name: str, display_name: str, user: bool,
+                   prefix: str | None, cold_start: bool, preload: Sequence[str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for logo in template_dir().glob("logo-*"):
             shutil.copy(logo, tmp)
