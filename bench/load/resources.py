@@ -1,0 +1,184 @@
+"""What a service instance holds, sampled over time: processes, kernels, RSS, descriptors,
+scratch directories, and the service's own gauges from /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+def _mentions(process: psutil.Process, marker: str) -> bool:
+    with contextlib.suppress(psutil.Error, OSError):
+        if any(marker in part for part in process.cmdline()):
+            return True
+        return any(marker in value for value in process.environ().values())
+    return False
+
+
+def instance_processes(root_pid: int | None, marker: str) -> list[psutil.Process]:
+    """The service process, its descendants, and every process that mentions the run dir
+    (kernels' command lines name its runtime dir; orphans keep the marker variable)."""
+    found: dict[int, psutil.Process] = {}
+    if root_pid is not None:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(root_pid)
+            found[root.pid] = root
+            for child in root.children(recursive=True):
+                found[child.pid] = child
+    for process in psutil.process_iter():
+        if process.pid not in found and _mentions(process, marker):
+            found[process.pid] = process
+    return [p for p in found.values() if _alive(p)]
+
+
+def _alive(process: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return process.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+def _kernel_command(process: psutil.Process | None) -> bool:
+    with contextlib.suppress(psutil.Error):
+        cmdline = process.cmdline() if process is not None else []
+        return "sandbox_kernel" in cmdline and "-f" in cmdline
+    return False
+
+
+def is_kernel(process: psutil.Process) -> bool:
+    """A kernel process, not its scratch reaper (a child of the kernel with the same command)."""
+    with contextlib.suppress(psutil.Error):
+        return _kernel_command(process) and not _kernel_command(process.parent())
+    return False
+
+
+@dataclass
+class Sample:
+    """One look at the instance."""
+
+    t: float  # seconds since the sampler started
+    processes: int
+    kernels: int
+    service_rss: int
+    total_rss: int
+    service_fds: int
+    total_fds: int
+    scratch_dirs: int
+    metrics: dict[str, float]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def scratch_dirs(root: Path) -> int:
+    """Scratch directories under the instance's scratch root."""
+    with contextlib.suppress(OSError):
+        return sum(1 for entry in root.iterdir() if entry.name.startswith("kernel-"))
+    return 0
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The service's unlabelled gauges and the pooled kernels (summed) from /metrics."""
+    wanted = ("sandbox_kernels_live", "sandbox_kernels_pooled", "sandbox_runs_in_flight",
+              "sandbox_sessions")
+    values: dict[str, float] = {}
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        text = httpx.get(f"{url}/metrics", timeout=2, trust_env=False).text
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in wanted:
+                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def sample(root_pid: int, marker: str, scratch_root: Path, url: str | None,
+           t0: float) -> Sample:
+    """Look at the instance now."""
+    processes = instance_processes(root_pid, marker)
+    rss = {p.pid: _rss(p) for p in processes}
+    fds = {p.pid: _fds(p) for p in processes}
+    return Sample(
+        t=time.monotonic() - t0, processes=len(processes),
+        kernels=sum(1 for p in processes if is_kernel(p)),
+        service_rss=rss.get(root_pid, 0), total_rss=sum(rss.values()),
+        service_fds=fds.get(root_pid, 0), total_fds=sum(fds.values()),
+        scratch_dirs=scratch_dirs(scratch_root),
+        metrics=read_metrics(url) if url else {})
+
+
+def _rss(process: psutil.Process) -> int:
+    with contextlib.suppress(psutil.Error):
+        return int(process.memory_info().rss)
+    return 0
+
+
+def _fds(process: psutil.Process) -> int:
+    with contextlib.suppress(psutil.Error):
+        return int(process.num_fds())
+    return 0
+
+
+class Sampler:
+    """Samples an instance every `interval` seconds in a thread while a run goes on."""
+
+    def __init__(self, root_pid: int, marker: str, scratch_root: Path, url: str | None,
+                 interval: float = 1.0) -> None:
+        self.args = (root_pid, marker, scratch_root, url)
+        self.interval = interval
+        self.samples: list[Sample] = []
+        self.t0 = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def now(self) -> Sample:
+        return sample(*self.args, self.t0)
+
+    async def _loop(self) -> None:
+        while True:
+            self.samples.append(await asyncio.to_thread(self.now))
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def settle(sampler: Sampler, baseline: Sample, timeout: float) -> tuple[Sample, float]:
+    """Wait until processes and scratch dirs are back to baseline (or timeout); the last sample
+    and how long it took."""
+    started = time.monotonic()
+    while True:
+        now = await asyncio.to_thread(sampler.now)
+        back = (now.processes <= baseline.processes and now.scratch_dirs <= baseline.scratch_dirs
+                and now.metrics.get("sandbox_runs_in_flight", 0) == 0)
+        if back or time.monotonic() - started > timeout:
+            return now, time.monotonic() - started
+        await asyncio.sleep(0.5)
+
+
+async def steady(sampler: Sampler, timeout: float = 60.0, quiet: float = 3.0) -> Sample:
+    """A sample taken once the instance has stopped changing (its pool refilled, nothing in
+    flight) for `quiet` seconds, or after timeout."""
+    started = time.monotonic()
+    last = await asyncio.to_thread(sampler.now)
+    stable_since = time.monotonic()
+    while time.monotonic() - started < timeout:
+        await asyncio.sleep(0.5)
+        now = await asyncio.to_thread(sampler.now)
+        same = (now.processes, now.kernels, now.scratch_dirs) == (
+            last.processes, last.kernels, last.scratch_dirs)
+        if not same or now.metrics.get("sandbox_runs_in_flight", 0):
+            stable_since = time.monotonic()
+        elif time.monotonic() - stable_since >= quiet:
+            return now
+        last = now
+    return last
