@@ -3,7 +3,7 @@
 import sys
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] in ("install", "run", "check"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("install", "run", "check", "serve"):
         from sandbox_kernel.cli import main as cli_main
 
         sys.exit(cli_main())

@@ -164,6 +164,10 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="what this host supports and the effective policy")
     policy.add_arguments(check)
     check.set_defaults(handler=_check)
+
+    from .service import serve  # argparse and traitlets only: the server extra loads on use
+
+    serve.add_parser(sub)
     return top
 
 

@@ -1,0 +1,64 @@
+"""One structured log line and one metrics sample per request.
+
+The line says who (the key id, never the key), what (method, route template), how it ended
+(status, duration) and on which kernel; never the code, the inputs or the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .metrics import Metrics
+
+log = logging.getLogger("sandbox_kernel.service.access")
+
+
+def json_line(**fields: object) -> str:
+    """A compact JSON log line."""
+    return json.dumps(fields, default=str, separators=(",", ":"))
+
+
+def route_of(scope: Scope) -> str:
+    """The matched route's template (bounded label values), or "unmatched"."""
+    route = scope.get("route")
+    return str(getattr(route, "path", None) or "unmatched")
+
+
+class AccessLog:
+    """ASGI middleware: log and count every HTTP request when its response is done."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = {"code": 0}
+
+        async def send_recording(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording)
+        finally:
+            self._record(scope, status["code"] or 499, time.monotonic() - started)
+
+    def _record(self, scope: Scope, status: int, duration: float) -> None:
+        route = route_of(scope)
+        state: dict[str, Any] = scope.get("state") or {}
+        record = state.get("record")
+        kernel = state.get("kernel_id") or getattr(record, "kernel_id", "") or None
+        self.metrics.requests.labels(route=route, status=str(status)).inc()
+        self.metrics.duration.labels(route=route).observe(duration)
+        log.info(json_line(method=scope.get("method"), route=route, status=status,
+                           duration=round(duration, 4), key=state.get("key_id"),
+                           kernel=kernel, session=state.get("session_id")))

@@ -1,0 +1,136 @@
+"""The ASGI application: the service's parts, their lifetime, and the operational routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from .. import __version__
+from ..client import Execution
+from ..policy import SandboxPolicy
+from . import dify, native
+from .access import AccessLog, json_line
+from .auth import ApiKey, BearerKeys, load_keys, same
+from .config import ServiceConfig
+from .kernels import Kernels, KernelSource, make_source
+from .limits import BodyLimit
+from .metrics import Metrics
+from .runs import SERVICE_TIMEOUT, Admission, Runner
+from .sessions import Sessions
+
+log = logging.getLogger("sandbox_kernel.service")
+CULL_INTERVAL = 5.0
+
+
+class Service:
+    """Everything one running service holds; the routes reach it as app.state.service."""
+
+    # Time a session's kernel gets to restart after a lost execution before the service gives up.
+    restart_allowance = 30.0
+
+    def __init__(self, config: ServiceConfig, policy: SandboxPolicy,
+                 source: KernelSource | None = None) -> None:
+        self.config, self.policy = config, policy
+        networks = (False, True) if config.enable_network else (False,)
+        self.kernels = Kernels(source or make_source(policy, networks, config.pool_size,
+                                                     config.kernel_grace))
+        self.admission = Admission(config.max_requests, config.max_workers)
+        self.runner = Runner(self.kernels, self.admission, config.kernel_grace)
+        self.sessions = Sessions(self.kernels, config.max_sessions)
+        keys = (load_keys(config.api_keys_file) if config.api_keys_file
+                else [ApiKey("default", config.api_key)])
+        self.bearer_keys = BearerKeys(keys)
+        self.metrics = Metrics()
+        self.metrics.bind(lambda: len(self.kernels.live), self.kernels.source.ready,
+                          lambda: len(self.sessions), lambda: self.admission.in_flight)
+        self.started = False
+        self.stopping = False
+        self._culler: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[Any]] = set()
+
+    def background(self, work: Any) -> None:
+        """Run a coroutine on its own, keeping a reference until it is done."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def dify_key_ok(self, given: str | None) -> bool:
+        return same(given, self.config.api_key)
+
+    def count_run(self, api: str, execution: Execution) -> None:
+        error = execution.error
+        outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
+                   else "lost" if execution.state_lost else "error")
+        self.metrics.runs.labels(api=api, outcome=outcome).inc()
+
+    async def start(self) -> None:
+        await self.kernels.source.start()
+        self._culler = asyncio.get_running_loop().create_task(
+            self.sessions.cull_forever(CULL_INTERVAL))
+        self.started = True
+        log.info(json_line(event="started", version=__version__, port=self.config.port,
+                           network=self.config.enable_network, pool_size=self.config.pool_size))
+
+    async def stop(self) -> None:
+        """Let in-flight runs finish within the grace period, then shut every kernel down."""
+        self.stopping = True
+        if self._culler is not None:
+            self._culler.cancel()
+        deadline = asyncio.get_running_loop().time() + self.config.shutdown_grace
+        while self.admission.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        self.sessions.close()
+        await self.kernels.close()
+        log.info(json_line(event="stopped"))
+
+    def readiness(self) -> dict[str, Any]:
+        return {"ready": self.started and not self.stopping,
+                "pool": self.kernels.source.ready(), "pool_size": self.config.pool_size,
+                "kernels_live": len(self.kernels.live), "sessions": len(self.sessions),
+                "runs_in_flight": self.admission.in_flight}
+
+
+def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None = None,
+               source: KernelSource | None = None) -> FastAPI:
+    """The service as an ASGI app (uvicorn: `sandbox_kernel.service.app:create_app --factory`)."""
+    service = Service(config or ServiceConfig(), policy or SandboxPolicy(), source)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(
+        title="sandbox-kernel service", version=__version__, lifespan=lifespan,
+        description="Runs untrusted Python in sandboxed Jupyter kernels. `/v1/sandbox/*`: "
+        "dify-sandbox's API (X-Api-Key). `/api/v1/*`: sessions, executions, server-sent "
+        "events, files (Authorization: Bearer).")
+    app.state.service = service
+    app.include_router(dify.router)
+    app.include_router(native.router)
+    _operations(app, service)
+    # Outermost last: the access log sees even the 413s of the body limit.
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes if config else
+                       ServiceConfig().max_body_bytes, metrics=service.metrics)
+    app.add_middleware(AccessLog, metrics=service.metrics)
+    return app
+
+
+def _operations(app: FastAPI, service: Service) -> None:
+    @app.get("/ready", tags=["operations"], summary="Readiness, with the pool's state")
+    async def ready() -> JSONResponse:
+        state = service.readiness()
+        return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)

@@ -1,0 +1,170 @@
+"""The service's settings: traitlets read from dify-sandbox's environment variables and from flags.
+
+Each setting carries an `env` tag (the variable dify-sandbox operators already set, where there is
+one) and a `flag` tag (its `sandbox-kernel serve` option). A flag beats the variable, which beats
+the default. This module imports nothing heavy, so `sandbox-kernel --help` works without the
+`[server]` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from traitlets import Bool, Float, Int, TraitError, Unicode
+from traitlets.config import Configurable
+
+from .. import policy
+
+
+class ServiceConfig(Configurable):
+    """How `sandbox-kernel serve` listens, admits requests and bounds them."""
+
+    host = Unicode(
+        "0.0.0.0", help="Address to listen on.",
+    ).tag(config=True, flag="host", env="SANDBOX_HOST", metavar="ADDR")
+
+    port = Int(
+        8194, help="Port to listen on (dify-sandbox's SANDBOX_PORT).",
+    ).tag(config=True, flag="port", env="SANDBOX_PORT", metavar="PORT")
+
+    api_key = Unicode(
+        "dify-sandbox",
+        help="The key the dify-sandbox routes expect in X-Api-Key (dify-sandbox's API_KEY). "
+        "Without --api-keys-file it is also the native API's one bearer key, id 'default'.",
+    ).tag(config=True, flag="api-key", env="API_KEY", metavar="KEY")
+
+    api_keys_file = Unicode(
+        "",
+        help="JSON file of the native API's bearer keys: "
+        '{"keys": [{"id": "team-a", "key": "...", "max_sessions": 4}]}; max_sessions optional.',
+    ).tag(config=True, flag="api-keys-file", env="SANDBOX_API_KEYS_FILE", metavar="FILE")
+
+    max_workers = Int(
+        4, help="Runs executing at once; the rest wait in line (dify-sandbox's MAX_WORKERS).",
+    ).tag(config=True, flag="max-workers", env="MAX_WORKERS", metavar="N")
+
+    max_requests = Int(
+        50, help="Runs in flight (running or waiting) before new ones get 503 at once "
+        "(dify-sandbox's MAX_REQUESTS).",
+    ).tag(config=True, flag="max-requests", env="MAX_REQUESTS", metavar="N")
+
+    worker_timeout = Float(
+        5.0, help="Seconds one stateless run may take (dify-sandbox's WORKER_TIMEOUT); also the "
+        "native API's default execution timeout.",
+    ).tag(config=True, flag="worker-timeout", env="WORKER_TIMEOUT", metavar="SECONDS")
+
+    max_timeout = Float(
+        300.0, help="The longest timeout a native API request may ask for.",
+    ).tag(config=True, flag="max-timeout", env="SANDBOX_MAX_TIMEOUT", metavar="SECONDS")
+
+    enable_network = Bool(
+        True, help="Whether a run may ask for network access (dify-sandbox's ENABLE_NETWORK). "
+        "Off: requests with enable_network get code -400 and only network-less kernels start.",
+    ).tag(config=True, flag="enable-network", env="ENABLE_NETWORK")
+
+    pool_size = Int(
+        1, help="Started kernels kept ready per network policy, so a run does not wait for a "
+        "kernel to start; 0 starts each on demand.",
+    ).tag(config=True, flag="pool-size", env="SANDBOX_POOL_SIZE", metavar="N")
+
+    max_sessions = Int(
+        32, help="Sessions open at once over all keys; each holds a kernel.",
+    ).tag(config=True, flag="max-sessions", env="SANDBOX_MAX_SESSIONS", metavar="N")
+
+    session_idle_timeout = Float(
+        600.0, help="Default seconds a session may sit idle before its kernel is shut down.",
+    ).tag(config=True, flag="session-idle-timeout", env="SANDBOX_SESSION_IDLE_TIMEOUT",
+          metavar="SECONDS")
+
+    max_session_idle_timeout = Float(
+        3600.0, help="The longest idle timeout a session may ask for.",
+    ).tag(config=True, flag="max-session-idle-timeout", env="SANDBOX_MAX_SESSION_IDLE_TIMEOUT",
+          metavar="SECONDS")
+
+    max_body_bytes = Int(
+        16 * 2**20, help="Largest request body accepted; larger ones get 413.",
+    ).tag(config=True, flag="max-body", env="SANDBOX_MAX_BODY", metavar="BYTES")
+
+    max_file_bytes = Int(
+        8 * 2**20, help="Largest file a session may upload or download.",
+    ).tag(config=True, flag="max-file", env="SANDBOX_MAX_FILE", metavar="BYTES")
+
+    kernel_grace = Float(
+        2.0, help="Seconds past its timeout a kernel gets to stop by itself before the service "
+        "interrupts it (sessions) or discards it (stateless runs).",
+    ).tag(config=True, flag="kernel-grace", env="SANDBOX_KERNEL_GRACE", metavar="SECONDS")
+
+    shutdown_grace = Float(
+        10.0, help="Seconds in-flight runs get to finish at shutdown before they are cancelled.",
+    ).tag(config=True, flag="shutdown-grace", env="SANDBOX_SHUTDOWN_GRACE", metavar="SECONDS")
+
+    log_level = Unicode(
+        "info", help="Log level of the service's own log lines.",
+    ).tag(config=True, flag="log-level", env="SANDBOX_LOG_LEVEL", metavar="LEVEL")
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _from_env(name: str, trait: Any, text: str) -> Any:
+    if isinstance(trait, Bool):
+        if text.strip().lower() in _TRUE:
+            return True
+        if text.strip().lower() in _FALSE:
+            return False
+        raise TraitError(f"{name}={text!r}: expected true or false")
+    try:
+        return trait.from_string(text.strip())
+    except (TraitError, ValueError) as exc:
+        raise TraitError(f"{name}={text!r}: {exc}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags: every ServiceConfig setting, then the kernels' policy flags."""
+    group = parser.add_argument_group("service")
+    for name, trait in ServiceConfig.class_traits(config=True).items():
+        option = f"--{trait.metadata['flag']}"
+        env = trait.metadata.get("env")
+        help_text = trait.help + (f" Env: {env}." if env else "")
+        if isinstance(trait, Bool):
+            group.add_argument(option, dest=f"service_{name}",
+                               action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            group.add_argument(option, dest=f"service_{name}", default=None,
+                               metavar=trait.metadata.get("metavar"), help=help_text)
+    policy.add_arguments(parser)
+
+
+def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = None
+                   ) -> ServiceConfig:
+    """Settings from flags, then the environment, then the defaults. Raises TraitError."""
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for name, trait in ServiceConfig.class_traits(config=True).items():
+        given = getattr(args, f"service_{name}", None)
+        env = trait.metadata.get("env")
+        if given is not None:
+            values[name] = given if isinstance(given, bool) else _from_env(
+                f"--{trait.metadata['flag']}", trait, given)
+        elif env and environ.get(env, "").strip():
+            values[name] = _from_env(env, trait, environ[env])
+    config = ServiceConfig(**values)
+    check(config)
+    return config
+
+
+def check(config: ServiceConfig) -> None:
+    """Refuse settings that cannot work, naming the setting."""
+    positive = ("max_workers", "max_requests", "worker_timeout", "max_timeout", "max_sessions",
+                "max_body_bytes", "max_file_bytes")
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise TraitError(f"{name.replace('_', '-')} must be positive, "
+                             f"got {getattr(config, name)}")
+    for name in ("pool_size", "kernel_grace", "shutdown_grace", "session_idle_timeout"):
+        if getattr(config, name) < 0:
+            raise TraitError(f"{name.replace('_', '-')} must not be negative")
+    if not 0 < config.port < 65536:
+        raise TraitError(f"port must be 1-65535, got {config.port}")

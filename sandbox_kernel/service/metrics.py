@@ -1,0 +1,63 @@
+"""Prometheus metrics of one service instance (its own registry, so apps do not share counters)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+
+class Metrics:
+    """The service's counters, histograms and gauges."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "sandbox_requests", "HTTP requests answered, by route template and status.",
+            ["route", "status"], registry=self.registry)
+        self.duration = Histogram(
+            "sandbox_request_duration_seconds", "Time to answer a request, by route template.",
+            ["route"], registry=self.registry,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+        self.denials = Counter(
+            "sandbox_denials", "Requests refused before running: bad key, too many requests, "
+            "session limit, bad input, body too large.", ["reason"], registry=self.registry)
+        self.runs = Counter(
+            "sandbox_runs", "Executions finished, by API and outcome (ok, error, timeout, "
+            "lost).", ["api", "outcome"], registry=self.registry)
+        self.kernels_live = Gauge(
+            "sandbox_kernels_live", "Kernels handed out: running a stateless run or held by a "
+            "session.", registry=self.registry)
+        self.kernels_pooled = Gauge(
+            "sandbox_kernels_pooled", "Started kernels waiting in the pool, by network policy.",
+            ["policy"], registry=self.registry)
+        self.sessions = Gauge(
+            "sandbox_sessions", "Sessions open.", registry=self.registry)
+        self.in_flight = Gauge(
+            "sandbox_runs_in_flight", "Stateless runs running or waiting for a worker.",
+            registry=self.registry)
+
+    def bind(self, live: Callable[[], int], pooled: Callable[[], dict[str, int]],
+             sessions: Callable[[], int], in_flight: Callable[[], int]) -> None:
+        """Read the gauges from the objects that know, at scrape time."""
+        self.kernels_live.set_function(live)
+        self.sessions.set_function(sessions)
+        self.in_flight.set_function(in_flight)
+        self._pooled = pooled
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        pooled = getattr(self, "_pooled", None)
+        if pooled is not None:
+            for name, count in pooled().items():
+                self.kernels_pooled.labels(policy=name).set(count)
+        return generate_latest(self.registry)

@@ -1,0 +1,146 @@
+"""Stateless runs: admission (in-flight cap, worker queue), a fresh kernel each, a deadline.
+
+The deadline is the service's own: the kernel is asked to stop at `timeout` and the client
+interrupts it a little later, but if neither works the service cancels the run at
+`timeout + grace` and throws the kernel away. Nothing the kernel does can hold a worker longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from ..client import Execution, ExecutionError
+from .kernels import Kernels, kernel_id
+
+T = TypeVar("T")
+SERVICE_TIMEOUT = "ExecutionTimeout"
+
+
+class Busy(Exception):
+    """More runs are in flight than the service admits."""
+
+
+class Admission:
+    """MAX_REQUESTS runs in flight (then Busy at once); MAX_WORKERS of them executing."""
+
+    def __init__(self, max_requests: int, max_workers: int) -> None:
+        self.max_requests = max_requests
+        self.in_flight = 0
+        self.workers = asyncio.Semaphore(max_workers)
+
+    @contextlib.contextmanager
+    def slot(self) -> Any:
+        """Hold one in-flight place for the block; raises Busy when none is free."""
+        if self.in_flight >= self.max_requests:
+            raise Busy
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+@dataclass
+class RunRecord:
+    """What a request learns about its run, for its log line and its answer."""
+
+    kernel_id: str = ""
+    chunks: list[dict[str, str]] = field(default_factory=list)
+
+
+def service_timeout(timeout: float, record: RunRecord) -> Execution:
+    """The execution a run gets when the service had to stop it."""
+    message = (f"the execution ran past its {timeout:g} s limit and did not stop; the service "
+               "shut its kernel down")
+    error = ExecutionError(SERVICE_TIMEOUT, message, [f"{SERVICE_TIMEOUT}: {message}"])
+    return Execution(logs=list(record.chunks), state_lost=True, error=error)
+
+
+async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
+                  record: RunRecord) -> tuple[Execution, bool]:
+    """The run's execution, and whether the service's own deadline had to end it."""
+    try:
+        return await asyncio.wait_for(run, timeout + grace), False
+    except asyncio.TimeoutError:
+        return service_timeout(timeout, record), True
+
+
+class Runner:
+    """Runs code on a fresh kernel per call."""
+
+    def __init__(self, kernels: Kernels, admission: Admission, grace: float) -> None:
+        self.kernels, self.admission, self.grace = kernels, admission, grace
+
+    async def run(self, code: str, *, network: bool, timeout: float,
+                  inputs: dict | None = None, record: RunRecord,
+                  on_output: Callable[[str, Any], None] | None = None) -> tuple[Execution, bool]:
+        """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot."""
+        async with self.admission.workers:
+            sandbox = await self.kernels.get(network)
+            record.kernel_id = kernel_id(sandbox)
+            try:
+                on = _callbacks(record, on_output)
+                return await bounded(
+                    sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
+                                on_stderr=on["stderr"], on_display=on["display"]),
+                    timeout, self.grace, record)
+            finally:
+                self.kernels.discard(sandbox)  # also when the client went away mid-run
+
+
+def _callbacks(record: RunRecord, on_output: Callable[[str, Any], None] | None
+               ) -> dict[str, Callable[[Any], None]]:
+    """Keep stream chunks (for a run the service must cut short) and pass output on."""
+    def stream(name: str) -> Callable[[Any], None]:
+        def receive(text: Any) -> None:
+            record.chunks.append({"name": name, "text": text})
+            if on_output:
+                on_output(name, text)
+        return receive
+
+    def display(bundle: Any) -> None:
+        if on_output:
+            on_output("display", bundle)
+
+    return {"stdout": stream("stdout"), "stderr": stream("stderr"), "display": display}
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone away (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run work; cancel it (its finally blocks free the kernel) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_exit(task: asyncio.Task[Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    """Cancel the task if the block is left before it finished (e.g. an SSE client left)."""
+    try:
+        yield task
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

@@ -1,0 +1,60 @@
+"""`sandbox-kernel serve`: run the service under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .. import policy
+from . import config as service_config
+
+DESCRIPTION = ("Serve sandboxed kernels over HTTP: dify-sandbox's API at /v1/sandbox/* and the "
+               "native API at /api/v1/* (schema at /docs and /openapi.json). Each setting is "
+               "also read from the environment variable named in its help. Network access is "
+               "decided per request (--enable-network allows it), not by --allow-network.")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the `serve` subcommand to the CLI's subcommands."""
+    serve = commands.add_parser("serve", help="serve sandboxed kernels over HTTP "
+                                "(dify-sandbox compatible)", description=DESCRIPTION)
+    service_config.add_arguments(serve)
+    serve.set_defaults(handler=run)
+
+
+def _logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))  # each message is one JSON object
+    for name in ("sandbox_kernel.service", "sandbox_kernel.service.access"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        logger.setLevel(level.upper())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the service and serve until SIGINT/SIGTERM; 0 after a clean shutdown."""
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as exc:
+        print(f"sandbox-kernel serve: {exc.name} is missing; install the server extra: "
+              "pip install 'sandbox-kernel[server]'", file=sys.stderr)
+        return 2
+    from .auth import KeyFileError
+
+    config = service_config.from_arguments(args)
+    effective = policy.from_arguments(args)
+    _logging(config.log_level)
+    try:
+        app = create_app(config, effective)
+    except KeyFileError as exc:
+        print(f"sandbox-kernel serve: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=int(config.shutdown_grace) + 1,
+                limit_concurrency=config.max_requests + config.max_sessions + 64,
+                timeout_keep_alive=5)
+    return 0

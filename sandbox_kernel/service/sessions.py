@@ -1,0 +1,145 @@
+"""Sessions: a kernel held for one API key, its state kept between executions, culled when idle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..client import AsyncSandbox
+from .access import json_line
+from .auth import ApiKey
+from .kernels import Kernels, kernel_id, policy_name
+
+log = logging.getLogger("sandbox_kernel.service")
+
+
+class SessionError(Exception):
+    """A session request that cannot be carried out; `status` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(eq=False)
+class Session:
+    """One kernel, one owner."""
+
+    id: str
+    owner: str
+    network: bool
+    idle_timeout: float
+    sandbox: AsyncSandbox
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False
+    dead: str | None = None  # why the kernel is gone, told on the next call
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def kernel_id(self) -> str:
+        return kernel_id(self.sandbox)
+
+    def describe(self) -> dict[str, object]:
+        idle = 0.0 if self.busy else time.monotonic() - self.last_used
+        return {"id": self.id, "network": self.network, "policy": policy_name(self.network),
+                "idle_timeout": self.idle_timeout, "created": self.created,
+                "idle_seconds": round(idle, 3), "busy": self.busy,
+                "alive": self.dead is None, "dead_reason": self.dead}
+
+
+class Sessions:
+    """Every open session, by id; a key sees only its own."""
+
+    def __init__(self, kernels: Kernels, max_sessions: int) -> None:
+        self.kernels = kernels
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._reserved = 0  # sessions whose kernel is starting
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def owned_by(self, owner: str) -> list[Session]:
+        return [s for s in self._sessions.values() if s.owner == owner]
+
+    async def create(self, key: ApiKey, network: bool, idle_timeout: float) -> Session:
+        """A new session with a fresh kernel; 429 past the key's or the service's limit."""
+        if len(self._sessions) + self._reserved >= self.max_sessions:
+            raise SessionError(429, f"the service holds its limit of {self.max_sessions} "
+                               "sessions; delete one or try again later")
+        reserved_by_key = sum(1 for s in self._sessions.values() if s.owner == key.id)
+        if key.max_sessions is not None and reserved_by_key >= key.max_sessions:
+            raise SessionError(429, f"API key {key.id!r} may hold {key.max_sessions} sessions "
+                               "at once; delete one first")
+        self._reserved += 1
+        try:
+            sandbox = await self.kernels.get(network)
+        finally:
+            self._reserved -= 1
+        session = Session(secrets.token_hex(16), key.id, network, idle_timeout, sandbox)
+        self._sessions[session.id] = session
+        return session
+
+    def get(self, key: ApiKey, session_id: str) -> Session:
+        """The key's session; 404 for another key's, so ids of others cannot be probed."""
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != key.id:
+            raise SessionError(404, f"no session {session_id!r} for this API key")
+        return session
+
+    @contextlib.asynccontextmanager
+    async def using(self, session: Session) -> AsyncIterator[AsyncSandbox]:
+        """Hold the session's kernel for one call: 409 if busy, 410 if its kernel died."""
+        if session.dead is not None:
+            raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
+                               "delete the session and create a new one")
+        if session.lock.locked():
+            raise SessionError(409, f"session {session.id} is running another execution; "
+                               "wait for it or interrupt it")
+        async with session.lock:
+            session.busy = True
+            try:
+                if not await session.sandbox.manager.is_alive():
+                    self.mark_dead(session, "its kernel process exited")
+                    raise SessionError(410, f"session {session.id}'s kernel is gone: "
+                                       f"{session.dead}; delete the session and create a new one")
+                yield session.sandbox
+            finally:
+                session.busy = False
+                session.last_used = time.monotonic()
+
+    def mark_dead(self, session: Session, why: str) -> None:
+        """The kernel is lost: shut it down, keep the session so its next call says why."""
+        if session.dead is None:
+            session.dead = why
+            self.kernels.discard(session.sandbox)
+
+    def delete(self, session: Session) -> None:
+        self._sessions.pop(session.id, None)
+        self.kernels.discard(session.sandbox)
+
+    def cull(self) -> list[str]:
+        """Close sessions idle past their timeout (dead ones too, after the same time)."""
+        now = time.monotonic()
+        culled = [s for s in self._sessions.values()
+                  if not s.busy and s.idle_timeout > 0 and now - s.last_used > s.idle_timeout]
+        for session in culled:
+            log.info(json_line(event="session_culled", session=session.id, key=session.owner,
+                               kernel=session.kernel_id))
+            self.delete(session)
+        return [s.id for s in culled]
+
+    async def cull_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.cull()
+
+    def close(self) -> None:
+        for session in list(self._sessions.values()):
+            self.delete(session)
