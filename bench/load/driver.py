@@ -20,6 +20,7 @@ import httpx
 from bench.load.check import Answer
 
 API_KEY_HEADER = "X-Api-Key"
+Http = httpx.AsyncClient
 
 
 def loopback_only(url: str) -> str:
@@ -111,5 +112,5 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(fraction * len(ordered) + 0.5)) - 1))
+    rank = max(0, min(len(ordered) - 1, round(fraction * len(ordered) + 0.5) - 1))
     return ordered[rank]

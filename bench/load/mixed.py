@@ -93,17 +93,21 @@ async def run(plan: Plan, quick: bool) -> ScenarioResult:
     warm_items = workload.mix(plan.warmup, 0.0, seed=3)
     client_timeout = plan.worker_timeout + plan.kernel_grace + plan.start_allowance + 60
     with Service(settings) as service:
+        # Each phase has its own client, closed before the service is looked at: the keep-alive
+        # connections it holds are the service's descriptors too.
         async with driver.client(service.url, plan.concurrency, client_timeout) as http:
             await run_phase(http, service, warm_items, plan, "warm-up")
-            sampler = resources.Sampler(service.pid, service.marker, service.scratch_root,
-                                        service.url, interval=1.0)
-            before = await resources.steady(sampler)
-            sampler.start()
+        sampler = resources.Sampler(service.pid, service.marker, service.scratch_root,
+                                    service.url, interval=1.0)
+        before = await resources.steady(sampler)
+        sampler.start()
+        async with driver.client(service.url, plan.concurrency, client_timeout) as http:
             normal_records, normal_wall = await run_phase(http, service, normal_items, plan,
                                                           "normal only")
-            mixed_records, mixed_wall = await run_phase(http, service, mixed_items, plan, "mixed")
-            await sampler.stop()
-            after, settle_time = await resources.settle(sampler, before, timeout=60)
+            mixed_records, mixed_wall = await run_phase(http, service, mixed_items, plan,
+                                                        "mixed")
+        await sampler.stop()
+        after, settle_time = await resources.settle(sampler, before, timeout=60)
         result.series = {
             "requests": [r.row(sampler.t0) for r in normal_records + mixed_records],
             "samples": [s.as_dict() for s in sampler.samples],
@@ -131,7 +135,6 @@ def report(result: ScenarioResult, plan: Plan, normal_records: list[Record], nor
                 correct == len(normal), "\n".join(failures[:10]))
 
     hostile = [r for r in mixed_records if r.item.hostile]
-    deadline = plan.worker_timeout + plan.kernel_grace + plan.start_allowance
     by_kind: dict[str, list[Record]] = collections.defaultdict(list)
     for record in hostile:
         by_kind[record.item.kind].append(record)
@@ -142,7 +145,8 @@ def report(result: ScenarioResult, plan: Plan, normal_records: list[Record], nor
         longest = max(r.answer.latency for r in records)
         rows.append(f"{kind}: {counts[check.ERROR_ENVELOPE]}/{len(records)} error envelopes, "
                     f"slowest {longest:.1f} s; "
-                    + "; ".join(f"{v}×{k}" for k, v in counts.items() if k != check.ERROR_ENVELOPE)
+                    + "; ".join(f"{v} x {k}" for k, v in counts.items()
+                                if k != check.ERROR_ENVELOPE)
                     + f" — error: {errors.most_common(1)[0][0]!r}")
     result.series["hostile_by_kind"] = rows
     good = sum(1 for r in hostile if r.verdict.good)

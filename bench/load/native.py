@@ -11,6 +11,7 @@ from typing import Any
 
 import psutil
 
+from bench.load.resources import alive
 from bench.load.service import Service
 
 FindKernel = Callable[[Service, str], Awaitable[psutil.Process | None]]
@@ -102,7 +103,7 @@ async def client_leaves_stream(service: Service, http: Any, find: FindKernel) ->
         return Outcome(f"first event {first_event!r}; the run's kernel was not found", False)
     gone = None
     while time.monotonic() - left < 25:
-        if not kernel.is_running() or kernel.status() == psutil.STATUS_ZOMBIE:
+        if not alive(kernel):
             gone = time.monotonic() - left
             break
         await asyncio.sleep(0.2)

@@ -34,13 +34,21 @@ def instance_processes(root_pid: int | None, marker: str) -> list[psutil.Process
     for process in psutil.process_iter():
         if process.pid not in found and _mentions(process, marker):
             found[process.pid] = process
-    return [p for p in found.values() if _alive(p)]
+    return [p for p in found.values() if alive(p)]
 
 
-def _alive(process: psutil.Process) -> bool:
+def alive(process: psutil.Process) -> bool:
+    """Running (a zombie is not: it is only waiting to be reaped)."""
     with contextlib.suppress(psutil.Error):
-        return process.status() != psutil.STATUS_ZOMBIE
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     return False
+
+
+def describe(process: psutil.Process) -> str:
+    """pid and command line, for evidence."""
+    with contextlib.suppress(psutil.Error):
+        return f"{process.pid}: {' '.join(process.cmdline())[:100]}"
+    return f"{process.pid}: gone"
 
 
 def _kernel_command(process: psutil.Process | None) -> bool:

@@ -3,7 +3,6 @@ service's RSS and descriptors over time, and every answer checked."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import json
 import statistics
@@ -11,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 from bench.load import check, driver, mixed, resources, workload
+from bench.load.driver import Http
 from bench.load.results import DATA_DIR, ScenarioResult, fmt_mib, fmt_ms
 from bench.load.service import Service
 
@@ -38,7 +38,7 @@ def saturation_from_mixed() -> float | None:
     return float(json.loads(path.read_text())["series"].get("saturation_rps") or 0) or None
 
 
-async def measure_saturation(http: object, service: Service, plan: Plan, count: int) -> float:
+async def measure_saturation(http: Http, service: Service, plan: Plan, count: int) -> float:
     """Normal runs at full concurrency: completed runs per second."""
     items = workload.mix(count, 0.0, seed=4)
     mplan = mixed.Plan(normal_only=count, mixed=0, concurrency=plan.concurrency,
@@ -66,30 +66,31 @@ async def run(plan: Plan, quick: bool) -> ScenarioResult:
                                                  worker_timeout=plan.worker_timeout))
     result.settings = {"plan": plan.__dict__, "service_flags": settings.flags()}
     with Service(settings) as service:
+        rate = plan.rate
+        if rate is None:
+            saturation = saturation_from_mixed()
+            source = "the last full mixed run's normal-only throughput"
+            if saturation is None or quick:
+                async with driver.client(service.url, plan.concurrency, 120) as http:
+                    saturation = await measure_saturation(http, service, plan,
+                                                          48 if quick else 200)
+                source = "measured here, normal runs at concurrency 16"
+            rate = saturation / 2
+            result.figure("saturation throughput (normal runs, concurrency 16)",
+                          f"{saturation:.2f} runs/s ({source})")
+        sampler = resources.Sampler(service.pid, service.marker, service.scratch_root,
+                                    service.url, interval=plan.sample_every)
+        idle_before = await resources.steady(sampler)
+        items = workload.mix(int(rate * plan.duration), 0.0, seed=5)
+        skipped: list[int] = []
+        records: list[mixed.Record] = []
         async with driver.client(service.url, plan.concurrency * 2, 120) as http:
-            rate = plan.rate
-            source = "given"
-            if rate is None:
-                saturation = saturation_from_mixed()
-                source = "the last full mixed run's normal-only throughput"
-                if saturation is None or quick:
-                    saturation = await measure_saturation(http, service, plan, 48 if quick else 200)
-                    source = "measured here, normal runs at concurrency 16"
-                rate = saturation / 2
-                result.figure("saturation throughput (normal runs, concurrency 16)",
-                              f"{saturation:.2f} runs/s ({source})")
-            sampler = resources.Sampler(service.pid, service.marker, service.scratch_root,
-                                        service.url, interval=plan.sample_every)
-            idle_before = await resources.steady(sampler)
-            items = workload.mix(int(rate * plan.duration), 0.0, seed=5)
-            skipped: list[int] = []
-            records: list[mixed.Record] = []
-            mplan = mixed.Plan(0, 0, worker_timeout=plan.worker_timeout)
 
             async def send(index: int) -> check.Answer:
                 item = items[index]
                 answer = await driver.post_run(http, item.body(), service.api_key)
-                records.append(mixed.Record("soak", item, answer, check.judge_normal(item, answer)))
+                records.append(mixed.Record("soak", item, answer,
+                                            check.judge_normal(item, answer)))
                 return answer
 
             sampler.t0 = time.monotonic()
@@ -97,7 +98,7 @@ async def run(plan: Plan, quick: bool) -> ScenarioResult:
             await driver.open_loop(rate, plan.duration, send, max_in_flight=plan.concurrency * 2,
                                    on_overflow=skipped.append)
             await sampler.stop()
-            idle_after, settle_time = await resources.settle(sampler, idle_before, timeout=60)
+        idle_after, settle_time = await resources.settle(sampler, idle_before, timeout=60)
         result.series = {"requests": [r.row(sampler.t0) for r in records],
                          "samples": [s.as_dict() for s in sampler.samples], "rate": rate}
         result.notes.append(f"service log tail:\n{service.log_tail(5)}")
@@ -113,9 +114,9 @@ def summarize(result: ScenarioResult, plan: Plan, rate: float, records: list[mix
     failed = [f"#{r.item.index} {r.item.kind}: {r.verdict.verdict}: {r.verdict.reason}"
               for r in records if not r.verdict.good]
     latencies = [r.answer.latency for r in records if r.answer.status]
-    result.figure("offered rate × duration", f"{rate:.2f} runs/s × {plan.duration:g} s = "
-                  f"{int(rate * plan.duration)} runs; sent {len(records)}, skipped {len(skipped)} "
-                  "(all slots busy)")
+    result.figure("offered rate, duration", f"{rate:.2f} runs/s for {plan.duration:g} s = "
+                  f"{int(rate * plan.duration)} runs; sent {len(records)}, skipped "
+                  f"{len(skipped)} (all slots busy)")
     result.figure("latency p50 / p99", f"{fmt_ms(driver.percentile(latencies, 0.5))} / "
                   f"{fmt_ms(driver.percentile(latencies, 0.99))}")
     result.goal("zero failed normal runs", "0 wrong, missing or rejected; none skipped",
@@ -130,7 +131,7 @@ def summarize(result: ScenarioResult, plan: Plan, rate: float, records: list[mix
         first, last, change = drift(series, start, plan.window)
         text = (f"first {plan.window:g} s after warm-up (median) {fmt(first)}, last "
                 f"{plan.window:g} s {fmt(last)}: {change * 100:+.1f} %; range after warm-up "
-                f"{fmt(min(after, default=0))} – {fmt(max(after, default=0))}")
+                f"{fmt(min(after, default=0))} to {fmt(max(after, default=0))}")
         result.figure(f"{label} over time", text)
         if key != "total_rss":  # the kernels come and go with the load; the service must not grow
             result.goal(f"{label} flat after warm-up", "within 10 % (last vs first window)",
