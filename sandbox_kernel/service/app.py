@@ -17,7 +17,7 @@ from ..policy import SandboxPolicy
 from . import dify, native
 from .access import AccessLog, json_line
 from .auth import ApiKey, BearerKeys, load_keys, same
-from .config import ServiceConfig
+from .config import ServiceConfig, network_env
 from .kernels import Kernels, KernelSource, make_source
 from .limits import BodyLimit
 from .metrics import Metrics
@@ -25,7 +25,7 @@ from .runs import SERVICE_TIMEOUT, Admission, Runner
 from .sessions import Sessions
 
 log = logging.getLogger("sandbox_kernel.service")
-CULL_INTERVAL = 5.0
+CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
 
 
 class Service:
@@ -38,10 +38,11 @@ class Service:
                  source: KernelSource | None = None) -> None:
         self.config, self.policy = config, policy
         networks = (False, True) if config.enable_network else (False,)
-        self.kernels = Kernels(source or make_source(policy, networks, config.pool_size,
-                                                     config.kernel_grace))
+        self.kernels = Kernels(source or make_source(
+            policy, networks, config.pool_size, config.kernel_grace, network_env(config)))
         self.admission = Admission(config.max_requests, config.max_workers)
-        self.runner = Runner(self.kernels, self.admission, config.kernel_grace)
+        self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
+                             config.max_output_total)
         self.sessions = Sessions(self.kernels, config.max_sessions)
         keys = (load_keys(config.api_keys_file) if config.api_keys_file
                 else [ApiKey("default", config.api_key)])
@@ -51,6 +52,7 @@ class Service:
                           lambda: len(self.sessions), lambda: self.admission.in_flight)
         self.started = False
         self.stopping = False
+        self._kernels_proven = False
         self._culler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
@@ -90,8 +92,13 @@ class Service:
         log.info(json_line(event="stopped"))
 
     def readiness(self) -> dict[str, Any]:
-        return {"ready": self.started and not self.stopping,
-                "pool": self.kernels.source.ready(), "pool_size": self.config.pool_size,
+        """Ready once started and (with a pool) once every policy's pool had a kernel ready:
+        proof that kernels start on this host. Not ready again once stopping."""
+        pool = self.kernels.source.ready()
+        if self.config.pool_size == 0 or all(count > 0 for count in pool.values()):
+            self._kernels_proven = self._kernels_proven or self.started
+        return {"ready": self._kernels_proven and not self.stopping,
+                "pool": pool, "pool_size": self.config.pool_size,
                 "kernels_live": len(self.kernels.live), "sessions": len(self.sessions),
                 "runs_in_flight": self.admission.in_flight}
 

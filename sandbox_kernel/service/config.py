@@ -64,6 +64,20 @@ class ServiceConfig(Configurable):
         "Off: requests with enable_network get code -400 and only network-less kernels start.",
     ).tag(config=True, flag="enable-network", env="ENABLE_NETWORK")
 
+    socks5_proxy = Unicode(
+        "", help="Proxy URL set as HTTPS_PROXY and HTTP_PROXY in network kernels, as "
+        "dify-sandbox does with SOCKS5_PROXY (needs a SOCKS-capable HTTP library in the image).",
+    ).tag(config=True, flag="socks5-proxy", env="SOCKS5_PROXY", metavar="URL")
+
+    https_proxy = Unicode(
+        "", help="HTTPS_PROXY for network kernels (when --socks5-proxy is not set), e.g. the "
+        "platform's SSRF proxy.",
+    ).tag(config=True, flag="https-proxy", env="HTTPS_PROXY", metavar="URL")
+
+    http_proxy = Unicode(
+        "", help="HTTP_PROXY for network kernels (when --socks5-proxy is not set).",
+    ).tag(config=True, flag="http-proxy", env="HTTP_PROXY", metavar="URL")
+
     pool_size = Int(
         1, help="Started kernels kept ready per network policy, so a run does not wait for a "
         "kernel to start; 0 starts each on demand.",
@@ -90,6 +104,11 @@ class ServiceConfig(Configurable):
     max_file_bytes = Int(
         8 * 2**20, help="Largest file a session may upload or download.",
     ).tag(config=True, flag="max-file", env="SANDBOX_MAX_FILE", metavar="BYTES")
+
+    max_output_total = Int(
+        16 * 2**20, help="Most bytes of output (streams and displays) the service takes from "
+        "one execution, whatever the kernel's own --max-output says; past it the run ends.",
+    ).tag(config=True, flag="max-output-total", env="SANDBOX_MAX_OUTPUT_TOTAL", metavar="BYTES")
 
     kernel_grace = Float(
         2.0, help="Seconds past its timeout a kernel gets to stop by itself before the service "
@@ -158,7 +177,7 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
 def check(config: ServiceConfig) -> None:
     """Refuse settings that cannot work, naming the setting."""
     positive = ("max_workers", "max_requests", "worker_timeout", "max_timeout", "max_sessions",
-                "max_body_bytes", "max_file_bytes")
+                "max_body_bytes", "max_file_bytes", "max_output_total")
     for name in positive:
         if getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
@@ -168,3 +187,11 @@ def check(config: ServiceConfig) -> None:
             raise TraitError(f"{name.replace('_', '-')} must not be negative")
     if not 0 < config.port < 65536:
         raise TraitError(f"port must be 1-65535, got {config.port}")
+
+
+def network_env(config: ServiceConfig) -> dict[str, str]:
+    """The proxy variables network kernels get, by dify-sandbox's rule."""
+    if config.socks5_proxy:
+        return {"HTTPS_PROXY": config.socks5_proxy, "HTTP_PROXY": config.socks5_proxy}
+    return {name: value for name, value in (("HTTPS_PROXY", config.https_proxy),
+                                            ("HTTP_PROXY", config.http_proxy)) if value}

@@ -19,10 +19,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..client import Execution
+from .access import json_line
+from .kernels import KernelUnavailable
 from .runs import SERVICE_TIMEOUT, Busy, RunRecord, unless_disconnected
 
 log = logging.getLogger("sandbox_kernel.service")
-router = APIRouter(include_in_schema=False)
+router = APIRouter(tags=["dify-sandbox"])
 
 NETWORK_DISABLED = "network is disabled, please enable it in the configuration"
 TIMEOUT_NAMES = {SERVICE_TIMEOUT}  # the kernel's own limit and the client's use the same name
@@ -213,7 +215,7 @@ def run_data(execution: Execution) -> dict[str, Any]:
 
 # --- routes --------------------------------------------------------------------------------
 
-@router.get("/health")
+@router.get("/health", summary="Liveness: \"ok\"")
 async def health() -> GoJSON:
     return GoJSON("ok")
 
@@ -228,7 +230,8 @@ def _unauthorized(request: Request) -> Response:
     return Response(status_code=401)
 
 
-@router.post("/v1/sandbox/run")
+@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel: body {language, code, "
+             "preload, enable_network}, header X-Api-Key")
 async def run(request: Request) -> Response:
     if not _authorized(request):
         return _unauthorized(request)
@@ -263,8 +266,12 @@ async def _run_admitted(request: Request, service: Any) -> Response:
     record = RunRecord()
     request.state.record = record
     timeout = service.config.worker_timeout
-    outcome = await unless_disconnected(request, service.runner.run(
-        values["code"], network=network, timeout=timeout, record=record))
+    try:
+        outcome = await unless_disconnected(request, service.runner.run(
+            values["code"], network=network, timeout=timeout, record=record))
+    except KernelUnavailable as exc:  # dify-sandbox answers a runner failure so, too
+        log.error(json_line(event="kernel_unavailable", error=str(exc)))
+        return error_answer(200, -500, str(exc))
     if outcome is None:  # the client left; its kernel is already being shut down
         service.metrics.runs.labels(api="dify", outcome="abandoned").inc()
         return Response(status_code=499)

@@ -1,12 +1,16 @@
 """Where fresh kernels come from, and the record of every kernel the service holds.
 
 `KernelSource` is the one seam between the service and the ways to get a kernel: `get(network)`
-returns a started AsyncSandbox of that network policy that no one has used. `ReadyKernels` is
-today's source: it starts AsyncSandboxes itself and keeps a few started ones ready per policy.
-The warm pool / fork server of `sandbox_kernel.launch` plugs in here instead (see `make_source`).
+returns a started AsyncSandbox of that network policy that no one has used. Two sources:
 
-`Kernels` wraps the source: it counts the kernels out, closes them in the background so a
-response never waits for a shutdown, and at shutdown closes everything still out.
+- `ReadyKernels` starts AsyncSandboxes itself and keeps a few started ones ready per policy;
+- `PoolSource` takes them from warm pools with launch/'s `KernelPool` interface (`await get()`,
+  `ready`, `start()`, `await close()`, `sandbox_options`), one pool per network policy.
+
+`make_source` picks one: the one place to change how the service gets kernels.
+
+`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, closes them
+in the background so a response never waits for a shutdown, and at shutdown closes them all.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..client import AsyncSandbox
 from ..policy import SandboxPolicy
@@ -38,16 +42,32 @@ class KernelSource(Protocol):
         """Shut down every kernel not handed out."""
 
 
+class KernelUnavailable(RuntimeError):
+    """No kernel could be had: it did not start, or not in time."""
+
+
 def policy_name(network: bool) -> str:
     return "network" if network else "offline"
+
+
+def with_network(base: SandboxPolicy, network: bool,
+                 network_env: dict[str, str] | None = None) -> SandboxPolicy:
+    """The base policy with network allowed or not; network kernels also get network_env."""
+    values = base.as_dict()
+    values["allow_network"] = network
+    if network and network_env:
+        values["env"] = {**values["env"], **network_env}
+    return SandboxPolicy(**values)
 
 
 class ReadyKernels:
     """Starts AsyncSandboxes, keeping `size` started ones ready for each network policy."""
 
     def __init__(self, base: SandboxPolicy, networks: tuple[bool, ...], size: int,
-                 grace: float, startup_timeout: float = 60.0) -> None:
+                 grace: float, startup_timeout: float = 60.0,
+                 network_env: dict[str, str] | None = None) -> None:
         self.base, self.size, self.grace = base, size, grace
+        self.network_env = network_env
         self.startup_timeout = startup_timeout
         self.networks = networks
         self._ready: dict[bool, asyncio.Queue[AsyncSandbox]] = {
@@ -56,13 +76,9 @@ class ReadyKernels:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def _policy(self, network: bool) -> SandboxPolicy:
-        values = self.base.as_dict()
-        values["allow_network"] = network
-        return SandboxPolicy(**values)
-
     async def _start_one(self, network: bool) -> AsyncSandbox:
-        sandbox = AsyncSandbox(kernel_name=None, policy=self._policy(network),
+        policy = with_network(self.base, network, self.network_env)
+        sandbox = AsyncSandbox(kernel_name=None, policy=policy,
                                startup_timeout=self.startup_timeout, grace=self.grace)
         try:
             await sandbox.start()
@@ -124,10 +140,56 @@ class ReadyKernels:
         await asyncio.gather(*closing, return_exceptions=True)
 
 
+class PoolSource:
+    """Kernels from one warm pool per network policy (launch/'s KernelPool interface).
+
+    When a pool has nothing ready, the kernel is started here with the pool's own options rather
+    than waiting for the pool's refill, so a burst of runs starts kernels side by side.
+    """
+
+    def __init__(self, pools: dict[bool, Any]) -> None:
+        self.pools = pools
+
+    async def start(self) -> None:
+        for pool in self.pools.values():
+            pool.start()
+
+    async def get(self, network: bool) -> AsyncSandbox:
+        pool = self.pools.get(network)
+        if pool is None:
+            raise RuntimeError(f"no {policy_name(network)} kernels are configured")
+        if pool.ready:
+            sandbox: AsyncSandbox = await pool.get()
+            return sandbox
+        sandbox = AsyncSandbox(**pool.sandbox_options)
+        try:
+            await sandbox.start()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sandbox.close())
+            raise
+        return sandbox
+
+    def ready(self) -> dict[str, int]:
+        return {policy_name(network): pool.ready for network, pool in self.pools.items()}
+
+    async def close(self) -> None:
+        await asyncio.gather(*(pool.close() for pool in self.pools.values()),
+                             return_exceptions=True)
+
+
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
-                grace: float) -> KernelSource:
-    """The kernel source the service uses: the one place to swap in launch/'s pool."""
-    return ReadyKernels(base, networks, pool_size, grace)
+                grace: float, network_env: dict[str, str] | None = None) -> KernelSource:
+    """The kernel source the service uses: launch/'s warm pools when present, else our own."""
+    try:
+        from ..launch.pool import KernelPool  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        KernelPool = None
+    if KernelPool is None or pool_size < 1:
+        return ReadyKernels(base, networks, pool_size, grace, network_env=network_env)
+    return PoolSource({network: KernelPool(size=pool_size, kernel_name=None, grace=grace,
+                                           policy=with_network(base, network, network_env))
+                       for network in networks})
 
 
 def kernel_id(sandbox: AsyncSandbox) -> str:
@@ -138,14 +200,22 @@ def kernel_id(sandbox: AsyncSandbox) -> str:
 class Kernels:
     """Every kernel the service holds: handed out by the source, closed through here."""
 
-    def __init__(self, source: KernelSource) -> None:
+    def __init__(self, source: KernelSource, start_timeout: float = 60.0) -> None:
         self.source = source
+        self.start_timeout = start_timeout
         self.live: set[AsyncSandbox] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
     async def get(self, network: bool) -> AsyncSandbox:
-        """A fresh kernel, counted as live until `discard`."""
-        sandbox = await self.source.get(network)
+        """A fresh kernel, counted as live until `discard`; KernelUnavailable if none comes."""
+        try:
+            sandbox = await asyncio.wait_for(self.source.get(network), self.start_timeout)
+        except asyncio.TimeoutError:
+            raise KernelUnavailable(f"no {policy_name(network)} kernel started within "
+                                    f"{self.start_timeout:g} s") from None
+        except Exception as exc:
+            raise KernelUnavailable(f"the {policy_name(network)} kernel did not start: "
+                                    f"{exc}") from exc
         self.live.add(sandbox)
         return sandbox
 

@@ -26,9 +26,19 @@ from pydantic import BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.responses import JSONResponse, Response
 
-from ..client import AsyncSandbox, Execution
+from ..client import AsyncSandbox, Execution, ExecutionError
 from .auth import ApiKey
-from .runs import Busy, RunRecord, bounded, unless_disconnected
+from .kernels import KernelUnavailable
+from .runs import (
+    Busy,
+    OutputBudget,
+    OutputLimit,
+    RunRecord,
+    bounded,
+    callbacks,
+    output_limited,
+    unless_disconnected,
+)
 from .sessions import Session, SessionError
 
 router = APIRouter(prefix="/api/v1", tags=["native"])
@@ -179,7 +189,11 @@ class _Stream:
                     yield getter.result()
                 else:
                     getter.cancel()
-            for event in _final_events(work.result()):
+            try:
+                execution = work.result()
+            except KernelUnavailable as exc:
+                execution = Execution(error=ExecutionError("KernelUnavailable", str(exc)))
+            for event in _final_events(execution):
                 yield event
         finally:
             if not work.done():
@@ -224,7 +238,10 @@ async def execute(body: OneShotRequest, request: Request,
     if _wants_events(request):
         stream = _Stream()
         return _streaming(request, stream, asyncio.ensure_future(work(stream)))
-    execution = await unless_disconnected(request, work())
+    try:
+        execution = await unless_disconnected(request, work())
+    except KernelUnavailable as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": "5"}) from None
     if execution is None:
         return Response(status_code=499)
     return JSONResponse(execution.to_dict())
@@ -249,6 +266,8 @@ async def create_session(body: SessionRequest, request: Request,
     except SessionError as exc:
         service.metrics.denials.labels(reason="session_limit").inc()
         raise HTTPException(exc.status, str(exc)) from None
+    except KernelUnavailable as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": "5"}) from None
     request.state.session_id = session.id
     request.state.kernel_id = session.kernel_id
     return session.describe()
@@ -286,19 +305,19 @@ async def _session_run(service: Any, session: Session, sandbox: AsyncSandbox, bo
                        timeout: float, on_output: Any = None) -> Execution:
     """Run in the session's kernel; if even the client's restart does not end it, it is lost."""
     record = RunRecord(kernel_id=session.kernel_id)
-    grace = service.config.kernel_grace
-    def relay(name: str) -> Any:
-        return None if on_output is None else lambda payload: on_output(name, payload)
-
+    on = callbacks(record, OutputBudget(service.config.max_output_total), on_output)
     try:
         execution, lost = await bounded(
-            sandbox.run(body.code, body.inputs, timeout=timeout, on_stdout=relay("stdout"),
-                        on_stderr=relay("stderr"), on_display=relay("display")),
-            timeout, 2 * grace + service.restart_allowance, record)
+            sandbox.run(body.code, body.inputs, timeout=timeout, on_stdout=on["stdout"],
+                        on_stderr=on["stderr"], on_display=on["display"]),
+            timeout, 2 * service.config.kernel_grace + service.restart_allowance, record)
     except asyncio.CancelledError:
         # The caller left mid-run: stop the code, keep the session.
         service.background(sandbox.interrupt())
         raise
+    except OutputLimit as exc:
+        service.background(sandbox.interrupt())
+        execution, lost = output_limited(record, str(exc), state_lost=False), False
     if lost:
         service.sessions.mark_dead(session, "it did not stop after its time limit")
     service.count_run("session", execution)

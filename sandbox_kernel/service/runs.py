@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,6 +25,42 @@ SERVICE_TIMEOUT = "ExecutionTimeout"
 
 class Busy(Exception):
     """More runs are in flight than the service admits."""
+
+
+class OutputLimit(Exception):
+    """The code sent more output than the service takes from one execution."""
+
+
+OUTPUT_LIMIT = "OutputLimitExceeded"
+
+
+class OutputBudget:
+    """Bytes of output (streams and displays) one execution may still send the service.
+
+    The kernel caps its own output, but user code can get around that; this cap is the service's.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.left = limit, limit
+
+    def spend(self, payload: Any) -> None:
+        if isinstance(payload, str):
+            size = len(payload)
+        elif isinstance(payload, dict):
+            size = sum(len(v) if isinstance(v, str) else len(json.dumps(v, default=str))
+                       for v in payload.values())
+        else:
+            size = len(str(payload))
+        self.left -= size
+        if self.left < 0:
+            raise OutputLimit(f"the execution sent more than {self.limit} bytes of output "
+                              "(--max-output-total); the rest was dropped")
+
+
+def output_limited(record: RunRecord, message: str, state_lost: bool) -> Execution:
+    """The execution a run gets when its output went past the service's limit."""
+    error = ExecutionError(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
+    return Execution(logs=list(record.chunks), state_lost=state_lost, error=error)
 
 
 class Admission:
@@ -74,8 +111,10 @@ async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
 class Runner:
     """Runs code on a fresh kernel per call."""
 
-    def __init__(self, kernels: Kernels, admission: Admission, grace: float) -> None:
+    def __init__(self, kernels: Kernels, admission: Admission, grace: float,
+                 output_limit: int) -> None:
         self.kernels, self.admission, self.grace = kernels, admission, grace
+        self.output_limit = output_limit
 
     async def run(self, code: str, *, network: bool, timeout: float,
                   inputs: dict | None = None, record: RunRecord,
@@ -85,26 +124,31 @@ class Runner:
             sandbox = await self.kernels.get(network)
             record.kernel_id = kernel_id(sandbox)
             try:
-                on = _callbacks(record, on_output)
+                on = callbacks(record, OutputBudget(self.output_limit), on_output)
                 return await bounded(
                     sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
                                 on_stderr=on["stderr"], on_display=on["display"]),
                     timeout, self.grace, record)
+            except OutputLimit as exc:
+                return output_limited(record, str(exc), state_lost=True), False
             finally:
                 self.kernels.discard(sandbox)  # also when the client went away mid-run
 
 
-def _callbacks(record: RunRecord, on_output: Callable[[str, Any], None] | None
-               ) -> dict[str, Callable[[Any], None]]:
-    """Keep stream chunks (for a run the service must cut short) and pass output on."""
+def callbacks(record: RunRecord, budget: OutputBudget,
+              on_output: Callable[[str, Any], None] | None) -> dict[str, Callable[[Any], None]]:
+    """Keep stream chunks (for a run the service must cut short), count output against the
+    budget (raising OutputLimit out of the client's run), and pass output on."""
     def stream(name: str) -> Callable[[Any], None]:
         def receive(text: Any) -> None:
+            budget.spend(text)
             record.chunks.append({"name": name, "text": text})
             if on_output:
                 on_output(name, text)
         return receive
 
     def display(bundle: Any) -> None:
+        budget.spend(bundle)
         if on_output:
             on_output("display", bundle)
 
