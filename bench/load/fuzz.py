@@ -193,6 +193,27 @@ def battery(service: Service, max_body: int, session: str) -> list[tuple[str, st
             ("64 KiB header", f"POST {path}",
              {"headers": {**auth, **js, "X-Padding": "a" * 65536}, "json": run_body}),
         ]
+    for path in ("/api/v1/execute", f"/api/v1/sessions/{session}/execute"):
+        cases += [
+            ("NaN inside inputs", f"POST {path}",
+             {"headers": {**bearer, **js}, "content": b'{"code": "def main(x):\\n    return '
+                                                       b'{\\"x\\": x}", "inputs": {"x": NaN}}'}),
+            ("main() returns NaN", f"POST {path}",
+             {"headers": bearer, "json": {"code": "def main():\n    return {'x': float('nan')}",
+                                          "inputs": {}}}),
+            ("lone surrogate inside inputs", f"POST {path}",
+             {"headers": {**bearer, **js}, "content": b'{"code": "def main(x):\\n    return '
+                                                       b'{}", "inputs": {"x": "\\udfff"}}'}),
+        ]
+    # Valid requests whose code makes output JSON cannot carry as UTF-8 (or at all).
+    printing = "print(chr(0xd800), float('nan'))"
+    cases += [("code prints a lone surrogate", "POST /v1/sandbox/run",
+               {"headers": key, "json": {**run_body, "code": printing}}),
+              ("code prints a lone surrogate", "POST /api/v1/execute",
+               {"headers": bearer, "json": {"code": printing}}),
+              ("main() returns a lone surrogate", "POST /api/v1/execute",
+               {"headers": bearer, "json": {"code": "def main():\n    return {'s': chr(0xdfff)}",
+                                            "inputs": {}}})]
     gets = [("/v1/sandbox/dependencies?language=" + "%ff%fe", key),
             ("/v1/sandbox/dependencies?language=python3&language=nodejs", key),
             ("/v1/sandbox/dependencies/refresh?language=" + "x" * 8000, key),

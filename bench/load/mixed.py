@@ -173,6 +173,9 @@ def report(result: ScenarioResult, plan: Plan, normal_records: list[Record], nor
                   f"{len(normal_records) / normal_wall:.2f} / {len(mixed_records) / mixed_wall:.2f}"
                   f" runs/s (wall {normal_wall:.0f} s / {mixed_wall:.0f} s)")
     result.series["saturation_rps"] = len(normal_records) / normal_wall
+    samples = [resources.Sample(**s) for s in result.series.get("samples", [])]
+    result.figure("where the CPU went (normal-only and mixed phases)",
+                  resources.cpu_split(samples))
     resource_rows = [
         ("processes (service + kernels + reapers)", before.processes, after.processes),
         ("kernels", before.kernels, after.kernels),

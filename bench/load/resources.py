@@ -78,6 +78,9 @@ class Sample:
     total_fds: int
     scratch_dirs: int
     metrics: dict[str, float]
+    service_cpu: float = 0.0  # CPU seconds of the service process itself
+    kernels_cpu: float = 0.0  # of its kernels: the ones it reaped plus the live ones
+    host_busy_cpu: float = 0.0  # of the whole machine (other users' work included)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -108,6 +111,8 @@ def sample(root_pid: int, marker: str, scratch_root: Path, url: str | None,
            t0: float) -> Sample:
     """Look at the instance now."""
     processes = instance_processes(root_pid, marker)
+    service_cpu, kernels_cpu = _cpu(root_pid, processes)
+    host = psutil.cpu_times()
     rss = {p.pid: _rss(p) for p in processes}
     fds = {p.pid: _fds(p) for p in processes}
     return Sample(
@@ -116,7 +121,22 @@ def sample(root_pid: int, marker: str, scratch_root: Path, url: str | None,
         service_rss=rss.get(root_pid, 0), total_rss=sum(rss.values()),
         service_fds=fds.get(root_pid, 0), total_fds=sum(fds.values()),
         scratch_dirs=scratch_dirs(scratch_root),
-        metrics=read_metrics(url) if url else {})
+        metrics=read_metrics(url) if url else {}, service_cpu=service_cpu,
+        kernels_cpu=kernels_cpu, host_busy_cpu=sum(host) - host.idle - host.iowait)
+
+
+def _cpu(root_pid: int, processes: list[psutil.Process]) -> tuple[float, float]:
+    """CPU seconds of the service process, and of every process under it (reaped or live)."""
+    with contextlib.suppress(psutil.Error):
+        own = psutil.Process(root_pid).cpu_times()
+        live = 0.0
+        for process in processes:
+            if process.pid != root_pid:
+                with contextlib.suppress(psutil.Error):
+                    times = process.cpu_times()
+                    live += times.user + times.system
+        return own.user + own.system, own.children_user + own.children_system + live
+    return 0.0, 0.0
 
 
 def _rss(process: psutil.Process) -> int:
@@ -190,3 +210,20 @@ async def steady(sampler: Sampler, timeout: float = 60.0, quiet: float = 3.0) ->
             return now
         last = now
     return last
+
+
+def cpu_split(samples: list[Sample]) -> str:
+    """Where the machine's CPU went between the first and the last sample: the evidence of what
+    limits throughput on a shared host."""
+    if len(samples) < 2:
+        return "n/a"
+    first, last = samples[0], samples[-1]
+    wall = last.t - first.t
+    capacity = wall * (psutil.cpu_count() or 1)
+    busy = last.host_busy_cpu - first.host_busy_cpu
+    kernels = last.kernels_cpu - first.kernels_cpu
+    service = last.service_cpu - first.service_cpu
+    return (f"{busy:.0f} of {capacity:.0f} CPU-s busy ({100 * busy / capacity:.0f} %) over "
+            f"{wall:.0f} s: this service's kernels {kernels:.0f} CPU-s, the service process "
+            f"{service:.0f}, everything else on the host (other users, this harness) "
+            f"{busy - kernels - service:.0f}")

@@ -122,6 +122,7 @@ def summarize(result: ScenarioResult, plan: Plan, rate: float, records: list[mix
     result.goal("zero failed normal runs", "0 wrong, missing or rejected; none skipped",
                 f"{verdicts[check.CORRECT]}/{len(records)} correct, {len(skipped)} skipped",
                 not failed and not skipped, "\n".join(failed[:10]))
+    result.figure("where the CPU went", resources.cpu_split(samples))
     start = plan.warmup
     for label, key, fmt in (("service RSS", "service_rss", fmt_mib),
                             ("service descriptors", "service_fds", str),
