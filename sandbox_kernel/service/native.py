@@ -391,7 +391,7 @@ def scratch_path(path: str) -> str:
 
 
 _FILE_ERRORS = {"FileNotFoundError": 404, "IsADirectoryError": 400, "NotADirectoryError": 400,
-                "PermissionError": 403, "ValueError": 413}
+                "PermissionError": 403, "ValueError": 413, "FileExistsError": 409}
 
 
 async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict) -> dict:
