@@ -8,7 +8,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-from bench.load import check, driver, resources, workload
+from bench.load import check, driver, resources, watchdog, workload
 from bench.load.results import ScenarioResult, fmt_mib, fmt_ms
 from bench.load.service import Service, Settings
 
@@ -57,8 +57,9 @@ class Record:
 
 
 async def run_phase(http: Any, service: Service, items: list[workload.Item], plan: Plan,
-                    phase: str) -> tuple[list[Record], float]:
-    """Send items at the plan's concurrency; each judged; the records and the wall time."""
+                    phase: str, hung: list[str] | None = None) -> tuple[list[Record], float]:
+    """Send items at the plan's concurrency; each judged; the records and the wall time.
+    If the service stops answering /health, the phase ends early and `hung` gets why."""
     deadline = plan.worker_timeout + plan.kernel_grace + plan.start_allowance
     records: list[Record] = []
 
@@ -73,7 +74,10 @@ async def run_phase(http: Any, service: Service, items: list[workload.Item], pla
     loop = asyncio.get_running_loop()
     started = loop.time()
     # Bounded: count fixed, and no new request starts after 30 minutes.
-    await driver.closed_loop(len(items), plan.concurrency, send, deadline=1800)
+    _, evidence = await watchdog.guarded(
+        service, driver.closed_loop(len(items), plan.concurrency, send, deadline=1800))
+    if evidence and hung is not None:
+        hung.append(f"{phase}, after {len(records)} of {len(items)} runs: {evidence}")
     return records, loop.time() - started
 
 
@@ -101,11 +105,15 @@ async def run(plan: Plan, quick: bool) -> ScenarioResult:
                                     service.url, interval=1.0)
         before = await resources.steady(sampler)
         sampler.start()
+        hung: list[str] = []
         async with driver.client(service.url, plan.concurrency, client_timeout) as http:
             normal_records, normal_wall = await run_phase(http, service, normal_items, plan,
-                                                          "normal only")
-            mixed_records, mixed_wall = await run_phase(http, service, mixed_items, plan,
-                                                        "mixed")
+                                                          "normal only", hung)
+            mixed_records: list[Record] = []
+            mixed_wall = float("nan")
+            if not hung:
+                mixed_records, mixed_wall = await run_phase(http, service, mixed_items, plan,
+                                                            "mixed", hung)
         await sampler.stop()
         after, settle_time = await resources.settle(sampler, before, timeout=60)
         result.series = {
@@ -115,6 +123,12 @@ async def run(plan: Plan, quick: bool) -> ScenarioResult:
         result.notes.append(f"service log tail:\n{service.log_tail(8)}")
     report(result, plan, normal_records, normal_wall, mixed_records, mixed_wall, before, after,
            settle_time)
+    result.goal("the service keeps answering", "/health answered throughout (a 30 s silence "
+                "ends the run)", "hung" if hung else "answered throughout", not hung,
+                "\n".join(hung))
+    if hung:
+        result.notes.insert(0, f"the service stopped answering; the run ended early: "
+                               f"{len(normal_records)} + {len(mixed_records)} runs sent")
     return result
 
 
@@ -124,15 +138,19 @@ def report(result: ScenarioResult, plan: Plan, normal_records: list[Record], nor
     """Figures and goals of the scenario."""
     normal = [r for r in normal_records + mixed_records if not r.item.hostile]
     verdicts = collections.Counter(r.verdict.verdict for r in normal)
+    hostile_planned = round(plan.mixed * plan.hostile_share)
+    planned = plan.normal_only + plan.mixed - hostile_planned
+    if len(normal) < planned:  # never answered: the run was cut short
+        verdicts[check.MISSING] += planned - len(normal)
     correct = verdicts[check.CORRECT]
     result.figure("normal runs answered correctly",
-                  f"{correct} / {len(normal)} ({100 * correct / max(1, len(normal)):.2f} %)")
+                  f"{correct} / {planned} ({100 * correct / max(1, planned):.2f} %)")
     failures = [f"#{r.item.index} {r.item.kind} ({r.phase}): {r.verdict.verdict}: "
                 f"{r.verdict.reason}" for r in normal if not r.verdict.good]
     result.goal("normal runs correct", "100 %, zero wrong or missing",
-                f"{correct}/{len(normal)}; " + ", ".join(
+                f"{correct}/{planned}; " + ", ".join(
                     f"{k}: {v}" for k, v in sorted(verdicts.items()) if k != check.CORRECT),
-                correct == len(normal), "\n".join(failures[:10]))
+                correct == planned, "\n".join(failures[:10]))
 
     hostile = [r for r in mixed_records if r.item.hostile]
     by_kind: dict[str, list[Record]] = collections.defaultdict(list)
@@ -154,11 +172,11 @@ def report(result: ScenarioResult, plan: Plan, normal_records: list[Record], nor
            for r in hostile if not r.verdict.good]
     slowest = max((r.answer.latency for r in hostile), default=float("nan"))
     result.figure("hostile runs answered with an error envelope",
-                  f"{good} / {len(hostile)}; slowest answer {slowest:.1f} s")
+                  f"{good} / {hostile_planned}; slowest answer {slowest:.1f} s")
     result.goal("hostile runs end in an error envelope, none hangs",
                 f"all, each within timeout {plan.worker_timeout:g} s + grace "
                 f"{plan.kernel_grace:g} s (+ {plan.start_allowance:g} s for a fresh kernel)",
-                f"{good}/{len(hostile)}; slowest {slowest:.1f} s", good == len(hostile),
+                f"{good}/{hostile_planned}; slowest {slowest:.1f} s", good == hostile_planned,
                 "\n".join(bad[:12]))
 
     p50_a, p99_a, max_a = latency_figures(normal_records)
