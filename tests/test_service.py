@@ -23,6 +23,9 @@ httpx = pytest.importorskip("httpx")
 DIFY_KEY = "test-dify-key"
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 RUN = "/v1/sandbox/run"
+# Generous: on a loaded 2-core machine a fresh kernel can take seconds to start. Tests that time
+# a response (503 at once) or need a client to give up (disconnects) set their own.
+http = httpx.Client(timeout=60)
 
 
 # --- the server ----------------------------------------------------------------------------
@@ -68,7 +71,7 @@ class Server:
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()
             try:
-                answer = httpx.get(f"{self.url}/ready", timeout=2)
+                answer = http.get(f"{self.url}/ready", timeout=2)
                 if answer.status_code == 200:
                     return answer.json()
             except httpx.TransportError:
@@ -77,7 +80,7 @@ class Server:
         raise AssertionError(f"the server did not become ready:\n{self.log.read_text()}")
 
     def ready(self) -> dict:
-        return httpx.get(f"{self.url}/ready", timeout=5).json()
+        return http.get(f"{self.url}/ready", timeout=5).json()
 
     def wait_until(self, check, timeout: float = 20) -> dict:
         deadline = time.monotonic() + timeout
@@ -218,7 +221,7 @@ def test_code_error_arrives_as_the_platform_reports_it(server, platform):
     message = str(caught.value)
     assert message.startswith("process exited with code 255\n")
     assert "ZeroDivisionError: division by zero" in message
-    data = httpx.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
+    data = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3", "code": "print('before')\n1/0"}).json()
     assert data["code"] == 0 and data["message"] == "success"
     assert data["data"]["exit_code"] == 255
@@ -240,7 +243,7 @@ def test_timeout(server, platform):
         platform.execute("import time\ndef main():\n    time.sleep(30)\n    return {}\n", {})
     assert time.monotonic() - started < 15  # WORKER_TIMEOUT 3 s, the grace, a kernel start
     assert str(caught.value).startswith("process exited with code -1\nerror: timeout\n")
-    data = httpx.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=30, json={
+    data = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=30, json={
         "language": "python3", "code": "import time\nwhile True:\n    time.sleep(0.1)"}).json()
     assert data["code"] == 0
     assert data["data"]["exit_code"] == -1
@@ -263,7 +266,7 @@ def test_stderr_warnings_do_not_fail_a_run(server, platform):
             "    print('to stderr', file=sys.stderr)\n"
             "    return {'x': x}\n")
     assert platform.execute(code, {"x": 1}) == {"x": 1}
-    data = httpx.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
+    data = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3", "code": "import sys\nprint('warn', file=sys.stderr)"}).json()
     assert data == {"code": 0, "message": "success",
                     "data": {"stdout": "", "stderr": "warn\n", "error": "", "exit_code": 0}}
@@ -271,7 +274,7 @@ def test_stderr_warnings_do_not_fail_a_run(server, platform):
 
 def test_sys_exit_is_an_exit_status(server):
     def run(code):
-        return httpx.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+        return http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
                           json={"language": "python3", "code": code}).json()["data"]
     assert run("import sys\nprint('x')\nsys.exit(0)\nprint('y')") == {
         "stdout": "x\n", "stderr": "", "error": "", "exit_code": 0}
@@ -301,7 +304,7 @@ def test_every_run_gets_a_fresh_kernel(platform):
 # --- status codes and envelopes, as bytes ----------------------------------------------------
 
 def test_health(server):
-    answer = httpx.get(server.url + "/health")
+    answer = http.get(server.url + "/health")
     assert answer.status_code == 200
     assert answer.content == b'"ok"'
     assert answer.headers["content-type"] == "application/json; charset=utf-8"
@@ -314,7 +317,7 @@ def test_health(server):
 @pytest.mark.parametrize("key", [None, "wrong", DIFY_KEY + "x"])
 def test_wrong_or_missing_key_is_401_with_an_empty_body(server, method, path, key):
     headers = {"X-Api-Key": key} if key else {}
-    answer = httpx.request(method, server.url + path, headers=headers,
+    answer = http.request(method, server.url + path, headers=headers,
                            json={"language": "python3", "code": "print(1)"})
     assert answer.status_code == 401
     assert answer.content == b""
@@ -324,7 +327,7 @@ def _post(server, body: bytes, content_type: str | None):
     headers = {"X-Api-Key": DIFY_KEY}
     if content_type:
         headers["Content-Type"] = content_type
-    return httpx.post(server.url + RUN, headers=headers, content=body)
+    return http.post(server.url + RUN, headers=headers, content=body)
 
 
 REQUIRED_CODE = "Key: 'Code' Error:Field validation for 'Code' failed on the 'required' tag"
@@ -387,9 +390,35 @@ def test_go_escapes_html_characters(server):
     assert b'"stdout":"\\u003ca \\u0026 b\\u003e\\n"' in answer.content
 
 
+def test_hostile_bodies_get_clear_answers(server):
+    deep = _post(server, b'{"language": "python3", "code": ' + b"[" * 100_000, "application/json")
+    assert deep.status_code == 400
+    assert deep.json()["code"] == -400
+    nul = _post(server, json.dumps({"language": "python3", "code": "print(1)\x00"}).encode(),
+                "application/json")
+    assert nul.status_code == 200 and nul.json()["data"]["exit_code"] == 255
+    native = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A),
+                        content=b'{"code": ' + b"[" * 100_000)  # deep, and not even JSON
+    assert 400 <= native.status_code < 500
+    assert http.get(server.url + "/health").status_code == 200
+
+
+def test_output_that_utf8_cannot_hold(server):
+    code = "print('a\\ud800b')"
+    dify = _post(server, json.dumps({"language": "python3", "code": code}).encode(),
+                 "application/json")
+    assert dify.status_code == 200 and dify.json()["data"]["exit_code"] == 0
+    native = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={"code": code})
+    assert native.status_code == 200
+    assert native.json()["stdout"] in ("a\ud800b\n", "a\ufffdb\n", "ab\n")
+    result = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={
+        "code": "def main():\n    return {'s': 'x\\ud800'}", "inputs": {}})
+    assert result.status_code == 200
+
+
 def test_dependencies(server):
     headers = {"X-Api-Key": DIFY_KEY}
-    listed = httpx.get(server.url + "/v1/sandbox/dependencies?language=python3", headers=headers)
+    listed = http.get(server.url + "/v1/sandbox/dependencies?language=python3", headers=headers)
     assert listed.status_code == 200
     body = listed.json()
     assert body["code"] == 0 and body["message"] == "success"
@@ -397,24 +426,24 @@ def test_dependencies(server):
     import ipykernel
     assert names["ipykernel"] == ipykernel.__version__
     assert "numpy" in names
-    refreshed = httpx.get(server.url + "/v1/sandbox/dependencies/refresh?language=python3",
+    refreshed = http.get(server.url + "/v1/sandbox/dependencies/refresh?language=python3",
                           headers=headers)
     assert refreshed.json()["data"] == body["data"]
-    updated = httpx.post(server.url + "/v1/sandbox/dependencies/update", headers=headers,
+    updated = http.post(server.url + "/v1/sandbox/dependencies/update", headers=headers,
                          json={"language": "python3"})
     assert updated.content == b'{"code":0,"message":"success","data":{}}'
-    missing = httpx.get(server.url + "/v1/sandbox/dependencies", headers=headers)
+    missing = http.get(server.url + "/v1/sandbox/dependencies", headers=headers)
     assert missing.status_code == 200
     assert missing.content == json.dumps({"code": -400, "message": REQUIRED_LANGUAGE,
                                           "data": None}, separators=(",", ":")).encode()
-    other = httpx.get(server.url + "/v1/sandbox/dependencies?language=nodejs", headers=headers)
+    other = http.get(server.url + "/v1/sandbox/dependencies?language=nodejs", headers=headers)
     assert other.status_code == 400
 
 
 # --- the native API ----------------------------------------------------------------------------
 
 def test_native_one_shot(server):
-    answer = httpx.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={
+    answer = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={
         "code": "def main(x):\n    print('log line')\n    return {'y': x * 2}",
         "inputs": {"x": 21}})
     assert answer.status_code == 200
@@ -427,7 +456,7 @@ def test_native_one_shot(server):
 
 @pytest.mark.parametrize("headers", [{}, auth("nope"), {"Authorization": f"Basic {KEY_A}"}])
 def test_native_needs_a_bearer_key(server, headers):
-    answer = httpx.get(server.url + "/api/v1/sessions", headers=headers)
+    answer = http.get(server.url + "/api/v1/sessions", headers=headers)
     assert answer.status_code == 401
     assert "Bearer" in answer.json()["detail"]
 
@@ -436,58 +465,58 @@ def test_native_needs_a_bearer_key(server, headers):
     ({}, 422), ({"code": 1}, 422), ({"code": "1", "inputs": [1]}, 422),
     ({"code": "1", "timeout": -1}, 422), ({"code": "1", "timeout": 10_000}, 400)])
 def test_native_bad_input_is_a_clear_4xx(server, body, status):
-    answer = httpx.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json=body)
+    answer = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json=body)
     assert answer.status_code == status
     assert answer.json()["detail"]
 
 
 def test_sessions_keep_state_and_keys_see_only_their_own(server):
     url = server.url + "/api/v1/sessions"
-    created = httpx.post(url, headers=auth(KEY_A), json={"idle_timeout": 60}, timeout=60)
+    created = http.post(url, headers=auth(KEY_A), json={"idle_timeout": 60}, timeout=60)
     assert created.status_code == 201, created.text
     session = created.json()["id"]
     try:
         run = f"{url}/{session}/execute"
-        assert httpx.post(run, headers=auth(KEY_A), json={"code": "x = 41"}).json()["error"] is None
-        second = httpx.post(run, headers=auth(KEY_A), json={
+        assert http.post(run, headers=auth(KEY_A), json={"code": "x = 41"}).json()["error"] is None
+        second = http.post(run, headers=auth(KEY_A), json={
             "code": "def main(d):\n    return {'x': x + d}", "inputs": {"d": 1}}).json()
         assert second["result"] == {"x": 42}
-        listed = httpx.get(url, headers=auth(KEY_A)).json()
+        listed = http.get(url, headers=auth(KEY_A)).json()
         assert [s["id"] for s in listed] == [session]
         # The other key: not in its list, and every route answers 404 as if it did not exist.
-        assert httpx.get(url, headers=auth(KEY_B)).json() == []
+        assert http.get(url, headers=auth(KEY_B)).json() == []
         for method, path in (("GET", ""), ("POST", "/execute"), ("POST", "/interrupt"),
                              ("GET", "/files/a.txt"), ("DELETE", "")):
-            answer = httpx.request(method, f"{url}/{session}{path}", headers=auth(KEY_B),
+            answer = http.request(method, f"{url}/{session}{path}", headers=auth(KEY_B),
                                    json={"code": "x"} if path == "/execute" else None)
             assert answer.status_code == 404, (method, path, answer.text)
-        assert httpx.get(f"{url}/{session}", headers=auth(KEY_A)).json()["alive"] is True
+        assert http.get(f"{url}/{session}", headers=auth(KEY_A)).json()["alive"] is True
     finally:
-        assert httpx.delete(f"{url}/{session}", headers=auth(KEY_A)).status_code == 204
-    assert httpx.get(f"{url}/{session}", headers=auth(KEY_A)).status_code == 404
+        assert http.delete(f"{url}/{session}", headers=auth(KEY_A)).status_code == 204
+    assert http.get(f"{url}/{session}", headers=auth(KEY_A)).status_code == 404
 
 
 def test_a_key_is_held_to_its_session_limit(server):
     url = server.url + "/api/v1/sessions"
-    made = [httpx.post(url, headers=auth(KEY_A), json={}, timeout=60) for _ in range(2)]
+    made = [http.post(url, headers=auth(KEY_A), json={}, timeout=60) for _ in range(2)]
     try:
         assert [m.status_code for m in made] == [201, 201]
-        refused = httpx.post(url, headers=auth(KEY_A), json={}, timeout=60)
+        refused = http.post(url, headers=auth(KEY_A), json={}, timeout=60)
         assert refused.status_code == 429
         assert "team-a" in refused.json()["detail"]
     finally:
         for m in made:
-            httpx.delete(f"{url}/{m.json()['id']}", headers=auth(KEY_A))
+            http.delete(f"{url}/{m.json()['id']}", headers=auth(KEY_A))
 
 
 @pytest.fixture
 def session(server):
     url = server.url + "/api/v1/sessions"
-    created = httpx.post(url, headers=auth(KEY_B), json={}, timeout=60)
+    created = http.post(url, headers=auth(KEY_B), json={}, timeout=60)
     assert created.status_code == 201, created.text
     session_url = f"{url}/{created.json()['id']}"
     yield session_url
-    httpx.delete(session_url, headers=auth(KEY_B))
+    http.delete(session_url, headers=auth(KEY_B))
 
 
 def _events(response) -> list[tuple[float, str, object]]:
@@ -505,7 +534,7 @@ def _events(response) -> list[tuple[float, str, object]]:
 def test_sse_delivers_stdout_before_the_run_finishes(server, session):
     code = "import time\nprint('first', flush=True)\ntime.sleep(1)\nprint('second')\n"
     headers = {**auth(KEY_B), "Accept": "text/event-stream"}
-    with httpx.stream("POST", session + "/execute", headers=headers, json={"code": code},
+    with http.stream("POST", session + "/execute", headers=headers, json={"code": code},
                       timeout=30) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -520,12 +549,12 @@ def test_sse_delivers_stdout_before_the_run_finishes(server, session):
 
 def test_sse_result_and_error_events(server, session):
     headers = {**auth(KEY_B), "Accept": "text/event-stream"}
-    with httpx.stream("POST", session + "/execute", headers=headers, timeout=30, json={
+    with http.stream("POST", session + "/execute", headers=headers, timeout=30, json={
             "code": "def main(a):\n    return {'a': a}", "inputs": {"a": [1]}}) as response:
         events = _events(response)
     assert [(n, d) for _, n, d in events[:-1]] == [
         ("result", {"result": {"a": [1]}, "text": '{\n  "a": [\n    1\n  ]\n}'})]
-    with httpx.stream("POST", session + "/execute", headers=headers, timeout=30,
+    with http.stream("POST", session + "/execute", headers=headers, timeout=30,
                       json={"code": "raise KeyError('k')"}) as response:
         events = _events(response)
     assert [n for _, n, _ in events] == ["error", "done"]
@@ -535,7 +564,7 @@ def test_sse_result_and_error_events(server, session):
 def test_a_chart_arrives_as_png(server, session):
     code = ("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\n"
             "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()\n")
-    execution = httpx.post(session + "/execute", headers=auth(KEY_B), json={
+    execution = http.post(session + "/execute", headers=auth(KEY_B), json={
         "code": code, "timeout": 60}, timeout=90).json()
     assert execution["error"] is None, execution["error"]
     pngs = [d["image/png"] for d in execution["displays"] if "image/png" in d]
@@ -545,47 +574,47 @@ def test_a_chart_arrives_as_png(server, session):
 
 def test_files_round_trip(server, session):
     content = os.urandom(200_000)
-    put = httpx.put(session + "/files/data/blob.bin", headers=auth(KEY_B), content=content)
+    put = http.put(session + "/files/data/blob.bin", headers=auth(KEY_B), content=content)
     assert put.status_code == 201, put.text
     assert put.json() == {"path": "data/blob.bin", "size": len(content)}
-    seen = httpx.post(session + "/execute", headers=auth(KEY_B), json={
+    seen = http.post(session + "/execute", headers=auth(KEY_B), json={
         "code": "import hashlib\nhashlib.sha256(open('data/blob.bin','rb').read()).hexdigest()"})
     import hashlib
     assert seen.json()["text"] == repr(hashlib.sha256(content).hexdigest())
-    got = httpx.get(session + "/files/data/blob.bin", headers=auth(KEY_B))
+    got = http.get(session + "/files/data/blob.bin", headers=auth(KEY_B))
     assert got.status_code == 200
     assert got.headers["content-type"] == "application/octet-stream"
     assert got.content == content
-    missing = httpx.get(session + "/files/nope.txt", headers=auth(KEY_B))
+    missing = http.get(session + "/files/nope.txt", headers=auth(KEY_B))
     assert missing.status_code == 404
 
 
 @pytest.mark.parametrize("path", ["%2e%2e/%2e%2e/etc/passwd", "a/%2e%2e/%2e%2e/x", "%2fetc/passwd"])
 def test_file_paths_stay_in_the_scratch(server, session, path):
-    got = httpx.get(f"{session}/files/{path}", headers=auth(KEY_B))
+    got = http.get(f"{session}/files/{path}", headers=auth(KEY_B))
     assert got.status_code in (400, 404), got.text
     assert got.status_code == 400 or "passwd" not in got.text
 
 
 def test_a_symlink_out_of_the_scratch_is_refused(server, session):
-    made = httpx.post(session + "/execute", headers=auth(KEY_B), json={
+    made = http.post(session + "/execute", headers=auth(KEY_B), json={
         "code": "import os\nos.symlink('/etc/hostname', 'out')"}).json()
     if made["error"] is not None:  # the sandbox may refuse symlink() itself: nothing to follow
         assert made["error"]["name"] == "PermissionError"
         return
-    got = httpx.get(session + "/files/out", headers=auth(KEY_B))
+    got = http.get(session + "/files/out", headers=auth(KEY_B))
     assert got.status_code == 403
     assert "outside the scratch" in got.json()["detail"]
 
 
 def test_file_size_is_capped(server, session, tmp_path):
     big = b"x" * (8 * 2**20 + 1)
-    put = httpx.put(session + "/files/big.bin", headers=auth(KEY_B), content=big, timeout=60)
+    put = http.put(session + "/files/big.bin", headers=auth(KEY_B), content=big, timeout=60)
     assert put.status_code == 413
-    made = httpx.post(session + "/execute", headers=auth(KEY_B), json={
+    made = http.post(session + "/execute", headers=auth(KEY_B), json={
         "code": "open('big.bin', 'wb').write(b'x' * (8 * 2**20 + 1))"}).json()
     assert made["error"] is None
-    got = httpx.get(session + "/files/big.bin", headers=auth(KEY_B), timeout=60)
+    got = http.get(session + "/files/big.bin", headers=auth(KEY_B), timeout=60)
     assert got.status_code == 413
 
 
@@ -593,19 +622,19 @@ def test_interrupt(server, session):
     outcome = {}
 
     def run():
-        outcome["answer"] = httpx.post(session + "/execute", headers=auth(KEY_B), timeout=60,
+        outcome["answer"] = http.post(session + "/execute", headers=auth(KEY_B), timeout=60,
                                        json={"code": "import time\ntime.sleep(30)",
                                              "timeout": 60}).json()
 
     worker = threading.Thread(target=run)
     worker.start()
     time.sleep(1.5)
-    busy = httpx.post(session + "/execute", headers=auth(KEY_B), json={"code": "1"})
+    busy = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "1"})
     assert busy.status_code == 409
-    assert httpx.post(session + "/interrupt", headers=auth(KEY_B)).status_code == 204
+    assert http.post(session + "/interrupt", headers=auth(KEY_B)).status_code == 204
     worker.join(20)
     assert outcome["answer"]["error"]["name"] == "KeyboardInterrupt"
-    again = httpx.post(session + "/execute", headers=auth(KEY_B), json={"code": "2 + 2"}).json()
+    again = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "2 + 2"}).json()
     assert again["text"] == "4"
 
 
@@ -613,21 +642,21 @@ def test_a_session_whose_kernel_died_says_so(server, session):
     code = ("import os, signal, threading, time\n"
             "threading.Thread(target=lambda: (time.sleep(0.3), "
             "os.kill(os.getpid(), signal.SIGKILL))).start()\n")
-    assert httpx.post(session + "/execute", headers=auth(KEY_B),
+    assert http.post(session + "/execute", headers=auth(KEY_B),
                       json={"code": code}).json()["error"] is None
     time.sleep(1.5)
-    answer = httpx.post(session + "/execute", headers=auth(KEY_B), json={"code": "1"})
+    answer = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "1"})
     assert answer.status_code == 410
     assert "kernel is gone" in answer.json()["detail"]
-    assert httpx.get(session, headers=auth(KEY_B)).json()["alive"] is False
+    assert http.get(session, headers=auth(KEY_B)).json()["alive"] is False
 
 
 def test_idle_sessions_are_culled(server):
     url = server.url + "/api/v1/sessions"
-    created = httpx.post(url, headers=auth(KEY_B), json={"idle_timeout": 1}, timeout=60).json()
+    created = http.post(url, headers=auth(KEY_B), json={"idle_timeout": 1}, timeout=60).json()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if httpx.get(f"{url}/{created['id']}", headers=auth(KEY_B)).status_code == 404:
+        if http.get(f"{url}/{created['id']}", headers=auth(KEY_B)).status_code == 404:
             break
         time.sleep(0.3)
     else:
@@ -635,7 +664,7 @@ def test_idle_sessions_are_culled(server):
 
 
 def test_openapi_schema_documents_the_native_api(server):
-    schema = httpx.get(server.url + "/openapi.json").json()
+    schema = http.get(server.url + "/openapi.json").json()
     for path in ("/api/v1/execute", "/api/v1/sessions", "/api/v1/sessions/{session_id}/execute",
                  "/api/v1/sessions/{session_id}/files/{path}", "/v1/sandbox/run"):
         assert path in schema["paths"], path
@@ -643,7 +672,7 @@ def test_openapi_schema_documents_the_native_api(server):
 
 
 def test_metrics_and_readiness(server):
-    text = httpx.get(server.url + "/metrics").text
+    text = http.get(server.url + "/metrics").text
     assert 'sandbox_requests_total{route="/v1/sandbox/run",status="200"}' in text
     assert "sandbox_kernels_live" in text and "sandbox_kernels_pooled" in text
     assert 'sandbox_denials_total{reason="bad_key"}' in text
@@ -653,7 +682,7 @@ def test_metrics_and_readiness(server):
 
 def test_log_lines_never_carry_code(server):
     secret = "print('do-not-log-this-123')"
-    httpx.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+    http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
                json={"language": "python3", "code": secret})
     time.sleep(0.2)
     lines = server.log.read_text().splitlines()
@@ -682,7 +711,7 @@ def _sleeper(server, seconds, results):
 
     def run():
         try:
-            results.append(httpx.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+            results.append(http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
                                       timeout=60, json=body))
         except httpx.HTTPError as exc:
             results.append(exc)
@@ -696,12 +725,12 @@ def test_past_max_requests_answers_503_at_once(small_server):
     workers = [_sleeper(small_server, 3, results) for _ in range(2)]
     small_server.wait_until(lambda s: s["runs_in_flight"] == 2)
     started = time.monotonic()
-    answer = httpx.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+    answer = http.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
                         json={"language": "python3", "code": "print(1)"})
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 2  # the runs in flight sleep 3 s
     assert answer.status_code == 503
     assert answer.content == b'{"code":-503,"message":"Too many requests","data":null}'
-    native = httpx.post(small_server.url + "/api/v1/execute", headers=auth(DIFY_KEY),
+    native = http.post(small_server.url + "/api/v1/execute", headers=auth(DIFY_KEY),
                         json={"code": "1"})
     assert native.status_code == 503
     for worker in workers:
@@ -710,7 +739,7 @@ def test_past_max_requests_answers_503_at_once(small_server):
 
 
 def test_network_disabled(small_server):
-    answer = httpx.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
+    answer = http.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3", "code": "print(1)", "enable_network": True})
     assert answer.status_code == 200
     assert answer.content == (b'{"code":-400,"message":"network is disabled, please enable it in '
@@ -719,7 +748,7 @@ def test_network_disabled(small_server):
 
 
 def test_body_too_large(small_server):
-    answer = httpx.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
+    answer = http.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3", "code": "#" * 70_000})
     assert answer.status_code == 413
 
@@ -727,7 +756,7 @@ def test_body_too_large(small_server):
 def test_a_client_that_disconnects_does_not_leak_its_kernel(small_server):
     before = children(small_server.process.pid)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=2.5,
+        http.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=2.5,
                    json={"language": "python3", "code": "import time\ntime.sleep(15)"})
     state = small_server.wait_until(lambda s: s["kernels_live"] == 0 and s["runs_in_flight"] == 0,
                                     timeout=10)
@@ -738,7 +767,7 @@ def test_a_client_that_disconnects_does_not_leak_its_kernel(small_server):
     assert not children(small_server.process.pid) - before
     # The same over SSE: the stream is left after the first line.
     headers = {**auth(DIFY_KEY), "Accept": "text/event-stream"}
-    with httpx.stream("POST", small_server.url + "/api/v1/execute", headers=headers, timeout=30,
+    with http.stream("POST", small_server.url + "/api/v1/execute", headers=headers, timeout=30,
                       json={"code": "import os, time\nprint(os.getpid(), flush=True)\n"
                             "time.sleep(15)"}) as response:
         for line in response.iter_lines():
@@ -755,7 +784,7 @@ def test_a_client_that_disconnects_does_not_leak_its_kernel(small_server):
 def test_graceful_shutdown_leaves_nothing_behind(tmp_path):
     srv = Server(tmp_path, "--pool-size", "1", "--api-key", DIFY_KEY)
     url = srv.url + "/api/v1/sessions"
-    made = httpx.post(url, headers=auth(DIFY_KEY), json={}, timeout=60)
+    made = http.post(url, headers=auth(DIFY_KEY), json={}, timeout=60)
     assert made.status_code == 201
     results: list = []
     worker = _sleeper(srv, 1, results)
@@ -781,7 +810,7 @@ def test_output_past_the_service_cap_ends_the_run(small_server):
              " parent=k.get_parent())\n"
              "import time\ntime.sleep(10)\n")
     started = time.monotonic()
-    answer = httpx.post(small_server.url + "/api/v1/execute", headers=auth(DIFY_KEY), timeout=30,
+    answer = http.post(small_server.url + "/api/v1/execute", headers=auth(DIFY_KEY), timeout=30,
                         json={"code": flood})
     assert time.monotonic() - started < 8  # cut at the cap, not at the sleep's end
     execution = answer.json()
@@ -796,7 +825,7 @@ def test_network_kernels_get_the_proxy(tmp_path):
     try:
         code = "import os\nprint(os.environ.get('HTTPS_PROXY'))"
         for network, seen in ((True, "http://127.0.0.1:3128\n"), (False, "None\n")):
-            answer = httpx.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=60, json={
+            answer = http.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=60, json={
                 "language": "python3", "code": code, "enable_network": network})
             assert answer.json()["data"]["stdout"] == seen
     finally:
@@ -806,15 +835,61 @@ def test_network_kernels_get_the_proxy(tmp_path):
 def test_a_kernel_that_cannot_start_is_a_500_envelope(tmp_path):
     srv = Server(tmp_path, "--pool-size", "0", "--memory-limit", "1M")
     try:
-        answer = httpx.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=90, json={
+        answer = http.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=90, json={
             "language": "python3", "code": "print(1)"})
         assert answer.status_code == 200
         body = answer.json()
         assert body["code"] == -500 and body["data"] is None
         assert body["message"].startswith("the offline kernel did not start")
-        native = httpx.post(srv.url + "/api/v1/execute", headers=auth(DIFY_KEY), timeout=90,
+        native = http.post(srv.url + "/api/v1/execute", headers=auth(DIFY_KEY), timeout=90,
                             json={"code": "1"})
         assert native.status_code == 503
         assert srv.ready()["kernels_live"] == 0
     finally:
         srv.stop()
+
+
+# --- settings ----------------------------------------------------------------------------------
+
+def _settings(argv: list[str], environ: dict[str, str]):
+    import argparse
+
+    from sandbox_kernel.service import config
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return config.from_arguments(parser.parse_args(argv), environ)
+
+
+def test_settings_flag_beats_variable_beats_default():
+    assert _settings([], {}).port == 8194
+    assert _settings([], {}).api_key == "dify-sandbox"
+    assert _settings([], {"SANDBOX_PORT": "9000"}).port == 9000
+    assert _settings(["--port", "9001"], {"SANDBOX_PORT": "9000"}).port == 9001
+    settings = _settings([], {"MAX_WORKERS": "2", "MAX_REQUESTS": "7", "WORKER_TIMEOUT": "15",
+                              "ENABLE_NETWORK": "false", "API_KEY": "k"})
+    assert (settings.max_workers, settings.max_requests, settings.worker_timeout,
+            settings.enable_network, settings.api_key) == (2, 7, 15.0, False, "k")
+    assert _settings(["--enable-network"], {"ENABLE_NETWORK": "false"}).enable_network is True
+
+
+@pytest.mark.parametrize("argv, environ, named", [
+    ([], {"MAX_WORKERS": "many"}, "MAX_WORKERS"),
+    ([], {"ENABLE_NETWORK": "maybe"}, "ENABLE_NETWORK"),
+    (["--max-requests", "0"], {}, "max-requests"),
+    ([], {"SANDBOX_PORT": "70000"}, "port")])
+def test_bad_settings_name_the_setting(argv, environ, named):
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError, match=named):
+        _settings(argv, environ)
+
+
+def test_serve_refuses_a_bad_keys_file(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"id": "a", "key": "short"}]}))
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "serve", "--api-keys-file",
+                           str(keys), "--port", str(_free_port())],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "keys[0]: key must be a string of at least 16 characters" in done.stderr

@@ -93,7 +93,7 @@ def _from_json(body: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BindError(_go_syntax_error(exc)) from None
-    except RecursionError:  # Python gives up near 1,000 levels; Go's decoder at 10,000
+    except RecursionError:  # Go's decoder stops at 10000 levels; Python's stack sooner
         raise BindError("exceeded max depth") from None
     except ValueError as exc:  # an integer of more than 4,300 digits
         raise BindError(f"invalid JSON: {exc}") from None

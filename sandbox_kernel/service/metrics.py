@@ -45,6 +45,7 @@ class Metrics:
         self.in_flight = Gauge(
             "sandbox_runs_in_flight", "Stateless runs running or waiting for a worker.",
             registry=self.registry)
+        self._pooled: Callable[[], dict[str, int]] = dict
 
     def bind(self, live: Callable[[], int], pooled: Callable[[], dict[str, int]],
              sessions: Callable[[], int], in_flight: Callable[[], int]) -> None:
@@ -56,8 +57,6 @@ class Metrics:
 
     def render(self) -> bytes:
         """The text exposition format."""
-        pooled = getattr(self, "_pooled", None)
-        if pooled is not None:
-            for name, count in pooled().items():
-                self.kernels_pooled.labels(policy=name).set(count)
+        for name, count in self._pooled().items():
+            self.kernels_pooled.labels(policy=name).set(count)
         return generate_latest(self.registry)

@@ -46,6 +46,7 @@ router = APIRouter(prefix="/api/v1", tags=["native"])
 bearer = HTTPBearer(auto_error=False, description="An API key from the keys file.")
 SSE = "text/event-stream"
 FILE_HELPER = "__sandbox_files__"
+FILE_TIMEOUT = 60.0  # seconds a file transfer may take inside the kernel
 
 
 # --- shapes --------------------------------------------------------------------------------
@@ -157,8 +158,15 @@ def _session(request: Request, key: ApiKey, session_id: str) -> Session:
     return session
 
 
+class ExecutionJSON(JSONResponse):
+    """JSON with non-ASCII escaped: kernel output may hold lone surrogates, which UTF-8 cannot."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def _event(name: str, data: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data, ensure_ascii=False), event=name)
+    return ServerSentEvent(data=json.dumps(data), event=name)
 
 
 def _final_events(execution: Execution) -> list[ServerSentEvent]:
@@ -216,9 +224,8 @@ async def execute(body: OneShotRequest, request: Request,
     timeout = _timeout(service, body.timeout)
     if body.network and not service.config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
-    slot = service.admission.slot()
     try:
-        slot.__enter__()
+        release = service.admission.enter()
     except Busy:
         service.metrics.denials.labels(reason="too_many_requests").inc()
         raise HTTPException(503, "too many runs in flight; try again later",
@@ -234,7 +241,7 @@ async def execute(body: OneShotRequest, request: Request,
             service.count_run("native", execution)
             return execution
         finally:
-            slot.__exit__(None, None, None)
+            release()
 
     if _wants_events(request):
         stream = _Stream()
@@ -245,7 +252,7 @@ async def execute(body: OneShotRequest, request: Request,
         raise HTTPException(503, str(exc), headers={"Retry-After": "5"}) from None
     if execution is None:
         return Response(status_code=499)
-    return JSONResponse(execution.to_dict())
+    return ExecutionJSON(execution.to_dict())
 
 
 # --- sessions ------------------------------------------------------------------------------
@@ -334,9 +341,8 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
     service = service_of(request)
     session = _session(request, key, session_id)
     timeout = _timeout(service, body.timeout)
-    using = service.sessions.using(session)
     try:
-        sandbox = await using.__aenter__()
+        sandbox = await service.sessions.acquire(session)
     except SessionError as exc:
         raise HTTPException(exc.status, str(exc)) from None
 
@@ -344,7 +350,7 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
         try:
             return await _session_run(service, session, sandbox, body, timeout, on_output)
         finally:
-            await using.__aexit__(None, None, None)
+            service.sessions.release(session)
 
     if _wants_events(request):
         stream = _Stream()
@@ -352,7 +358,7 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
     execution = await unless_disconnected(request, work())
     if execution is None:
         return Response(status_code=499)
-    return JSONResponse(execution.to_dict())
+    return ExecutionJSON(execution.to_dict())
 
 
 # --- files ---------------------------------------------------------------------------------
@@ -397,7 +403,7 @@ _FILE_ERRORS = {"FileNotFoundError": 404, "IsADirectoryError": 400, "NotADirecto
 async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict) -> dict:
     service = service_of(request)
     session = _session(request, key, session_id)
-    timeout = service.config.max_timeout
+    timeout = min(service.config.max_timeout, FILE_TIMEOUT)
     try:
         async with service.sessions.using(session) as sandbox:
             execution, lost = await bounded(
@@ -410,7 +416,8 @@ async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict)
         raise HTTPException(exc.status, str(exc)) from None
     if execution.error is not None:
         status = _FILE_ERRORS.get(execution.error.name, 500)
-        raise HTTPException(status, f"{execution.error.name}: {execution.error.value}")
+        text = f"{execution.error.name}: {execution.error.value}"
+        raise HTTPException(status, text.encode("utf-8", "replace").decode("utf-8"))
     if not isinstance(execution.result, dict):
         raise HTTPException(502, "the kernel did not answer the file operation")
     return execution.result

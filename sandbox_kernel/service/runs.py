@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -71,16 +71,28 @@ class Admission:
         self.in_flight = 0
         self.workers = asyncio.Semaphore(max_workers)
 
-    @contextlib.contextmanager
-    def slot(self) -> Any:
-        """Hold one in-flight place for the block; raises Busy when none is free."""
+    def enter(self) -> Callable[[], None]:
+        """Take an in-flight place, or raise Busy; returns the (idempotent) release."""
         if self.in_flight >= self.max_requests:
             raise Busy
         self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= 1
+        return release
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold an in-flight place for the block; raises Busy when none is free."""
+        release = self.enter()
         try:
             yield
         finally:
-            self.in_flight -= 1
+            release()
 
 
 @dataclass

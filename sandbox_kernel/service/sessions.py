@@ -93,26 +93,45 @@ class Sessions:
             raise SessionError(404, f"no session {session_id!r} for this API key")
         return session
 
-    @contextlib.asynccontextmanager
-    async def using(self, session: Session) -> AsyncIterator[AsyncSandbox]:
-        """Hold the session's kernel for one call: 409 if busy, 410 if its kernel died."""
+    async def acquire(self, session: Session) -> AsyncSandbox:
+        """Take the session's kernel for one call: 409 if busy, 410 if its kernel is gone.
+
+        Busy is answered at once, not queued: a session runs one thing at a time.
+        """
         if session.dead is not None:
             raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
                                "delete the session and create a new one")
         if session.lock.locked():
             raise SessionError(409, f"session {session.id} is running another execution; "
                                "wait for it or interrupt it")
-        async with session.lock:
-            session.busy = True
-            try:
-                if not await session.sandbox.manager.is_alive():
-                    self.mark_dead(session, "its kernel process exited")
-                    raise SessionError(410, f"session {session.id}'s kernel is gone: "
-                                       f"{session.dead}; delete the session and create a new one")
-                yield session.sandbox
-            finally:
-                session.busy = False
-                session.last_used = time.monotonic()
+        await session.lock.acquire()
+        session.busy = True
+        try:
+            alive = await session.sandbox.manager.is_alive()
+        except BaseException:
+            self.release(session)
+            raise
+        if not alive:
+            self.release(session)
+            self.mark_dead(session, "its kernel process exited")
+            raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
+                               "delete the session and create a new one")
+        return session.sandbox
+
+    def release(self, session: Session) -> None:
+        """Give the kernel back after a call taken with acquire."""
+        session.busy = False
+        session.last_used = time.monotonic()
+        session.lock.release()
+
+    @contextlib.asynccontextmanager
+    async def using(self, session: Session) -> AsyncIterator[AsyncSandbox]:
+        """acquire and release around a block."""
+        sandbox = await self.acquire(session)
+        try:
+            yield sandbox
+        finally:
+            self.release(session)
 
     def mark_dead(self, session: Session, why: str) -> None:
         """The kernel is lost: shut it down, keep the session so its next call says why."""
@@ -121,7 +140,9 @@ class Sessions:
             self.kernels.discard(session.sandbox)
 
     def delete(self, session: Session) -> None:
+        """Forget the session and shut its kernel down; a call already holding it gets 410."""
         self._sessions.pop(session.id, None)
+        session.dead = session.dead or "the session was closed"
         self.kernels.discard(session.sandbox)
 
     def cull(self) -> list[str]:
