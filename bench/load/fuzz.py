@@ -123,7 +123,9 @@ def schemathesis(location: str, base_url: str, headers: list[str], plan: Plan,
                "--no-color", "--suppress-health-check", "all"]
     for header in headers:
         command += ["-H", header]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    # In the report dir: schemathesis keeps a .schemathesis cache in its working directory.
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=3600,
+                              cwd=report_dir)
     har = next(report_dir.glob("har-*.json"), None)
     exchanges = []
     if har is not None:
