@@ -16,6 +16,7 @@ from bench.load.workload import RESULT_MARKER, Item
 # Verdicts. A normal run is "correct" or one of the failures; a hostile run is "error" or one.
 CORRECT, WRONG, MISSING, REJECTED = "correct", "wrong", "missing", "rejected"
 ERROR_ENVELOPE, NO_ERROR, ESCAPED, HUNG = "error", "no-error", "escaped", "hung"
+LATE = "late"  # an error envelope, but past the deadline
 
 
 @dataclass
@@ -98,8 +99,6 @@ def judge_hostile(item: Item, answer: Answer, deadline: float) -> Verdict:
     """error when the service answered with an error envelope (no result) within deadline."""
     if answer.status is None:
         return Verdict(HUNG if "Timeout" in answer.failure else MISSING, answer.failure)
-    if answer.latency > deadline:
-        return Verdict(HUNG, f"answered after {answer.latency:.1f} s > {deadline:.1f} s")
     envelope = answer.json()
     if answer.status != 200 or not isinstance(envelope, dict):
         return Verdict(REJECTED, f"HTTP {answer.status}: {answer.body[:200]!r}")
@@ -107,9 +106,12 @@ def judge_hostile(item: Item, answer: Answer, deadline: float) -> Verdict:
     result, _ = parse_result(str(data.get("stdout") or ""))
     if result is not None:
         return Verdict(ESCAPED, f"hostile code returned a result: {result!r}"[:300])
-    if envelope.get("code") != 0 or data.get("error"):
-        return Verdict(ERROR_ENVELOPE)
-    return Verdict(NO_ERROR, f"code 0, empty error, exit_code {data.get('exit_code')!r}")
+    if envelope.get("code") == 0 and not data.get("error"):
+        return Verdict(NO_ERROR, f"code 0, empty error, exit_code {data.get('exit_code')!r}")
+    if answer.latency > deadline:
+        return Verdict(LATE, f"an error envelope, but after {answer.latency:.1f} s > "
+                       f"{deadline:.1f} s: {error_text(answer)[:80]!r}")
+    return Verdict(ERROR_ENVELOPE)
 
 
 def error_text(answer: Answer) -> str:

@@ -100,17 +100,9 @@ async def kill_kernel_native(result: ScenarioResult, service: Service, http: Htt
 
 
 def fork_servers(service: Service) -> list[psutil.Process]:
-    """Processes of the instance that are neither the service, a kernel nor a scratch reaper."""
-    found = []
-    for process in resources.instance_processes(service.pid, service.marker):
-        if process.pid == service.pid or resources.is_kernel(process):
-            continue
-        with contextlib.suppress(psutil.Error):
-            parent = process.parent()
-            if parent is not None and resources.is_kernel(parent):
-                continue  # the scratch reaper forked by its kernel
-            found.append(process)
-    return found
+    """The instance's fork server(s), if its kernels come from one."""
+    return [process for process in resources.instance_processes(service.pid, service.marker)
+            if resources.is_fork_server(process)]
 
 
 async def kill_fork_server(result: ScenarioResult, service: Service, http: Http) -> None:
@@ -119,8 +111,8 @@ async def kill_fork_server(result: ScenarioResult, service: Service, http: Http)
     if not servers:
         result.goal("kill -9 the fork server mid-load", "no request hangs; later runs work",
                     "not runnable", None,
-                    "the service under test starts no fork server: every process it holds is "
-                    "itself, a kernel or a kernel's scratch reaper")
+                    "the service under test starts no fork server (no process of it runs "
+                    "sandbox_kernel.launch.forkserver): its kernels are started cold")
         return
     items = workload.mix(32, 0.0, seed=31)
     records: list[check.Verdict] = []

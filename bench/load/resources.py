@@ -51,18 +51,38 @@ def describe(process: psutil.Process) -> str:
     return f"{process.pid}: gone"
 
 
-def _kernel_command(process: psutil.Process | None) -> bool:
+def _command(process: psutil.Process | None) -> list[str]:
     with contextlib.suppress(psutil.Error):
-        cmdline = process.cmdline() if process is not None else []
-        return "sandbox_kernel" in cmdline and "-f" in cmdline
-    return False
+        return process.cmdline() if process is not None else []
+    return []
+
+
+def _kernelish(process: psutil.Process | None) -> bool:
+    """Started as a kernel (`-m sandbox_kernel -f ...`) or forked by the fork server."""
+    command = _command(process)
+    return any("sandbox_kernel" in part for part in command) and (
+        "-f" in command or any("forkserver" in part for part in command))
+
+
+def _parent(process: psutil.Process) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        return process.parent()
+    return None
+
+
+def is_fork_server(process: psutil.Process) -> bool:
+    """The fork server itself (its children, the kernels, share its command line)."""
+    return (any("launch.forkserver" in part for part in _command(process))
+            and not _kernelish(_parent(process)))
 
 
 def is_kernel(process: psutil.Process) -> bool:
-    """A kernel process, not its scratch reaper (a child of the kernel with the same command)."""
-    with contextlib.suppress(psutil.Error):
-        return _kernel_command(process) and not _kernel_command(process.parent())
-    return False
+    """A kernel process: not the fork server, and not a kernel's scratch reaper (a child of the
+    kernel with the same command line)."""
+    if not _kernelish(process) or is_fork_server(process):
+        return False
+    parent = _parent(process)
+    return not _kernelish(parent) or (parent is not None and is_fork_server(parent))
 
 
 @dataclass
