@@ -120,7 +120,7 @@ def schemathesis(location: str, base_url: str, headers: list[str], plan: Plan,
                "--url", base_url, "--checks", "all", "--max-examples", str(plan.max_examples),
                "--request-timeout", str(plan.request_timeout), "--workers", str(plan.workers),
                "--seed", str(seed), "--report", "har,junit", "--report-dir", str(report_dir),
-               "--no-color", "--suppress-health-check", "all"]
+               "--no-color", "--suppress-health-check", "all", "--continue-on-failure"]
     for header in headers:
         command += ["-H", header]
     # In the report dir: schemathesis keeps a .schemathesis cache in its working directory.
@@ -304,8 +304,11 @@ async def run(plan: Plan, quick: bool) -> ScenarioResult:
         exchanges += await run_battery(service, plan)
         alive = httpx.get(f"{service.url}/health", timeout=5, trust_env=False).status_code
         log = service.log_tail(6)
+        errors = service.log_errors()
     summarize(result, exchanges, plan, alive)
     result.notes.append(f"service log tail:\n{log}")
+    if errors:
+        result.notes.append(f"tracebacks in the service log:\n{errors}")
     return result
 
 

@@ -125,6 +125,22 @@ class Service:
         except OSError:
             return ""
 
+    def log_errors(self, limit: int = 3) -> str:
+        """The last `limit` tracebacks the service logged (uncaught exceptions in requests)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        blocks = []
+        for block in text.split("Traceback (most recent call last):")[1:]:
+            lines = []
+            for line in block.splitlines()[1:]:
+                lines.append(line)
+                if line and not line.startswith((" ", "\t")) and not line.startswith("During"):
+                    break  # the exception line ends the traceback
+            blocks.append("Traceback (last frames):\n" + "\n".join(lines[-8:]))
+        return "\n".join(blocks[-limit:])
+
     def terminate(self, timeout: float) -> float | None:
         """SIGTERM; seconds until it exited, or None if it was still running after timeout."""
         if self.process is None or self.process.poll() is not None:
