@@ -296,6 +296,8 @@ async def sigterm_under_load(result: ScenarioResult) -> None:
         left = [p for p in resources.instance_processes(None, service.marker)]
         left += [p for p in seen.values()
                  if resources.alive(p) and p.pid not in {x.pid for x in left}]
+        await asyncio.sleep(1)
+        left = [p for p in left if resources.alive(p)]  # not those that were just exiting
         scratch_left = resources.scratch_dirs(service.scratch_root)
         log = service.log_tail(12)
     finally:
