@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
@@ -23,6 +24,7 @@ from .limits import BodyLimit
 from .metrics import Metrics
 from .runs import SERVICE_TIMEOUT, Admission, Runner
 from .sessions import Sessions
+from .validation import invalid_request
 
 log = logging.getLogger("sandbox_kernel.service")
 CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
@@ -122,6 +124,7 @@ def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None
         "dify-sandbox's API (X-Api-Key). `/api/v1/*`: sessions, executions, server-sent "
         "events, files (Authorization: Bearer).")
     app.state.service = service
+    app.add_exception_handler(RequestValidationError, invalid_request)
     app.include_router(dify.router)
     app.include_router(native.router)
     _operations(app, service)

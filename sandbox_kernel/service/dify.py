@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from importlib import metadata
 from typing import Any
 from urllib.parse import parse_qs
@@ -65,6 +66,7 @@ class BindError(Exception):
     """The request could not be bound; str() is gin's message."""
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads has joined every valid pair
 _FIELD_TYPES = {"language": str, "code": str, "preload": str, "enable_network": bool}
 _GO_TYPES = {str: "string", bool: "bool"}
 _JSON_KINDS = {str: "string", bool: "bool", int: "number", float: "number", list: "array",
@@ -94,6 +96,8 @@ def _from_json(body: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
         raise BindError(_go_syntax_error(exc)) from None
     except RecursionError:  # Go's decoder stops at 10000 levels; Python's stack sooner
         raise BindError("exceeded max depth") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise BindError(f"invalid JSON: {exc}") from None
     if not isinstance(document, dict):
         kind = "null" if document is None else _JSON_KINDS.get(type(document), "value")
         if document is None:
@@ -113,6 +117,8 @@ def _from_json(body: bytes, fields: tuple[str, ...]) -> dict[str, Any]:
             kind = _JSON_KINDS.get(type(value), "value")
             raise BindError(f"json: cannot unmarshal {kind} into Go struct field .{name} of "
                             f"type {_GO_TYPES[expected]}")
+        if isinstance(value, str):  # Go decodes a lone "\ud800" escape as U+FFFD
+            value = _LONE_SURROGATE.sub("\ufffd", value)
         values[name] = value
     return values
 

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.responses import JSONResponse, Response
 
@@ -40,6 +40,7 @@ from .runs import (
     unless_disconnected,
 )
 from .sessions import Session, SessionError
+from .validation import sendable
 
 router = APIRouter(prefix="/api/v1", tags=["native"])
 bearer = HTTPBearer(auto_error=False, description="An API key from the keys file.")
@@ -53,8 +54,8 @@ FILE_TIMEOUT = 60.0  # seconds a file transfer may take inside the kernel
 class ExecuteRequest(BaseModel):
     """Code to run; with `inputs`, the code's `main(**inputs)` is called and its dict returned."""
 
-    code: str = Field(description="Python source.")
-    inputs: dict[str, Any] | None = Field(
+    code: Annotated[str, AfterValidator(sendable)] = Field(description="Python source.")
+    inputs: Annotated[dict[str, Any] | None, AfterValidator(sendable)] = Field(
         None, description="main()'s arguments by name; omit to run the code as a cell.")
     timeout: float | None = Field(
         None, gt=0, description="Seconds the execution may run (default: the service's "
@@ -397,7 +398,7 @@ def scratch_path(path: str) -> str:
 
 
 _FILE_ERRORS = {"FileNotFoundError": 404, "IsADirectoryError": 400, "NotADirectoryError": 400,
-                "PermissionError": 403, "ValueError": 413}
+                "PermissionError": 403, "ValueError": 413, "FileExistsError": 409}
 
 
 async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict) -> dict:
