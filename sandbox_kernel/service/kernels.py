@@ -1,13 +1,8 @@
 """Where fresh kernels come from, and the record of every kernel the service holds.
 
 `KernelSource` is the one seam between the service and the ways to get a kernel: `get(network)`
-returns a started AsyncSandbox of that network policy that no one has used. Two sources:
-
-- `ReadyKernels` starts AsyncSandboxes itself and keeps a few started ones ready per policy;
-- `PoolSource` takes them from warm pools with launch/'s `KernelPool` interface (`await get()`,
-  `ready`, `start()`, `await close()`, `sandbox_options`), one pool per network policy.
-
-`make_source` picks one: the one place to change how the service gets kernels.
+returns a started AsyncSandbox of that network policy that no one has used. `PoolSource` takes
+them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it.
 
 `Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, closes them
 in the background so a response never waits for a shutdown, and at shutdown closes them all.
@@ -21,6 +16,7 @@ import logging
 from typing import Any, Protocol
 
 from ..client import AsyncSandbox
+from ..launch.pool import KernelPool
 from ..policy import SandboxPolicy
 from .access import json_line
 
@@ -61,108 +57,30 @@ def with_network(base: SandboxPolicy, network: bool,
     return SandboxPolicy(**values)
 
 
-class ReadyKernels:
-    """Starts AsyncSandboxes, keeping `size` started ones ready for each network policy."""
-
-    def __init__(self, base: SandboxPolicy, networks: tuple[bool, ...], size: int,
-                 grace: float, startup_timeout: float = 60.0,
-                 network_env: dict[str, str] | None = None) -> None:
-        self.base, self.size, self.grace = base, size, grace
-        self.network_env = network_env
-        self.startup_timeout = startup_timeout
-        self.networks = networks
-        self._ready: dict[bool, asyncio.Queue[AsyncSandbox]] = {
-            network: asyncio.Queue() for network in networks}
-        self._starting: dict[bool, int] = dict.fromkeys(networks, 0)
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._closed = False
-
-    async def _start_one(self, network: bool) -> AsyncSandbox:
-        policy = with_network(self.base, network, self.network_env)
-        sandbox = AsyncSandbox(kernel_name=None, policy=policy,
-                               startup_timeout=self.startup_timeout, grace=self.grace)
-        try:
-            await sandbox.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(sandbox.close())
-            raise
-        return sandbox
-
-    async def start(self) -> None:
-        for network in self.networks:
-            self._refill(network)
-
-    def _refill(self, network: bool) -> None:
-        missing = self.size - self._ready[network].qsize() - self._starting[network]
-        for _ in range(max(0, missing)):
-            self._starting[network] += 1
-            task = asyncio.get_running_loop().create_task(self._fill_one(network))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _fill_one(self, network: bool) -> None:
-        try:
-            sandbox = await self._start_one(network)
-        except Exception as exc:  # the next get() starts one itself and reports the cause
-            log.warning("a %s kernel for the pool did not start: %s", policy_name(network), exc)
-            return
-        finally:
-            self._starting[network] -= 1
-        if self._closed:
-            await sandbox.close()
-        else:
-            self._ready[network].put_nowait(sandbox)
-
-    async def get(self, network: bool) -> AsyncSandbox:
-        if network not in self._ready:
-            raise RuntimeError(f"no {policy_name(network)} kernels are configured")
-        queue = self._ready[network]
-        sandbox = queue.get_nowait() if not queue.empty() else None
-        self._refill(network)
-        if sandbox is not None and await sandbox.manager.is_alive():
-            return sandbox
-        if sandbox is not None:
-            await sandbox.close()
-        return await self._start_one(network)
-
-    def ready(self) -> dict[str, int]:
-        return {policy_name(n): q.qsize() for n, q in self._ready.items()}
-
-    async def close(self) -> None:
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        closing = []
-        for queue in self._ready.values():
-            while not queue.empty():
-                closing.append(queue.get_nowait().close())
-        await asyncio.gather(*closing, return_exceptions=True)
-
-
 class PoolSource:
-    """Kernels from one warm pool per network policy (launch/'s KernelPool interface).
+    """Kernels from a warm pool per network policy (launch/pool.py), else started on demand.
 
-    When a pool has nothing ready, the kernel is started here with the pool's own options rather
-    than waiting for the pool's refill, so a burst of runs starts kernels side by side.
+    When a pool has nothing ready (or pooling is off), the kernel is started here with the
+    pool's own options rather than waiting for its refill, so a burst of runs starts kernels
+    side by side.
     """
 
-    def __init__(self, pools: dict[bool, Any]) -> None:
-        self.pools = pools
+    def __init__(self, options: dict[bool, dict[str, Any]], pool_size: int) -> None:
+        self.options = options  # AsyncSandbox's keyword arguments, per network policy
+        self.pools = {network: KernelPool(pool_size, **kwargs)
+                      for network, kwargs in options.items()} if pool_size > 0 else {}
 
     async def start(self) -> None:
         for pool in self.pools.values():
             pool.start()
 
     async def get(self, network: bool) -> AsyncSandbox:
-        pool = self.pools.get(network)
-        if pool is None:
+        if network not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
-        if pool.ready:
-            sandbox: AsyncSandbox = await pool.get()
-            return sandbox
-        sandbox = AsyncSandbox(**pool.sandbox_options)
+        pool = self.pools.get(network)
+        if pool is not None and pool.ready:
+            return await pool.get()
+        sandbox = AsyncSandbox(**self.options[network])
         try:
             await sandbox.start()
         except BaseException:
@@ -172,7 +90,8 @@ class PoolSource:
         return sandbox
 
     def ready(self) -> dict[str, int]:
-        return {policy_name(network): pool.ready for network, pool in self.pools.items()}
+        return {policy_name(network): self.pools[network].ready if network in self.pools else 0
+                for network in self.options}
 
     async def close(self) -> None:
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
@@ -181,16 +100,10 @@ class PoolSource:
 
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
                 grace: float, network_env: dict[str, str] | None = None) -> KernelSource:
-    """The kernel source the service uses: launch/'s warm pools when present, else our own."""
-    try:
-        from ..launch.pool import KernelPool  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        KernelPool = None
-    if KernelPool is None or pool_size < 1:
-        return ReadyKernels(base, networks, pool_size, grace, network_env=network_env)
-    return PoolSource({network: KernelPool(size=pool_size, kernel_name=None, grace=grace,
-                                           policy=with_network(base, network, network_env))
-                       for network in networks})
+    """The kernel source the service uses: the one place to change how it gets kernels."""
+    return PoolSource({network: {"kernel_name": None, "grace": grace,
+                                 "policy": with_network(base, network, network_env)}
+                       for network in networks}, pool_size)
 
 
 def kernel_id(sandbox: AsyncSandbox) -> str:
