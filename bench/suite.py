@@ -44,8 +44,8 @@ class Plan:
 FULL = Plan(starts=30, executes=1000, calls=100, mb_calls=20, ten_mb_calls=6,
             concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2,
             fresh=15, fresh_rounds=3, fresh_each=12, pandas=6, pss_kernels=4)
-QUICK = Plan(starts=2, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
-             concurrency=(1, 2), rounds=2, calls_each=5)
+QUICK = Plan(starts=1, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
+             concurrency=(1, 2), rounds=2, calls_each=5, pss_kernels=1)
 RATE_ROWS = ("fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process")
 FRESH_ROWS = ("fresh.cold", "fresh.fork", "pool.first", *RATE_ROWS)
 PANDAS_ROWS = ("pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process")
