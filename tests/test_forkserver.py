@@ -252,3 +252,13 @@ def test_user_code_cannot_reach_the_fork_server(fresh_sandbox):
         """))
     assert outcome[0] == "EPERM"  # seccomp: no AF_UNIX sockets but socketpairs
     assert outcome[1] in ("EACCES", "ENXIO") and outcome[2] == "EACCES"  # Landlock, mode 0700
+
+
+def test_each_virtualenv_gets_its_own_server(tmp_path):
+    for env in ("a", "b"):
+        (tmp_path / env).mkdir()
+        (tmp_path / env / "python").symlink_to(sys.executable)
+    keys = {forkserver.server_key(str(tmp_path / env / "python"), ()) for env in ("a", "b")}
+    assert len(keys) == 2
+    assert forkserver.server_key(sys.executable, ["pandas", "numpy"]) == \
+        forkserver.server_key(sys.executable, ["numpy", "pandas"])
