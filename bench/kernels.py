@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import zmq
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 
@@ -79,6 +80,8 @@ class Kernel:
         started = time.perf_counter()
         self.manager.start_kernel(stderr=stderr)
         self.client = self.manager.client()
+        # As Sandbox does (client._fast_reconnecting), for every kind alike.
+        self.client.context.setsockopt(zmq.RECONNECT_IVL, 10)
         self.client.start_channels()
         try:
             self._await_kernel_info()

@@ -47,8 +47,9 @@ class Plan:
 FULL = Plan(starts=30, executes=1000, calls=100, mb_calls=20, ten_mb_calls=6,
             concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2,
             fresh=15, fresh_rounds=3, fresh_each=12, pandas=6, pss_kernels=4)
-QUICK = Plan(starts=2, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
-             concurrency=(1, 2), rounds=2, calls_each=5, cpu_calls=50, cpu_rounds=1)
+QUICK = Plan(starts=1, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
+             concurrency=(1, 2), rounds=2, calls_each=5, cpu_calls=50, cpu_rounds=1,
+             pss_kernels=1)
 RATE_ROWS = ("fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process")
 FRESH_ROWS = ("fresh.cold", "fresh.fork", "pool.first", *RATE_ROWS)
 PANDAS_ROWS = ("pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process")
@@ -266,28 +267,37 @@ def _alive(sandboxes: list[Sandbox], index: int) -> Sandbox:
 
 
 def measure_fresh(results: Results) -> None:
-    """8: a fresh kernel per request (cold, fork-served, pooled) against a process per request."""
+    """8: a fresh kernel per request (cold, fork-served, pooled) against a process per request.
+
+    Each row is measured on its own: a failure (say, a cold kernel losing jupyter_client's
+    port race) costs that row only.
+    """
     plan = results.plan
     small = calls.SMALL_CALL
     requests = {"cold": lambda: fresh.request_in_fresh_kernel(small, cold=True),
                 "fork": lambda: fresh.request_in_fresh_kernel(small, cold=False),
                 "process": lambda: calls.call_in_fresh_process(small)}
-    for _ in range(plan.fresh):  # the starts above warmed the page cache and the server
-        for kind in ("cold", "fork"):
-            results.sample(f"fresh.{kind}", "s").add(requests[kind]())
+    for kind in ("cold", "fork"):
+        with recording_failure(results, f"fresh.{kind}"):
+            for _ in range(plan.fresh):  # the starts above warmed the page cache and server
+                results.sample(f"fresh.{kind}", "s").add(requests[kind]())
     if not plan.fresh_rounds:
         for row in RATE_ROWS:
             results.skipped[row] = SKIPPED_BY_QUICK
-    for _ in range(plan.fresh_rounds):
-        for kind, request in requests.items():
-            results.sample(f"rate.{kind}", "req/s", higher_is_better=True).add(
-                fresh.requests_per_second(request, plan.fresh_each))
-        rate, latencies = fresh.pool_rate(plan.fresh_each)
-        results.sample("rate.pool", "req/s", higher_is_better=True).add(rate)
-        for seconds in latencies:
-            results.sample("fresh.pool", "s").add(seconds)
-    for seconds in fresh.pool_first_calls(plan.fresh):
-        results.sample("pool.first", "s").add(seconds)
+    for kind, request in requests.items():
+        with recording_failure(results, f"rate.{kind}"):
+            for _ in range(plan.fresh_rounds):
+                results.sample(f"rate.{kind}", "req/s", higher_is_better=True).add(
+                    fresh.requests_per_second(request, plan.fresh_each))
+    with recording_failure(results, "rate.pool", "fresh.pool"):
+        for _ in range(plan.fresh_rounds):
+            rate, latencies = fresh.pool_rate(plan.fresh_each)
+            results.sample("rate.pool", "req/s", higher_is_better=True).add(rate)
+            for seconds in latencies:
+                results.sample("fresh.pool", "s").add(seconds)
+    with recording_failure(results, "pool.first"):
+        for seconds in fresh.pool_first_calls(plan.fresh):
+            results.sample("pool.first", "s").add(seconds)
 
 
 def measure_pandas(results: Results) -> None:

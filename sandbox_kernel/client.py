@@ -44,6 +44,7 @@ _DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's ex
 # After the kernel_info_reply, how long to wait for an IOPub message (which proves the
 # subscription) before asking again: a fork-served kernel answers before IOPub has joined.
 _IOPUB_JOIN = 0.05
+_RECONNECT_MS = 10
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
 
 
@@ -215,6 +216,17 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
     msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint, timeout_source))
     return msg
+
+
+def _fast_reconnecting(client: Any) -> Any:
+    """The client's sockets retry a refused connection after 10 ms, not ZMQ's 100 ms.
+
+    The first kernel_info request goes out before the kernel has bound its sockets; a
+    fork-served kernel binds them within tens of milliseconds, and would otherwise wait out
+    the rest of the 100 ms. The context is the client's own (jupyter_client makes one each).
+    """
+    client.context.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
+    return client
 
 
 def _check_start(alive: bool, deadline: float, timeout: float) -> None:
@@ -462,7 +474,7 @@ class Sandbox(_SandboxSettings):
         self._connect()
 
     def _connect(self) -> None:
-        self.client = self.manager.client(context=self._live_context())
+        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
         self.client.start_channels()
         try:
             self._wait_for_ready()
@@ -586,7 +598,7 @@ class AsyncSandbox(_SandboxSettings):
         await self._connect()
 
     async def _connect(self) -> None:
-        self.client = self.manager.client(context=self._live_context())
+        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
         self.client.start_channels()
         try:
             await self._wait_for_ready()

@@ -205,13 +205,23 @@ def test_the_server_is_single_threaded_and_recycled_after_max_forks():
     third.wait(60)
 
 
+# Descriptor kinds and how many of each; sockets only by kind (ZMQ's count varies with
+# timing), with the paths of Unix sockets (the fork server's would have one).
 FDS = ("import os, re, collections\n"
+       "paths = {}\n"
+       "for line in open('/proc/self/net/unix').read().splitlines()[1:]:\n"
+       "    fields = line.split()\n"
+       "    paths[fields[6]] = fields[7] if len(fields) > 7 else ''\n"
        "kinds = collections.Counter()\n"
        "for fd in set(os.listdir('/proc/self/fd')) - {'0'}:  # stdin: /dev/null, not a pipe\n"
        "    try:\n"
-       "        kinds[re.sub(r'\\[\\d+\\]|/.*', '', os.readlink(f'/proc/self/fd/{fd}'))] += 1\n"
+       "        target = os.readlink(f'/proc/self/fd/{fd}')\n"
        "    except OSError:\n"
-       "        pass\n"
+       "        continue\n"
+       "    if target.startswith('socket:'):\n"
+       "        kinds['unix ' + paths[target[8:-1]] if target[8:-1] in paths else 'socket'] = 1\n"
+       "    else:\n"
+       "        kinds[re.sub(r'\\[\\d+\\]|/.*', '', target)] += 1\n"
        "dict(kinds)")
 
 
@@ -220,6 +230,7 @@ def test_a_fork_served_kernel_holds_no_descriptor_a_cold_one_does_not():
         assert forked.manager.provisioner.fork_served
         fork_fds, cold_fds = evaluate(forked, FDS), evaluate(cold, FDS)
     assert "anon_inode:[pidfd]" not in fork_fds and "anon_inode:pidfd" not in fork_fds
+    assert [kind for kind in fork_fds if kind.startswith("unix /")] == []
     assert fork_fds == cold_fds
 
 
@@ -241,3 +252,13 @@ def test_user_code_cannot_reach_the_fork_server(fresh_sandbox):
         """))
     assert outcome[0] == "EPERM"  # seccomp: no AF_UNIX sockets but socketpairs
     assert outcome[1] in ("EACCES", "ENXIO") and outcome[2] == "EACCES"  # Landlock, mode 0700
+
+
+def test_each_virtualenv_gets_its_own_server(tmp_path):
+    for env in ("a", "b"):
+        (tmp_path / env).mkdir()
+        (tmp_path / env / "python").symlink_to(sys.executable)
+    keys = {forkserver.server_key(str(tmp_path / env / "python"), ()) for env in ("a", "b")}
+    assert len(keys) == 2
+    assert forkserver.server_key(sys.executable, ["pandas", "numpy"]) == \
+        forkserver.server_key(sys.executable, ["numpy", "pandas"])

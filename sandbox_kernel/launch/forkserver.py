@@ -87,8 +87,12 @@ def runtime_dir() -> Path:
 
 
 def server_key(python: str, preload: Sequence[str]) -> str:
-    """One server per interpreter and preload set."""
-    text = json.dumps([os.path.realpath(python), sorted(set(preload))])
+    """One server per interpreter and preload set.
+
+    The path as given, not resolved: every virtualenv's python links to the same binary, yet
+    each has its own site-packages.
+    """
+    text = json.dumps([os.path.abspath(python), sorted(set(preload))])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
