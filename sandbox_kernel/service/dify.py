@@ -9,6 +9,7 @@ exact `Content-Type: application/json` makes a bad body a 400, any other type a 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -168,7 +169,12 @@ async def bind(request: Request, fields: tuple[str, ...], required: tuple[str, .
             values = _from_form(parse_qs(request.url.query, keep_blank_values=True), fields)
         _validate(values, required)
     except BindError as exc:
-        return None, error_answer(status, -400, str(exc))
+        answer = error_answer(status, -400, str(exc))
+        if status == 400:
+            # gin's BindJSON writes the 400 status line before c.JSON sets its header, so Go's
+            # net/http sniffs the body instead: the envelope goes out as text/plain.
+            answer.headers["content-type"] = "text/plain; charset=utf-8"
+        return None, answer
     return values, None
 
 
@@ -205,8 +211,10 @@ def run_data(execution: Execution) -> dict[str, Any]:
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(-1, stderr, "error: timeout\n"), "exit_code": -1}
     if error.name == "KernelDied":  # killed by a signal: Go reports exit code -1
+        # Only how it died: the client's note about restarting means nothing to a one-off run.
+        died = error.value.split(";")[0]
         return {"stdout": stdout, "stderr": stderr,
-                "error": _failure(-1, stderr, f"error: {error.value}\n"), "exit_code": -1}
+                "error": _failure(-1, stderr, f"error: {died}\n"), "exit_code": -1}
     if error.name == "SystemExit":
         code, printed = _exit_status(error.value)
         stderr = "".join(chunk["text"] for chunk in execution.logs
@@ -288,6 +296,7 @@ async def _run_admitted(request: Request, service: Any) -> Response:
     return success(run_data(execution))
 
 
+@functools.lru_cache(maxsize=1)
 def _dependencies() -> list[dict[str, str]]:
     """Every distribution the kernel's interpreter (this one: kernels run sys.executable) has."""
     found: dict[str, str] = {}
@@ -323,4 +332,7 @@ async def update_dependencies(request: Request) -> Response:
 
 @router.get("/v1/sandbox/dependencies/refresh")
 async def refresh_dependencies(request: Request) -> Response:
-    return await _dependency_route(request, lambda: {"dependencies": _dependencies()})
+    def fresh() -> dict[str, Any]:
+        _dependencies.cache_clear()
+        return {"dependencies": _dependencies()}
+    return await _dependency_route(request, fresh)

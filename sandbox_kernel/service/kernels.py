@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from ..client import AsyncSandbox
 from ..policy import SandboxPolicy
+from .access import json_line
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -207,17 +208,31 @@ class Kernels:
         self._closing: set[asyncio.Task[None]] = set()
 
     async def get(self, network: bool) -> AsyncSandbox:
-        """A fresh kernel, counted as live until `discard`; KernelUnavailable if none comes."""
+        """A fresh kernel, counted as live until `discard`; KernelUnavailable if none comes.
+
+        A kernel that fails to start (not one that is slow to) is tried once more: on a loaded
+        host a start can fail once; a host that cannot run the policy fails both, fast.
+        """
         try:
-            sandbox = await asyncio.wait_for(self.source.get(network), self.start_timeout)
+            sandbox = await self._get(network)
+        except KernelUnavailable as first:
+            if first.__cause__ is None:  # it timed out: the caller has waited long enough
+                raise
+            log.warning(json_line(event="kernel_start_failed", policy=policy_name(network),
+                                  error=str(first), retrying=True))
+            sandbox = await self._get(network)
+        self.live.add(sandbox)
+        return sandbox
+
+    async def _get(self, network: bool) -> AsyncSandbox:
+        try:
+            return await asyncio.wait_for(self.source.get(network), self.start_timeout)
         except asyncio.TimeoutError:
             raise KernelUnavailable(f"no {policy_name(network)} kernel started within "
                                     f"{self.start_timeout:g} s") from None
         except Exception as exc:
             raise KernelUnavailable(f"the {policy_name(network)} kernel did not start: "
                                     f"{exc}") from exc
-        self.live.add(sandbox)
-        return sandbox
 
     def discard(self, sandbox: AsyncSandbox) -> None:
         """Shut a kernel down in the background; safe to call from a cancelled task."""

@@ -190,6 +190,7 @@ class _Stream:
 
     async def events(self, work: asyncio.Task[Execution]) -> AsyncIterator[ServerSentEvent]:
         """Output events while work runs, then the final ones; cancels work if abandoned."""
+        getter: asyncio.Future[ServerSentEvent] | None = None
         try:
             while not (work.done() and self.queue.empty()):
                 getter = asyncio.ensure_future(self.queue.get())
@@ -204,13 +205,15 @@ class _Stream:
                 execution = Execution(error=ExecutionError("KernelUnavailable", str(exc)))
             for event in _final_events(execution):
                 yield event
-        finally:
+        finally:  # the client left, or the stream is done
+            if getter is not None and not getter.done():
+                getter.cancel()
             if not work.done():
                 work.cancel()
 
-
-def _streaming(request: Request, stream: _Stream, work: asyncio.Task[Execution]) -> Response:
-    return EventSourceResponse(stream.events(work), ping=15)
+    def response(self, work: asyncio.Task[Execution]) -> Response:
+        """The event stream of work (keep-alive comments every 15 s)."""
+        return EventSourceResponse(self.events(work), ping=15)
 
 
 # --- one-shot ------------------------------------------------------------------------------
@@ -218,8 +221,7 @@ def _streaming(request: Request, stream: _Stream, work: asyncio.Task[Execution])
 @router.post("/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) on a fresh kernel",
              responses={200: {"content": {SSE: {}}}, 503: {"description": "too many runs"}})
-async def execute(body: OneShotRequest, request: Request,
-                  key: Key) -> Response:
+async def execute(body: OneShotRequest, request: Request, key: Key) -> Response:
     service = service_of(request)
     timeout = _timeout(service, body.timeout)
     if body.network and not service.config.enable_network:
@@ -245,7 +247,7 @@ async def execute(body: OneShotRequest, request: Request,
 
     if _wants_events(request):
         stream = _Stream()
-        return _streaming(request, stream, asyncio.ensure_future(work(stream)))
+        return stream.response(asyncio.ensure_future(work(stream)))
     try:
         execution = await unless_disconnected(request, work())
     except KernelUnavailable as exc:
@@ -259,8 +261,7 @@ async def execute(body: OneShotRequest, request: Request,
 
 @router.post("/sessions", status_code=201, response_model=SessionShape,
              summary="Open a session: a kernel of its own whose state persists")
-async def create_session(body: SessionRequest, request: Request,
-                         key: Key) -> Any:
+async def create_session(body: SessionRequest, request: Request, key: Key) -> Any:
     service = service_of(request)
     config = service.config
     if body.network and not config.enable_network:
@@ -354,7 +355,7 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
 
     if _wants_events(request):
         stream = _Stream()
-        return _streaming(request, stream, asyncio.ensure_future(work(stream)))
+        return stream.response(asyncio.ensure_future(work(stream)))
     execution = await unless_disconnected(request, work())
     if execution is None:
         return Response(status_code=499)

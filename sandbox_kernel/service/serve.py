@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from traitlets import TraitError
+
 from .. import policy
 from . import config as service_config
 
@@ -45,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from .auth import KeyFileError
 
+    if getattr(args, "allow_network", None):
+        raise TraitError("serve decides network access per request: --enable-network lets a "
+                         "request ask for it; drop --allow-network")
     config = service_config.from_arguments(args)
     effective = policy.from_arguments(args)
     _logging(config.log_level)
