@@ -330,7 +330,8 @@ def summarize(result: ScenarioResult, exchanges: list[Exchange], plan: Plan, ali
                       f"{slowest.url.split('/', 3)[-1][:60]})")
     # A 503 that says why is the contract of /ready (not ready) and of the run routes (too many
     # runs); any other 5xx is a server error.
-    said_busy = [e for e in exchanges if e.status == 503 and e.clear()]
+    said_busy = [e for e in exchanges if e.status == 503
+                 and (e.clear() or e.url.split("?")[0].endswith("/ready"))]
     server_errors = [e for e in exchanges if e.status >= 500 and e not in said_busy]
     result.figure("503 answers saying why (/ready not ready, too many runs)",
                   ", ".join(f"{n} x {route}" for route, n in collections.Counter(

@@ -206,7 +206,9 @@ async def settle(sampler: Sampler, baseline: Sample, timeout: float) -> tuple[Sa
     started = time.monotonic()
     while True:
         now = await asyncio.to_thread(sampler.now)
+        # Kernels are closed in the background: their clients' sockets go a little later.
         back = (now.processes <= baseline.processes and now.scratch_dirs <= baseline.scratch_dirs
+                and now.service_fds <= baseline.service_fds
                 and now.metrics.get("sandbox_runs_in_flight", 0) == 0)
         if back or time.monotonic() - started > timeout:
             return now, time.monotonic() - started

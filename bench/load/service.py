@@ -125,7 +125,7 @@ class Service:
         except OSError:
             return ""
 
-    def log_errors(self, limit: int = 3) -> str:
+    def log_errors(self, limit: int = 8) -> str:
         """The last `limit` tracebacks the service logged (uncaught exceptions in requests)."""
         try:
             text = self.log_path.read_text(errors="replace")

@@ -389,6 +389,10 @@ def scratch_path(path: str) -> str:
     """A relative path inside the scratch directory, or 400."""
     if not path or "\x00" in path or len(path) > 1024:
         raise HTTPException(400, "the file path must be 1-1024 characters without NUL")
+    try:
+        sendable(path)
+    except ValueError as exc:
+        raise HTTPException(400, f"the file path {exc}") from None
     normal = posixpath.normpath(path)
     if path.startswith("/") or normal == "." or normal.startswith("..") \
             or ".." in path.split("/"):
