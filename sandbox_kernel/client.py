@@ -57,6 +57,20 @@ class ExecutionError:
     traceback: list[str] = field(default_factory=list)
 
 
+def _error(content: dict[str, Any]) -> ExecutionError:
+    """The error of an `error` message or an error execute_reply, without ANSI colours."""
+    return ExecutionError(str(content.get("ename", "Error")), str(content.get("evalue", "")),
+                          [_ANSI.sub("", str(line)) for line in content.get("traceback", [])])
+
+
+def _reply_error(execution: Execution, reply: dict[str, Any] | None) -> None:
+    """Take the error from the execute_reply when no `error` message came (e.g. a kernel at its
+    thread limit cannot format and publish one): a failed run never reads as a success."""
+    content = (reply or {}).get("content", {})
+    if execution.error is None and content.get("status") == "error":
+        execution.error = _error(content)
+
+
 @dataclass
 class Execution:
     """Everything one `run` produced, each kind of output kept apart."""
@@ -161,8 +175,7 @@ class _Collector:
             ex.displays.append(content["data"])
             self._call("display", content["data"])
         elif kind == "error":
-            ex.error = ExecutionError(content["ename"], content["evalue"],
-                                      [_ANSI.sub("", line) for line in content["traceback"]])
+            ex.error = _error(content)
         elif kind == "status" and content["execution_state"] == "idle":
             self.idle = True
             self._add_markers()
@@ -546,7 +559,7 @@ class Sandbox(_SandboxSettings):
             if lost:
                 self.restart()
             else:
-                self._take_reply(msg["header"]["msg_id"])
+                _reply_error(execution, self._take_reply(msg["header"]["msg_id"]))
             return execution
 
     def _verdict(self, watchdog: _Watchdog, inbox: _Inbox) -> str | None:
@@ -565,16 +578,17 @@ class Sandbox(_SandboxSettings):
             return None
         return verdict
 
-    def _take_reply(self, msg_id: str) -> None:
+    def _take_reply(self, msg_id: str) -> dict[str, Any] | None:
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
         give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
         while (left := give_up - time.monotonic()) > 0:
             try:
-                reply = self.client.get_shell_msg(timeout=left)
+                reply: dict[str, Any] = self.client.get_shell_msg(timeout=left)
             except queue.Empty:
-                return
+                return None
             if reply["parent_header"].get("msg_id") == msg_id:
-                return
+                return reply
+        return None
 
 
 class AsyncSandbox(_SandboxSettings):
@@ -664,7 +678,7 @@ class AsyncSandbox(_SandboxSettings):
             if lost:
                 await self.restart()
             else:
-                await self._take_reply(msg["header"]["msg_id"])
+                _reply_error(execution, await self._take_reply(msg["header"]["msg_id"]))
             return execution
 
     async def _verdict(self, watchdog: _Watchdog, inbox: _AsyncInbox) -> str | None:
@@ -683,13 +697,14 @@ class AsyncSandbox(_SandboxSettings):
             return None
         return verdict
 
-    async def _take_reply(self, msg_id: str) -> None:
+    async def _take_reply(self, msg_id: str) -> dict[str, Any] | None:
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
         give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
         while (left := give_up - time.monotonic()) > 0:
             try:
-                reply = await self.client.get_shell_msg(timeout=left)
+                reply: dict[str, Any] = await self.client.get_shell_msg(timeout=left)
             except queue.Empty:
-                return
+                return None
             if reply["parent_header"].get("msg_id") == msg_id:
-                return
+                return reply
+        return None

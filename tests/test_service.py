@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_kernel.launch import forkserver
+
 httpx = pytest.importorskip("httpx")
 
 DIFY_KEY = "test-dify-key"
@@ -824,7 +826,15 @@ def test_a_client_that_disconnects_does_not_leak_its_kernel(small_server):
     assert small_server.wait_until(lambda s: s["kernels_live"] == 0)["kernels_live"] == 0
 
 
+def fork_served(pid: int | None) -> set[int]:
+    """Kernels forked by the fork server at pid (none without one)."""
+    return children(pid) if pid else set()
+
+
 def test_graceful_shutdown_leaves_nothing_behind(tmp_path):
+    # Kernels are the service's children when started cold, the fork server's when fork-served.
+    fork_server = forkserver.ForkServerClient()
+    before = fork_served(fork_server.server_pid())
     srv = Server(tmp_path, "--pool-size", "1", "--api-key", DIFY_KEY)
     url = srv.url + "/api/v1/sessions"
     made = http.post(url, headers=auth(DIFY_KEY), json={}, timeout=60)
@@ -832,7 +842,8 @@ def test_graceful_shutdown_leaves_nothing_behind(tmp_path):
     results: list = []
     worker = _sleeper(srv, 1, results)
     srv.wait_until(lambda s: s["runs_in_flight"] == 1)
-    kernels = children(srv.process.pid)
+    server = fork_server.server_pid()  # shared by every kernel of this interpreter: not ours
+    kernels = (children(srv.process.pid) | fork_served(server)) - before - {server}
     assert len(kernels) >= 3  # the session's, the run's, the pool's
     srv.stop()
     worker.join(10)
