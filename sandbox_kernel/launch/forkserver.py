@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import gc
 import hashlib
 import importlib
@@ -87,13 +88,26 @@ def runtime_dir() -> Path:
 
 
 def server_key(python: str, preload: Sequence[str]) -> str:
-    """One server per interpreter and preload set.
+    """One server per interpreter, preload set and version of this package's code.
 
     The path as given, not resolved: every virtualenv's python links to the same binary, yet
-    each has its own site-packages.
+    each has its own site-packages. A server imported the kernel's code when it started: after
+    an upgrade (or an edit of an editable install) it would go on forking kernels that run the
+    old confinement code, so the code's fingerprint is part of the key too.
     """
-    text = json.dumps([os.path.abspath(python), sorted(set(preload))])
+    text = json.dumps([os.path.abspath(python), sorted(set(preload)), _code_fingerprint()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _code_fingerprint() -> list[tuple[str, int, int]]:
+    """Path, size and mtime of each module of this package, as this process imported it."""
+    package = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        info = path.stat()
+        found.append((str(path.relative_to(package)), info.st_size, info.st_mtime_ns))
+    return found
 
 
 def server_env(current: Mapping[str, str], home: Path) -> dict[str, str]:
