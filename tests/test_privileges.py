@@ -46,7 +46,8 @@ def private_dir():
                                    check=True, capture_output=True, text=True).stdout.strip()
         packages = sysconfig.get_path("purelib")
         Path(venv_site, "packages.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
-        for name, extra in (("private", []), ("private-root", ["--run-as", "root", "--max-threads", "0"])):
+        root = ["--run-as", "root", "--max-threads", "0"]  # uid 0 is exempt from RLIMIT_NPROC
+        for name, extra in (("private", []), ("private-root", root)):
             subprocess.run([str(venv / "bin/python"), "-m", "sandbox_kernel", "install",
                             "--prefix", str(prefix), "--name", name, *extra],
                            check=True, capture_output=True)
