@@ -7,12 +7,12 @@ IPython shell or traitlets singleton. Per request it forks a child that does exa
 kernel does after its re-exec (`environment.prepare`, then `app.main`): its own scratch and
 reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
 
-Protocol, on a Unix socket in an owner-only runtime directory, peers checked with SO_PEERCRED:
-the client sends one length-prefixed JSON request `{"argv": [...], "env": {...}, "cwd": DIR}`
-with its stdin, stdout and stderr attached (SCM_RIGHTS); the server answers `{"pid": N}` with a pidfd of
-the child attached, and, when the child has ended, `{"exit": returncode}`. If the client hangs
-up first, its launcher is gone and the kernel is killed (what ipykernel's parent poller does for
-a cold kernel). Everything user code can observe is per kernel: `random` (and numpy's) reseeded,
+Protocol, on a Unix socket in an owner-only runtime directory, peers checked with SO_PEERCRED: the
+client sends one length-prefixed JSON request `{"argv": [...], "env": {...}, "cwd": ...}` with its
+stdin, stdout and stderr attached (SCM_RIGHTS); the server answers `{"pid": N}` with a pidfd of the
+child attached, and, when the child has ended, `{"exit": returncode}`. If the client hangs up
+first, its launcher is gone and the kernel is killed (what ipykernel's parent poller does for a
+cold kernel). Everything user code can observe is per kernel: `random` (and numpy's) reseeded,
 `tempfile.tempdir` reset, the server's descriptors closed, the environment, stdio and working
 directory the launcher's. The hash seed and address-space layout are shared by one server's
 children, so a server retires after `max_forks` forks or `max_age` seconds (docs/SECURITY.md).
