@@ -45,3 +45,19 @@ def wait_until_ready(client, process, timeout=60):
         except RuntimeError:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise
+
+
+def advised_folder(path):
+    """The folder a refusal's `--read-path` advice names for the directory path.
+
+    The path itself, unless the kernel cannot even look at it: root gives each kernel a uid of
+    its own, which a 0700 directory above path (pytest's tmp dirs, mkdtemp's) keeps out; then
+    the kernel cannot tell a folder from a file and names the folder holding path.
+    """
+    import os
+    from pathlib import Path
+
+    above = Path(path).parents
+    if os.geteuid() != 0 or all(folder.stat().st_mode & 0o001 for folder in above):
+        return str(path)
+    return os.path.dirname(path)

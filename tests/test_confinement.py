@@ -392,7 +392,7 @@ def test_shutdown_does_not_wait_for_user_code(tmp_path):
     client.load_connection_file()
     client.start_channels()
     try:
-        client.kernel_info(reply=True, timeout=60)
+        wait_until_ready(client, process)  # IOPub subscribed too, or the first output is lost
         reply = client.execute_interactive(
             "import atexit, threading, time\natexit.register(time.sleep, 3600)\n"
             "threading.Thread(target=time.sleep, args=(3600,)).start()\n"

@@ -35,6 +35,8 @@ import pytest
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
+from tests.helpers import advised_folder
+
 RECV_TIMEOUT = 30.0  # seconds any single message may take; the seed waits forever
 POLL_SECONDS = 0.1
 POLLS = 300  # so a server gets 30 s to answer
@@ -431,7 +433,8 @@ def test_kernel_cannot_read_the_gateway_runtime_dir(executor):
     assert (error.name, error.value) == ("PermissionError", (
         f"[Errno 13] Permission denied: {runtime_dir!r}: the sandbox refused it: the path is "
         "outside what this kernel was granted; to let user code read it, add it to the "
-        f"kernelspec with `sandbox-kernel install --read-path {runtime_dir}` (--write-path to "
+        f"kernelspec with `sandbox-kernel install --read-path {advised_folder(runtime_dir)}` "
+        "(--write-path to "
         "write there too) and restart the kernel"))
 
 

@@ -17,6 +17,7 @@ import pytest
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
+from tests.helpers import advised_folder
 from tests.test_gateway import (
     RECV_TIMEOUT,
     ExecutionResults,
@@ -171,7 +172,8 @@ def test_notebook_session_runs_in_scratch_not_the_notebook_dir(server):
         assert (denied.name, denied.value) == (
             "PermissionError", f"[Errno 13] Permission denied: {root!r}: the sandbox refused it: "
             "the path is outside what this kernel was granted; to let user code read it, add it "
-            f"to the kernelspec with `sandbox-kernel install --read-path {root}` (--write-path to "
+            f"to the kernelspec with `sandbox-kernel install --read-path {advised_folder(root)}` "
+            "(--write-path to "
             "write there too) and restart the kernel")
     finally:
         assert server.call("DELETE", f"/api/sessions/{session['id']}")[0] == 204

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,9 +123,14 @@ def assert_points_at_the_notebooks_folder(outputs: list, folder: Path) -> None:
     assert outputs[0]["evalue"].startswith(
         "[Errno 2] No such file or directory: 'data.csv': the kernel's working directory is its "
         "private scratch (")
+    # pytest's tmp_path is under /tmp/pytest-of-root (0700): a kernel root starts with a uid of
+    # its own cannot look into the notebook's folder, so it cannot say whether data.csv is there.
+    others_enter = all(path.stat().st_mode & 0o001 for path in [folder, *folder.parents])
+    seen = ("which has 'data.csv';" if others_enter or os.geteuid() != 0 else
+            "which this kernel's uid cannot look into; if 'data.csv' is there,")
     assert outputs[0]["evalue"].endswith(
         f"not the folder it was started in ({folder}: the notebook's folder under Jupyter), "
-        f"which has 'data.csv'; to read it, add it to the kernelspec with `sandbox-kernel "
+        f"{seen} to read it, add it to the kernelspec with `sandbox-kernel "
         f"install --read-path {folder}` (--write-path to write there too) and restart the "
         f"kernel, then open {str(folder / 'data.csv')!r}")
 

@@ -46,7 +46,8 @@ def private_dir():
                                    check=True, capture_output=True, text=True).stdout.strip()
         packages = sysconfig.get_path("purelib")
         Path(venv_site, "packages.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
-        for name, extra in (("private", []), ("private-root", ["--run-as", "root"])):
+        root = ["--run-as", "root", "--max-threads", "0"]  # uid 0 is exempt from RLIMIT_NPROC
+        for name, extra in (("private", []), ("private-root", root)):
             subprocess.run([str(venv / "bin/python"), "-m", "sandbox_kernel", "install",
                             "--prefix", str(prefix), "--name", name, *extra],
                            check=True, capture_output=True)
@@ -150,7 +151,9 @@ def test_without_a_mount_namespace_only_run_as_root_starts(private_dir, tmp_path
     connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
     process = subprocess.Popen(
         [str(private_dir / "venv/bin/python"), "-c", NO_MOUNTS_LAUNCHER, "-m", "sandbox_kernel",
-         "-f", connection_file, "--scratch-size=0", f"--run-as={run_as}"],
+         "-f", connection_file, "--scratch-size=0", f"--run-as={run_as}",
+         # uid 0 is exempt from RLIMIT_NPROC: root without a thread cap must be asked for too
+         *(["--max-threads=0"] if run_as == "root" else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         if run_as == "auto":

@@ -218,12 +218,20 @@ def _hidden(exc: OSError, path: str, access: FileAccess) -> OSError | None:
 
 def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | None:
     elsewhere = os.path.join(access.launch_dir, name)
+    started = (f"the kernel's working directory is its private scratch ({access.scratch}), not "
+               f"the folder it was started in ({access.launch_dir}: the notebook's folder under "
+               "Jupyter)")
     if not os.path.lexists(elsewhere):
         # A folder the kernel's view covers cannot be looked into: say where to look anyway.
-        return _hidden(exc, elsewhere, access)
-    where = (f"the kernel's working directory is its private scratch ({access.scratch}), not "
-             f"the folder it was started in ({access.launch_dir}: the notebook's folder under "
-             f"Jupyter), which has {name!r}")
+        hidden = _hidden(exc, elsewhere, access)
+        if hidden is not None or os.access(access.launch_dir, os.X_OK):
+            return hidden
+        # The host keeps the kernel's uid out (a 0700 directory above it): it cannot tell.
+        return _explained(exc, f"{started}, which this kernel's uid cannot look into; if "
+                          f"{name!r} is there, to read it, "
+                          + GRANT_FLAGS.format(dir=access.launch_dir)
+                          + f", then open {elsewhere!r}")
+    where = f"{started}, which has {name!r}"
     if access.landlock and not _under(os.path.realpath(elsewhere), access.read):
         return _explained(exc, f"{where}; to read it, "
                           + GRANT_FLAGS.format(dir=access.launch_dir)

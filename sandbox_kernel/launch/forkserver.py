@@ -7,15 +7,15 @@ IPython shell or traitlets singleton. Per request it forks a child that does exa
 kernel does after its re-exec (`environment.prepare`, then `app.main`): its own scratch and
 reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
 
-Protocol, on a Unix socket in an owner-only runtime directory, peers checked with SO_PEERCRED:
-the client sends one length-prefixed JSON request `{"argv": [...], "env": {...}}` with its
-stdin, stdout and stderr attached (SCM_RIGHTS); the server answers `{"pid": N}` with a pidfd of
-the child attached, and, when the child has ended, `{"exit": returncode}`. If the client hangs
-up first, its launcher is gone and the kernel is killed (what ipykernel's parent poller does for
-a cold kernel). Everything user code can observe is per kernel: `random` (and numpy's) reseeded,
-`tempfile.tempdir` reset, the server's descriptors closed, the environment and stdio the
-launcher's. The hash seed and address-space layout are shared by one server's children, so a
-server retires after `max_forks` forks or `max_age` seconds (docs/SECURITY.md).
+Protocol, on a Unix socket in an owner-only runtime directory, peers checked with SO_PEERCRED: the
+client sends one length-prefixed JSON request `{"argv": [...], "env": {...}, "cwd": ...}` with its
+stdin, stdout and stderr attached (SCM_RIGHTS); the server answers `{"pid": N}` with a pidfd of the
+child attached, and, when the child has ended, `{"exit": returncode}`. If the client hangs up
+first, its launcher is gone and the kernel is killed (what ipykernel's parent poller does for a
+cold kernel). Everything user code can observe is per kernel: `random` (and numpy's) reseeded,
+`tempfile.tempdir` reset, the server's descriptors closed, the environment, stdio and working
+directory the launcher's. The hash seed and address-space layout are shared by one server's
+children, so a server retires after `max_forks` forks or `max_age` seconds (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -249,6 +249,7 @@ class Server:
 
     def fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
         argv, env = list(request["argv"]), dict(request["env"])
+        cwd = str(request.get("cwd") or "/")
         if len(fds) != 3:
             raise ForkServerError("a request carries exactly three descriptors (stdio)")
         if thread_count() != 1:
@@ -256,7 +257,7 @@ class Server:
         pid = os.fork()
         if pid == 0:
             conn.close()  # the child's launcher talks to the server, not to the kernel
-            self.become_kernel(argv, env, fds)
+            self.become_kernel(argv, env, fds, cwd)
         self.forks += 1
         pidfd = os.pidfd_open(pid)
         self.children[pid] = _Child(conn, pidfd)
@@ -292,11 +293,15 @@ class Server:
         self.selector.unregister(child.conn)
         child.hung_up = True
 
-    def become_kernel(self, argv: list[str], env: dict[str, str], stdio: list[int]) -> None:
+    def become_kernel(self, argv: list[str], env: dict[str, str], stdio: list[int],
+                      cwd: str = "/") -> None:
         """In the child: exactly what a cold kernel does after its re-exec, then exit."""
         code = 1
         try:
             os.setsid()  # its own process group, as jupyter_client gives a cold kernel
+            # Where the launcher would have started it (under Jupyter, the notebook's folder):
+            # the kernel remembers it to explain a refused relative name (confine/denials.py).
+            os.chdir(cwd)
             self.close_in_child()
             for target, fd in enumerate(stdio):
                 os.dup2(fd, target)
@@ -514,11 +519,13 @@ class ForkServerClient:
         self.socket_path = str(self.directory / f"{self.key}.sock")
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-              stdio: Sequence[int]) -> ForkedKernel:
-        """A new kernel running `python -m sandbox_kernel argv` in env, with stdio as its fds."""
+              stdio: Sequence[int], cwd: str | os.PathLike[str] | None = None) -> ForkedKernel:
+        """A new kernel running `python -m sandbox_kernel argv` in env, with stdio as its fds,
+        started in cwd (this process's working directory by default)."""
+        request = {"argv": list(argv), "env": dict(env), "cwd": os.path.abspath(cwd or ".")}
         conn = self.connect()
         try:
-            socket.send_fds(conn, [_frame({"argv": list(argv), "env": dict(env)})], list(stdio))
+            socket.send_fds(conn, [_frame(request)], list(stdio))
             conn.settimeout(self.start_timeout)
             reply, fds = _receive(conn)
             conn.settimeout(None)

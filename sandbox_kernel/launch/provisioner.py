@@ -79,7 +79,7 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             max_age=self.max_age, idle=self.idle)
         stdio = forkserver.stdio_fds(kwargs.get("stdout"), kwargs.get("stderr"))
         try:
-            return client.spawn(argv, env, stdio)
+            return client.spawn(argv, env, stdio, kwargs.get("cwd"))
         finally:
             os.close(stdio[0])
 
