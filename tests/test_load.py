@@ -82,9 +82,6 @@ def test_fault_handled(fault_run: ScenarioResult, name: str) -> None:
     assert_met(goal(fault_run, name))
 
 
-@pytest.mark.xfail(strict=True, reason="service bug (bench/results/load.md): runs still going "
-                   "when uvicorn's graceful-shutdown timeout ends are cancelled with a bare "
-                   "HTTP 500 instead of an error envelope")
 def test_fault_sigterm_under_load(fault_run: ScenarioResult) -> None:
     assert_met(goal(fault_run, "SIGTERM to the service under load"))
 

@@ -81,6 +81,15 @@ class Service:
         log.info(json_line(event="started", version=__version__, port=self.config.port,
                            network=self.config.enable_network, pool_size=self.config.pool_size))
 
+    def begin_shutdown(self) -> None:
+        """On SIGTERM/SIGINT: refuse readiness now; end the runs still going after the grace
+        period with an error answer (before the server would cancel them with a bare 500)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        asyncio.get_running_loop().call_later(self.config.shutdown_grace,
+                                              self.runner.stopping.set)
+
     async def stop(self) -> None:
         """Let in-flight runs finish within the grace period, then shut every kernel down."""
         self.stopping = True

@@ -23,7 +23,7 @@ from starlette.responses import Response
 from ..client import Execution
 from .access import json_line
 from .kernels import KernelUnavailable
-from .runs import SERVICE_TIMEOUT, Busy, RunRecord, unless_disconnected
+from .runs import SERVICE_STOPPING, SERVICE_TIMEOUT, Busy, RunRecord, unless_disconnected
 
 log = logging.getLogger("sandbox_kernel.service")
 router = APIRouter(tags=["dify-sandbox"])
@@ -215,6 +215,9 @@ def run_data(execution: Execution) -> dict[str, Any]:
         died = error.value.split(";")[0]
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(-1, stderr, f"error: {died}\n"), "exit_code": -1}
+    if error.name == SERVICE_STOPPING:  # its kernel was shut down: a killed process, for Go
+        return {"stdout": stdout, "stderr": stderr,
+                "error": _failure(-1, stderr, f"error: {error.value}\n"), "exit_code": -1}
     if error.name == "SystemExit":
         code, printed = _exit_status(error.value)
         stderr = "".join(chunk["text"] for chunk in execution.logs

@@ -319,7 +319,8 @@ async def _session_run(service: Any, session: Session, sandbox: AsyncSandbox, bo
         execution, lost = await bounded(
             sandbox.run(body.code, body.inputs, timeout=timeout, on_stdout=on["stdout"],
                         on_stderr=on["stderr"], on_display=on["display"]),
-            timeout, 2 * service.config.kernel_grace + service.restart_allowance, record)
+            timeout, 2 * service.config.kernel_grace + service.restart_allowance, record,
+            service.runner.stopping)
     except asyncio.CancelledError:
         # The caller left mid-run: stop the code, keep the session.
         service.background(sandbox.interrupt())
@@ -414,7 +415,7 @@ async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict)
             execution, lost = await bounded(
                 sandbox.run(_FILE_CODE, inputs, timeout=timeout, entrypoint=FILE_HELPER),
                 timeout, 2 * service.config.kernel_grace + service.restart_allowance,
-                RunRecord())
+                RunRecord(), service.runner.stopping)
             if lost:
                 service.sessions.mark_dead(session, "it did not stop after its time limit")
     except SessionError as exc:

@@ -21,6 +21,7 @@ from .kernels import Kernels, kernel_id
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
+SERVICE_STOPPING = "ServiceStopping"
 
 
 class Busy(Exception):
@@ -111,13 +112,31 @@ def service_timeout(timeout: float, record: RunRecord) -> Execution:
     return Execution(logs=list(record.chunks), state_lost=True, error=error)
 
 
+def service_stopping(record: RunRecord) -> Execution:
+    """The execution a run gets when the service shuts down before it ended."""
+    message = ("the service is shutting down and the run did not end within its grace period; "
+               "its kernel was shut down")
+    error = ExecutionError(SERVICE_STOPPING, message, [f"{SERVICE_STOPPING}: {message}"])
+    return Execution(logs=list(record.chunks), state_lost=True, error=error)
+
+
 async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
-                  record: RunRecord) -> tuple[Execution, bool]:
-    """The run's execution, and whether the service's own deadline had to end it."""
+                  record: RunRecord, stopping: asyncio.Event) -> tuple[Execution, bool]:
+    """The run's execution, and whether the service had to end it: its own deadline, or the
+    end of the shutdown grace period (`stopping`), each answered with an error, not a 500."""
+    work = asyncio.ensure_future(run)
+    stop = asyncio.ensure_future(stopping.wait())
     try:
-        return await asyncio.wait_for(run, timeout + grace), False
-    except asyncio.TimeoutError:
-        return service_timeout(timeout, record), True
+        done, _ = await asyncio.wait({work, stop}, timeout=timeout + grace,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if work in done:
+        return work.result(), False
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return (service_stopping(record) if stop in done else service_timeout(timeout, record)), True
 
 
 class Runner:
@@ -127,6 +146,7 @@ class Runner:
                  output_limit: int) -> None:
         self.kernels, self.admission, self.grace = kernels, admission, grace
         self.output_limit = output_limit
+        self.stopping = asyncio.Event()  # set when the shutdown grace period is over
 
     async def run(self, code: str, *, network: bool, timeout: float,
                   inputs: dict | None = None, record: RunRecord,
@@ -140,7 +160,7 @@ class Runner:
                 return await bounded(
                     sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
                                 on_stderr=on["stderr"], on_display=on["display"]),
-                    timeout, self.grace, record)
+                    timeout, self.grace, record, self.stopping)
             except OutputLimit as exc:
                 return output_limited(record, str(exc), state_lost=True), False
             finally:

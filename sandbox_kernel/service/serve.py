@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from traitlets import TraitError
 
@@ -58,8 +59,24 @@ def run(args: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"sandbox-kernel serve: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=int(config.shutdown_grace) + 1,
-                limit_concurrency=config.max_requests + config.max_sessions + 64,
-                timeout_keep_alive=5)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_config=None, access_log=False,
+        # Past the grace period the service answers its runs itself (Service.begin_shutdown);
+        # uvicorn cancels what is left only a few seconds after that.
+        timeout_graceful_shutdown=int(config.shutdown_grace) + 5,
+        limit_concurrency=config.max_requests + config.max_sessions + 64,
+        timeout_keep_alive=5))
+    _tell_on_exit(server, app.state.service)
+    server.run()
     return 0
+
+
+def _tell_on_exit(server: Any, service: Any) -> None:
+    """Let the service hear of SIGTERM/SIGINT as soon as uvicorn does."""
+    handle_exit = server.handle_exit
+
+    def on_exit(sig: int, frame: Any) -> None:
+        service.begin_shutdown()
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_exit
