@@ -334,8 +334,12 @@ def _profile_wrapper(tmp_path: Path, profile: dict) -> tuple[str, ...]:
 
 
 # Under the pod's Localhost profile no tmpfs can be mounted (no unshare/mount): the pod bounds
-# scratch with its emptyDir instead.
-PROFILE_POLICY = ("--SandboxPolicy.scratch_size=0", "--SandboxPolicy.timeout=30")
+# scratch with its emptyDir instead. In the pod the kernel is not root and switches no identity;
+# these tests run as root, where a uid of the kernel's own may need a private mount view
+# (unshare) to reach an interpreter under /root, so the kernel stays uid 0 without capabilities,
+# which RLIMIT_NPROC does not bound (the pod's non-root uid is bounded).
+PROFILE_POLICY = ("--SandboxPolicy.scratch_size=0", "--SandboxPolicy.run_as=root",
+                  "--SandboxPolicy.max_threads=0", "--SandboxPolicy.timeout=30")
 
 
 def test_kernel_starts_and_confines_itself_under_the_pod_seccomp_profile(eg_python, tmp_path):
