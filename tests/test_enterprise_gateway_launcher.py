@@ -162,9 +162,17 @@ def connect_client(info: dict) -> BlockingKernelClient:
             reply = kc.get_shell_msg(timeout=5)
         except queue.Empty:
             continue
-        if reply["msg_type"] == "kernel_info_reply":
-            kc.sandbox_info = reply["content"]["sandbox"]  # type: ignore[attr-defined]
-            return kc
+        if reply["msg_type"] != "kernel_info_reply":
+            continue
+        # The reply can come before IOPub has joined (the kernel binds after the payload is
+        # sent; the subscription follows the connection): then the next cell's whole output
+        # is lost. An IOPub message (a kernel_info status) proves it; otherwise ask again.
+        try:
+            kc.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        kc.sandbox_info = reply["content"]["sandbox"]  # type: ignore[attr-defined]
+        return kc
     raise AssertionError("the kernel did not answer kernel_info within 90 s")
 
 
