@@ -162,9 +162,17 @@ def connect_client(info: dict) -> BlockingKernelClient:
             reply = kc.get_shell_msg(timeout=5)
         except queue.Empty:
             continue
-        if reply["msg_type"] == "kernel_info_reply":
-            kc.sandbox_info = reply["content"]["sandbox"]  # type: ignore[attr-defined]
-            return kc
+        if reply["msg_type"] != "kernel_info_reply":
+            continue
+        # The reply can come before IOPub has joined (the kernel binds after the payload is
+        # sent; the subscription follows the connection): then the next cell's whole output
+        # is lost. An IOPub message (a kernel_info status) proves it; otherwise ask again.
+        try:
+            kc.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        kc.sandbox_info = reply["content"]["sandbox"]  # type: ignore[attr-defined]
+        return kc
     raise AssertionError("the kernel did not answer kernel_info within 90 s")
 
 
@@ -334,8 +342,12 @@ def _profile_wrapper(tmp_path: Path, profile: dict) -> tuple[str, ...]:
 
 
 # Under the pod's Localhost profile no tmpfs can be mounted (no unshare/mount): the pod bounds
-# scratch with its emptyDir instead.
-PROFILE_POLICY = ("--SandboxPolicy.scratch_size=0", "--SandboxPolicy.timeout=30")
+# scratch with its emptyDir instead. In the pod the kernel is not root and switches no identity;
+# these tests run as root, where a uid of the kernel's own may need a private mount view
+# (unshare) to reach an interpreter under /root, so the kernel stays uid 0 without capabilities,
+# which RLIMIT_NPROC does not bound (the pod's non-root uid is bounded).
+PROFILE_POLICY = ("--SandboxPolicy.scratch_size=0", "--SandboxPolicy.run_as=root",
+                  "--SandboxPolicy.max_threads=0", "--SandboxPolicy.timeout=30")
 
 
 def test_kernel_starts_and_confines_itself_under_the_pod_seccomp_profile(eg_python, tmp_path):

@@ -92,10 +92,11 @@ class EnterpriseGatewaySpec(Configurable):
 
 # What the launcher and the kernel's start-up need from the pod's profile on top of what the
 # kernel's own filter allows user code: processes (the listener, the exec into the kernel, its
-# clean re-exec, the scratch reaper), sockets, installing the kernel's filter, watching and
-# signalling the kernel, identity and limits (set-up as root), file modes of the scratch.
+# clean re-exec, the scratch reaper), sockets (the kernel's and the comm port's listeners),
+# installing the kernel's filter, watching and signalling the kernel, identity and limits
+# (set-up as root), file modes of the scratch.
 STARTUP_SYSCALLS = (
-    "fork", "vfork", "execve", "socket", "socketpair", "prctl", "seccomp",
+    "fork", "vfork", "execve", "socket", "socketpair", "bind", "listen", "prctl", "seccomp",
     "kill", "tgkill", "tkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
     "pidfd_open", "pidfd_send_signal", "prlimit64", "setrlimit", "get_robust_list",
     "sched_getaffinity", "sched_setaffinity", "sched_setparam", "sched_setscheduler",
@@ -107,6 +108,14 @@ STARTUP_SYSCALLS = (
 # CAP_SYS_ADMIN): NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET.
 _CLONE_NAMESPACES = 0x7E020000
 _ENOSYS = 38
+_NEWEST_LANDLOCK_ABI = 7  # the kernel's filter allows the most on the newest Landlock
+
+
+def _kernel_syscalls() -> set[str]:
+    """Every call the kernel's own filter allows for some arguments (fcntl, connect, openat2...):
+    the pod allows the call and the kernel's filter, stacked under it, narrows the arguments."""
+    rules = seccomp.allowlist_rules(1, allow_network=True, landlock_abi=_NEWEST_LANDLOCK_ABI)
+    return {rule.syscall for rule in rules if rule.action == "allow"} - {"clone", "clone3"}
 
 
 def pod_seccomp_profile() -> dict[str, Any]:
@@ -115,7 +124,7 @@ def pod_seccomp_profile() -> dict[str, Any]:
     For nodes whose runtime default refuses landlock_*; everything else it refuses stays
     refused (mount, unshare, bpf, keyrings, ptrace, io_uring...).
     """
-    allowed = sorted(set(seccomp.ALLOWED) | set(STARTUP_SYSCALLS))
+    allowed = sorted(_kernel_syscalls() | set(STARTUP_SYSCALLS))
     return {
         "defaultAction": "SCMP_ACT_ERRNO",
         "defaultErrnoRet": 1,
