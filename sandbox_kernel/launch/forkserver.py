@@ -602,6 +602,14 @@ class ForkServerClient:
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         return int(pid)
 
+    def stop_server(self) -> int | None:
+        """End this interpreter's and preload set's server (its kernels live on); its pid."""
+        pid = self.server_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        return pid
+
 
 def stop_servers() -> list[int]:
     """End every fork server of this runtime dir (its kernels live on); their pids."""

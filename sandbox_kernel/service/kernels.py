@@ -16,6 +16,7 @@ import logging
 from typing import Any, Protocol
 
 from ..client import AsyncSandbox
+from ..launch.forkserver import ForkServerClient
 from ..launch.pool import KernelPool
 from ..policy import SandboxPolicy
 from .access import json_line
@@ -96,6 +97,10 @@ class PoolSource:
     async def close(self) -> None:
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
+        # No process outlives the service: the fork server its kernels came from ends too (a
+        # later kernel of this interpreter, from anyone, starts a new one).
+        for preload in {tuple(kwargs.get("preload", ())) for kwargs in self.options.values()}:
+            ForkServerClient(preload=preload).stop_server()
 
 
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,

@@ -420,6 +420,13 @@ async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict)
                 service.sessions.mark_dead(session, "it did not stop after its time limit")
     except SessionError as exc:
         raise HTTPException(exc.status, str(exc)) from None
+    except Exception as exc:
+        # Deleted or culled while the operation ran, or its client left in a broken state by
+        # an earlier call cancelled mid-restart: the session cannot be trusted to work again.
+        if session.dead is None:
+            service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
+        raise HTTPException(410, f"session {session.id}'s kernel is gone: {session.dead}"
+                            ) from None
     if execution.error is not None:
         status = _FILE_ERRORS.get(execution.error.name, 500)
         text = f"{execution.error.name}: {execution.error.value}"
