@@ -20,14 +20,19 @@ from tests.helpers import RAW_SYSCALL, evaluate
 SYS_ACCT = 163  # refused by the allowlist; a marker argument finds it in the record
 MARKER = 0x5EED0ACC7
 
-ATTACKS = RAW_SYSCALL + f"""
-import errno, os, socket
+# User code's helper: the errno name a call fails with, or 'done'.
+OUTCOME = """
+import errno
 def outcome(fn):
     try:
         fn()
         return 'done'
     except OSError as exc:
         return errno.errorcode[exc.errno]
+"""
+
+ATTACKS = RAW_SYSCALL + OUTCOME + f"""
+import errno, os, socket
 (outcome(os.fork), outcome(lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)),
  errno.errorcode[raw({SYS_ACCT}, {MARKER})[1]])
 """
@@ -83,14 +88,8 @@ def test_each_refused_call_is_recorded_once_with_the_kernel_id(audited):
 def test_user_code_cannot_write_or_find_the_audit_file(audited):
     sandbox, path = audited
     before = path.read_bytes()
-    code = f"""
+    code = OUTCOME + f"""
 import errno, os
-def outcome(fn):
-    try:
-        fn()
-        return 'done'
-    except OSError as exc:
-        return errno.errorcode[exc.errno]
 held = [os.readlink(f'/proc/self/fd/{{fd}}') for fd in os.listdir('/proc/self/fd')
         if os.path.exists(f'/proc/self/fd/{{fd}}')]
 (outcome(lambda: open({str(path)!r}, 'a').write('{{"forged": 1}}\\n')),
@@ -105,14 +104,8 @@ held = [os.readlink(f'/proc/self/fd/{{fd}}') for fd in os.listdir('/proc/self/fd
 def test_user_code_cannot_signal_trace_or_stop_the_reaper(audited):
     sandbox, _ = audited
     pid = reaper_of(sandbox)
-    code = RAW_SYSCALL + f"""
+    code = RAW_SYSCALL + OUTCOME + f"""
 import errno, os, signal
-def outcome(fn):
-    try:
-        fn()
-        return 'done'
-    except OSError as exc:
-        return errno.errorcode[exc.errno]
 PTRACE_ATTACH, PTRACE_SEIZE, SYS_ptrace, SYS_pidfd_open = 16, 0x4206, 101, 434
 (outcome(lambda: os.kill({pid}, signal.SIGKILL)), outcome(lambda: os.kill({pid}, signal.SIGSTOP)),
  outcome(lambda: os.killpg({pid}, signal.SIGKILL)),
