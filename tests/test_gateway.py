@@ -220,12 +220,23 @@ def send_request(ws: Connection, msg_type: str, content: dict, metadata: dict | 
 
 def answers(ws: Connection, msg_id: str) -> list[dict]:
     """Every message answering msg_id, until both its shell reply and the idle status came."""
-    messages: list[dict] = []
-    while not (any(is_reply(m) for m in messages) and any(is_idle(m) for m in messages)):
+    return answers_of(ws, [msg_id])[msg_id]
+
+
+def answers_of(ws: Connection, msg_ids: list[str]) -> dict[str, list[dict]]:
+    """The messages answering each request, read together: the shell and IOPub channels share
+    the websocket but not an order, so one request's reply may come after the next one's idle."""
+    found: dict[str, list[dict]] = {msg_id: [] for msg_id in msg_ids}
+
+    def complete(messages: list[dict]) -> bool:
+        return any(is_reply(m) for m in messages) and any(is_idle(m) for m in messages)
+
+    while not all(complete(messages) for messages in found.values()):
         msg = json.loads(ws.recv(timeout=RECV_TIMEOUT))
-        if msg.get("parent_header", {}).get("msg_id") == msg_id:
-            messages.append(msg)
-    return messages
+        parent = msg.get("parent_header", {}).get("msg_id")
+        if parent in found:
+            found[parent].append(msg)
+    return found
 
 
 def is_reply(msg: dict) -> bool:
@@ -402,7 +413,8 @@ def statuses_of_back_to_back_requests(ws_url: str, stop_on_error: bool) -> list[
         failing = send_request(ws, "execute_request", {"code": SLOW_FAILURE,
                                                        "stop_on_error": stop_on_error})
         queued = send_request(ws, "execute_request", {"code": "queued = 1"})
-        return [contents(answers(ws, msg_id), "execute_reply")[0]["status"]
+        found = answers_of(ws, [failing, queued])
+        return [contents(found[msg_id], "execute_reply")[0]["status"]
                 for msg_id in (failing, queued)]
 
 
