@@ -320,6 +320,10 @@ class Server:
             main([*argv, "--IPKernelApp.parent_handle=1"])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except KeyboardInterrupt:
+            # jupyter_client interrupts a kernel before shutting it down: one still starting
+            # (a pool's, when its owner stops) ends here, which is no error worth a traceback.
+            code = 128 + signal.SIGINT
         except BaseException:
             import traceback
 

@@ -87,8 +87,11 @@ class Service:
         if self.stopping:
             return
         self.stopping = True
-        asyncio.get_running_loop().call_later(self.config.shutdown_grace,
-                                              self.runner.stopping.set)
+        # Called from uvicorn's signal handler, which may run in the middle of the event loop's
+        # own timer bookkeeping: only call_soon_threadsafe is safe there, call_later is not.
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(loop.call_later, self.config.shutdown_grace,
+                                  self.runner.stopping.set)
 
     async def stop(self) -> None:
         """Let in-flight runs finish within the grace period, then shut every kernel down."""
