@@ -47,17 +47,27 @@ def wait_until_ready(client, process, timeout=60):
                 raise
 
 
-def advised_folder(path):
-    """The folder a refusal's `--read-path` advice names for the directory path.
+def refused_folder(path, uid):
+    """The refusal a kernel whose user code runs as uid gives for listing a folder outside its
+    grants (the text after "Permission denied: 'path': ").
 
-    The path itself, unless the kernel cannot even look at it: root gives each kernel a uid of
-    its own, which a 0700 directory above path (pytest's tmp dirs, mkdtemp's) keeps out; then
-    the kernel cannot tell a folder from a file and names the folder holding path.
+    Run as root, each kernel has a uid of its own, which a 0700 directory (pytest's tmp dirs,
+    mkdtemp's) keeps out: then a grant alone would not help, and the kernel, unable to look,
+    cannot tell a folder from a file, so it names the folder holding path.
     """
     import os
     from pathlib import Path
 
-    above = Path(path).parents
-    if os.geteuid() != 0 or all(folder.stat().st_mode & 0o001 for folder in above):
-        return str(path)
-    return os.path.dirname(path)
+    reachable = os.geteuid() != 0 or all(
+        folder.stat().st_mode & 0o001 for folder in Path(path).parents)
+    readable = reachable and (os.geteuid() != 0 or Path(path).stat().st_mode & 0o005 == 0o005)
+    grant = ("add it to the kernelspec with `sandbox-kernel install --read-path "
+             f"{path if reachable else os.path.dirname(path)}` (--write-path to write there "
+             "too) and restart the kernel")
+    if readable:
+        return ("the sandbox refused it: the path is outside what this kernel was granted; "
+                f"to let user code read it, {grant}")
+    return ("the sandbox refused it: the path is outside what this kernel was granted, and the "
+            f"host does not let its uid ({uid}) read it either; to let user code read it, make "
+            "it readable by that uid (or install with `--run-as USER`, a user who may read it), "
+            f"then {grant}")

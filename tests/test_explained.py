@@ -42,6 +42,10 @@ def _project_and_grant(base):
     private.write_text("the host says no")
     os.chown(private, OTHER_UID, OTHER_UID)
     private.chmod(0o600)
+    secret = project / "secret.csv"  # outside the grants, and the host refuses it too
+    secret.write_text("the host says no")
+    os.chown(secret, OTHER_UID, OTHER_UID)
+    secret.chmod(0o600)
     yield project, granted
 
 
@@ -100,6 +104,20 @@ def test_a_path_outside_the_grants_says_so(kernel, folders, call):
     # the traceback ends at the user's call, then the one-line reason
     assert error.traceback[-1] == f"PermissionError: {error.value}"
     assert sandbox_frames(error.traceback) == []
+
+
+def test_a_path_the_host_refuses_too_does_not_promise_a_grant_helps(kernel, folders):
+    project, _ = folders
+    secret = str(project / "secret.csv")
+    uid = evaluate(kernel, "import os\nos.getuid()")
+    error = error_of(kernel, f"open({secret!r})")
+    assert (error.name, error.value) == ("PermissionError", (
+        f"[Errno 13] Permission denied: {secret!r}: the sandbox refused it: the path is outside "
+        f"what this kernel was granted, and the host does not let its uid ({uid}) read it "
+        "either; to let user code read it, make it readable by that uid (or install with "
+        "`--run-as USER`, a user who may read it), then add it to the kernelspec with "
+        f"`sandbox-kernel install --read-path {project}` (--write-path to write there too) and "
+        "restart the kernel"))
 
 
 def test_user_code_still_catches_the_same_error(kernel, folders):

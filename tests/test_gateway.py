@@ -35,7 +35,7 @@ import pytest
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
-from tests.helpers import advised_folder
+from tests.helpers import refused_folder
 
 RECV_TIMEOUT = 30.0  # seconds any single message may take; the seed waits forever
 POLL_SECONDS = 0.1
@@ -442,12 +442,9 @@ def test_kernel_cannot_connect_back_to_the_gateway(executor, gateway):
 def test_kernel_cannot_read_the_gateway_runtime_dir(executor):
     runtime_dir = os.environ["JUPYTER_RUNTIME_DIR"]
     error = executor.run_code(f"import os; os.listdir({runtime_dir!r})").error
+    uid = int(executor.run_code("os.getuid()").result)
     assert (error.name, error.value) == ("PermissionError", (
-        f"[Errno 13] Permission denied: {runtime_dir!r}: the sandbox refused it: the path is "
-        "outside what this kernel was granted; to let user code read it, add it to the "
-        f"kernelspec with `sandbox-kernel install --read-path {advised_folder(runtime_dir)}` "
-        "(--write-path to "
-        "write there too) and restart the kernel"))
+        f"[Errno 13] Permission denied: {runtime_dir!r}: {refused_folder(runtime_dir, uid)}"))
 
 
 def test_prespawned_kernel_is_the_sandbox_kernel(gateway):

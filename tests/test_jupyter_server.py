@@ -17,7 +17,7 @@ import pytest
 from websockets.sync.client import connect
 from websockets.sync.connection import Connection
 
-from tests.helpers import advised_folder
+from tests.helpers import refused_folder
 from tests.test_gateway import (
     RECV_TIMEOUT,
     ExecutionResults,
@@ -169,11 +169,8 @@ def test_notebook_session_runs_in_scratch_not_the_notebook_dir(server):
         where = executor.run_code(cwd + repr(root)).result
         assert where == "(True, False)"  # the kernel's private scratch, not the served root dir
         denied = executor.run_code(f"os.listdir({root!r})").error
+        uid = int(executor.run_code("os.getuid()").result)
         assert (denied.name, denied.value) == (
-            "PermissionError", f"[Errno 13] Permission denied: {root!r}: the sandbox refused it: "
-            "the path is outside what this kernel was granted; to let user code read it, add it "
-            f"to the kernelspec with `sandbox-kernel install --read-path {advised_folder(root)}` "
-            "(--write-path to "
-            "write there too) and restart the kernel")
+            "PermissionError", f"[Errno 13] Permission denied: {root!r}: {refused_folder(root, uid)}")
     finally:
         assert server.call("DELETE", f"/api/sessions/{session['id']}")[0] == 204

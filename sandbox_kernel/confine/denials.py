@@ -188,6 +188,11 @@ def _host_lets_write(path: str) -> bool:
     return os.access(target, os.W_OK)
 
 
+def _host_lets_read(path: str) -> bool:
+    """Whether this uid could read it (list it, for a folder) were it granted."""
+    return os.access(path, os.R_OK | os.X_OK if os.path.isdir(path) else os.R_OK)
+
+
 def _explained(exc: OSError, message: str) -> OSError:
     explained = type(exc)(exc.errno, f"{exc.strerror}: {exc.filename!r}: {message}")
     explained.sandbox_rule = message  # type: ignore[attr-defined]
@@ -195,6 +200,13 @@ def _explained(exc: OSError, message: str) -> OSError:
 
 
 def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
+    if not _under(path, access.read) and not _host_lets_read(path):
+        # A grant keeps the host's permissions: --read-path alone would not help.
+        return _explained(exc, "the sandbox refused it: the path is outside what this kernel "
+                          f"was granted, and the host does not let its uid ({os.getuid()}) read "
+                          "it either; to let user code read it, make it readable by that uid "
+                          "(or install with `--run-as USER`, a user who may read it), then "
+                          + GRANT_FLAGS.format(dir=_folder(path)))
     if not _under(path, access.read):
         return _explained(exc, "the sandbox refused it: the path is outside what this kernel "
                           "was granted; to let user code read it, "
