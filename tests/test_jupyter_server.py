@@ -171,6 +171,7 @@ def test_notebook_session_runs_in_scratch_not_the_notebook_dir(server):
         denied = executor.run_code(f"os.listdir({root!r})").error
         uid = int(executor.run_code("os.getuid()").result)
         assert (denied.name, denied.value) == (
-            "PermissionError", f"[Errno 13] Permission denied: {root!r}: {refused_folder(root, uid)}")
+            "PermissionError",
+            f"[Errno 13] Permission denied: {root!r}: {refused_folder(root, uid)}")
     finally:
         assert server.call("DELETE", f"/api/sessions/{session['id']}")[0] == 204
