@@ -1,5 +1,6 @@
 """Confinement beyond seccomp: environment, Landlock, scratch, limits, timeout, output cap."""
 
+import contextlib
 import errno
 import json
 import os
@@ -181,20 +182,14 @@ print(sorted(targets))
 
 
 def test_inherited_descriptors_are_closed(tmp_path):
-    from jupyter_client.blocking import BlockingKernelClient
     from jupyter_client.connect import write_connection_file
 
     secret = tmp_path / "inherited-secret.txt"
     secret.write_text("launcher's file")
     connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
-    with open(secret) as leaked:
-        process = subprocess.Popen([sys.executable, "-I", "-m", "sandbox_kernel", "-f",
-                                    connection_file], pass_fds=[leaked.fileno()])
-    client = BlockingKernelClient(connection_file=connection_file)
-    client.load_connection_file()
-    client.start_channels()
-    try:
-        wait_until_ready(client, process)
+    argv = [sys.executable, "-I", "-m", "sandbox_kernel", "-f", connection_file]
+    with open(secret) as leaked, \
+            kernel_process(connection_file, argv, pass_fds=[leaked.fileno()]) as (client, process):
         seen = []
         client.execute_interactive(LIST_OPEN_FILES, timeout=30,
                                    output_hook=lambda m: seen.append(m["content"].get("text", "")))
@@ -202,10 +197,6 @@ def test_inherited_descriptors_are_closed(tmp_path):
         assert str(secret) not in "".join(seen)
         client.shutdown()
         process.wait(timeout=30)
-    finally:
-        client.stop_channels()
-        if process.poll() is None:
-            process.kill()
 
 
 def test_output_cap_drops_with_one_marker(confined):
@@ -348,6 +339,25 @@ def start_kernel_directly(tmp_path, *policy_args):
     return connection_file, ["-m", "sandbox_kernel", "-f", connection_file, *policy_args]
 
 
+@contextlib.contextmanager
+def kernel_process(connection_file, argv, **popen):
+    """A kernel started by argv (no manager) and a client of it, ready; both gone after."""
+    from jupyter_client.blocking import BlockingKernelClient
+
+    process = subprocess.Popen(argv, **popen)
+    client = BlockingKernelClient(connection_file=connection_file)
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        wait_until_ready(client, process)  # IOPub subscribed too, or the first output is lost
+        yield client, process
+    finally:
+        client.stop_channels()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_refuses_to_start_without_landlock(tmp_path):
     _, args = start_kernel_directly(tmp_path)
     result = run_launched(tmp_path, *args)
@@ -360,39 +370,23 @@ def test_refuses_to_start_without_landlock(tmp_path):
 
 
 def test_no_landlock_starts_on_purpose_and_says_so(tmp_path):
-    from jupyter_client.blocking import BlockingKernelClient
-
     connection_file, args = start_kernel_directly(tmp_path, "--no-landlock")
-    process = subprocess.Popen([sys.executable, "-c", NO_LANDLOCK_LAUNCHER, *args])
-    client = BlockingKernelClient(connection_file=connection_file)
-    client.load_connection_file()
-    client.start_channels()
-    try:
-        wait_until_ready(client, process)
+    argv = [sys.executable, "-c", NO_LANDLOCK_LAUNCHER, *args]
+    with kernel_process(connection_file, argv) as (client, process):
         layers = client.kernel_info(reply=True, timeout=30)["content"]["sandbox"]["layers"]
         assert layers["landlock"] == {"active": False, "reason": "off by policy (--no-landlock)"}
         assert layers["seccomp"]["active"] is True
         client.shutdown()
         assert process.wait(timeout=30) == 0
-    finally:
-        client.stop_channels()
-        if process.poll() is None:
-            process.kill()
 
 
 def test_shutdown_does_not_wait_for_user_code(tmp_path):
     # Python's finalisation joins non-daemon threads and runs atexit callbacks: user code could
     # hold the kernel's exit forever (and finalising a big process takes seconds under load).
-    from jupyter_client.blocking import BlockingKernelClient
-
     connection_file, args = start_kernel_directly(tmp_path)
-    process = subprocess.Popen([sys.executable, "-I", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    client = BlockingKernelClient(connection_file=connection_file)
-    client.load_connection_file()
-    client.start_channels()
-    try:
-        wait_until_ready(client, process)  # IOPub subscribed too, or the first output is lost
+    argv = [sys.executable, "-I", *args]
+    with kernel_process(connection_file, argv, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL) as (client, process):
         reply = client.execute_interactive(
             "import atexit, threading, time\natexit.register(time.sleep, 3600)\n"
             "threading.Thread(target=time.sleep, args=(3600,)).start()\n"
@@ -401,10 +395,6 @@ def test_shutdown_does_not_wait_for_user_code(tmp_path):
         assert reply["content"]["status"] == "ok"
         client.shutdown()
         assert process.wait(timeout=30) == 0
-    finally:
-        client.stop_channels()
-        if process.poll() is None:
-            process.kill()
 
 
 def test_missing_grant_refuses_to_start(tmp_path):
