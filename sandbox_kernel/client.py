@@ -511,7 +511,12 @@ class Sandbox(_SandboxSettings):
             _check_start(self.manager.is_alive(), deadline, self.startup_timeout)
 
     def close(self, now: bool = False) -> None:
-        """Shut the kernel down (now: kill it, without waiting for the code it runs)."""
+        """Shut the kernel down: graceful, or with now=True killed at once.
+
+        now=True is the one-shot close of a kernel whose results have all arrived: no shutdown
+        handshake, the kernel is gone when this returns and its reaper still removes the
+        scratch directory.
+        """
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
@@ -635,12 +640,12 @@ class AsyncSandbox(_SandboxSettings):
                 pass
             _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
 
-    async def close(self) -> None:
-        """Shut the kernel down."""
+    async def close(self, now: bool = False) -> None:
+        """Shut the kernel down: graceful, or with now=True killed at once (see Sandbox.close)."""
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
-            await self.manager.shutdown_kernel()
+            await self.manager.shutdown_kernel(now=now)
         self._close_inbox()
         self.context.destroy(linger=0)
 
