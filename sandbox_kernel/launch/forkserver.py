@@ -167,6 +167,11 @@ class Server:
             except ImportError as exc:
                 if name in self.preload:
                     raise ForkServerError(f"cannot preload {name}: {exc}") from exc
+        # Policy-independent work every kernel would repeat: done once here, after the imports
+        # (a preloaded module may extend sys.path).
+        from sandbox_kernel.confine import paths
+
+        paths.interpreter_paths()
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
