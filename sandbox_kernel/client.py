@@ -242,6 +242,16 @@ def _fast_reconnecting(client: Any) -> Any:
     return client
 
 
+def _start_channels(client: Any) -> None:
+    """Connect the shell and IOPub channels, the only ones a sandbox reads.
+
+    Liveness is the kernel process's (the manager's is_alive), not a client heartbeat thread;
+    requests never allow stdin; the manager has a control socket of its own. The others are
+    still created, and connected, the first time client.control_channel (etc.) is used.
+    """
+    client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+
+
 def _check_start(alive: bool, deadline: float, timeout: float) -> None:
     """Raise (as jupyter_client's wait_for_ready does) if the kernel died or took too long."""
     if not alive:
@@ -488,7 +498,7 @@ class Sandbox(_SandboxSettings):
 
     def _connect(self) -> None:
         self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
-        self.client.start_channels()
+        _start_channels(self.client)
         try:
             self._wait_for_ready()
         except RuntimeError:
@@ -618,7 +628,7 @@ class AsyncSandbox(_SandboxSettings):
 
     async def _connect(self) -> None:
         self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
-        self.client.start_channels()
+        _start_channels(self.client)
         try:
             await self._wait_for_ready()
         except RuntimeError:

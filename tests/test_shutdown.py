@@ -3,6 +3,7 @@ nothing of it is left behind (process, connection file, scratch directory)."""
 
 import asyncio
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -105,3 +106,14 @@ def test_history_stays_in_memory_and_works(fresh_sandbox):
     listed = fresh_sandbox.run("%history -n 1-2")
     assert listed.error is None
     assert "1: a = 40" in listed.stdout and "2: b = a + 2" in listed.stdout
+
+
+def test_a_sandbox_starts_only_the_channels_it_reads(fresh_sandbox):
+    """No client heartbeat thread per sandbox (liveness is the process's); control still works."""
+    from jupyter_client.channels import HBChannel
+
+    assert not any(isinstance(thread, HBChannel) for thread in threading.enumerate())
+    client = fresh_sandbox.client
+    client.control_channel.send(client.session.msg("kernel_info_request"))
+    assert client.control_channel.get_msg(timeout=30)["msg_type"] == "kernel_info_reply"
+    assert evaluate(fresh_sandbox, "6 * 7") == 42
