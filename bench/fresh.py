@@ -2,9 +2,9 @@
 
 A request here is what a workflow platform's stateless code node costs: get a kernel of its own,
 make one `main()` call, shut the kernel down (one-shot: killed once the result is in, its reaper
-removing the scratch, as a service does). Latency rows time one request at a time; rate rows
-run a fixed number of requests from two threads at once (the machine's two cores) and count
-requests per second, the process-per-request runner driven the same way.
+removing the scratch, as `sandbox-kernel run` does). Latency rows time one request at a time;
+rate rows run a fixed number of requests from two threads at once (the machine's two cores) and
+count requests per second, the process-per-request runner driven the same way.
 """
 
 from __future__ import annotations
