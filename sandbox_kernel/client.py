@@ -232,11 +232,13 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
 
 
 def _fast_reconnecting(client: Any) -> Any:
-    """The client's sockets retry a refused connection after 10 ms, not ZMQ's 100 ms.
+    """The sockets of a client (or manager) retry a refused connection after 10 ms, not 100.
 
     The first kernel_info request goes out before the kernel has bound its sockets; a
     fork-served kernel binds them within tens of milliseconds, and would otherwise wait out
-    the rest of the 100 ms. The context is the client's own (jupyter_client makes one each).
+    the rest of the 100 ms. The same holds for the manager's control socket, connected as the
+    kernel starts: a shutdown soon after the start waited for its reconnection, 100 ms of
+    every fresh kernel's graceful close. The context is the client's (or manager's) own.
     """
     client.context.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
     return client
@@ -493,7 +495,7 @@ class Sandbox(_SandboxSettings):
 
     def start(self) -> None:
         """Start the kernel and wait until it answers."""
-        self.manager.start_kernel()
+        _fast_reconnecting(self.manager).start_kernel()
         self._connect()
 
     def _connect(self) -> None:
@@ -623,7 +625,7 @@ class AsyncSandbox(_SandboxSettings):
 
     async def start(self) -> None:
         """Start the kernel and wait until it answers."""
-        await self.manager.start_kernel()
+        await _fast_reconnecting(self.manager).start_kernel()
         await self._connect()
 
     async def _connect(self) -> None:
