@@ -3,6 +3,8 @@ nothing of it is left behind (process, connection file, scratch directory)."""
 
 import asyncio
 import os
+import select
+import signal
 import threading
 import time
 from pathlib import Path
@@ -117,3 +119,18 @@ def test_a_sandbox_starts_only_the_channels_it_reads(fresh_sandbox):
     client.control_channel.send(client.session.msg("kernel_info_request"))
     assert client.control_channel.get_msg(timeout=30)["msg_type"] == "kernel_info_reply"
     assert evaluate(fresh_sandbox, "6 * 7") == 42
+
+
+@pytest.mark.parametrize("now", [True, False], ids=["one-shot", "graceful"])
+def test_closing_a_kernel_that_just_died_is_no_error(now):
+    """Its exit not yet reported, jupyter_client still interrupts it first: no ESRCH escapes."""
+    sb = Sandbox(None)
+    sb.start()
+    process, connection_file, scratch = _traces(sb)
+    os.kill(process.pid, signal.SIGKILL)
+    # Reaped and reported by the server, the report not read yet: the pid names no process.
+    assert select.select([process.exit_fd()], [], [], 30)[0]
+    assert process.returncode is None
+    sb.close(now=now)
+    assert process.poll() == -9
+    _assert_nothing_left(process, connection_file, scratch)
