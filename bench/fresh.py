@@ -1,9 +1,10 @@
 """A fresh kernel per request: cold, fork-served and from a warm pool, against a process each.
 
 A request here is what a workflow platform's stateless code node costs: get a kernel of its own,
-make one `main()` call, shut the kernel down. Latency rows time one request at a time; rate rows
-run a fixed number of requests from two threads at once (the machine's two cores) and count
-requests per second, the process-per-request runner driven the same way.
+make one `main()` call, shut the kernel down (one-shot: killed once the result is in, its reaper
+removing the scratch, as `sandbox-kernel run` does). Latency rows time one request at a time;
+rate rows run a fixed number of requests from two threads at once (the machine's two cores) and
+count requests per second, the process-per-request runner driven the same way.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ PRELOAD = ("numpy", "pandas")
 def request_in_fresh_kernel(call: calls.Call, cold: bool, preload: tuple[str, ...] = ()) -> float:
     """Start a kernel, make one call, shut it down; return the seconds it all took."""
     started = time.perf_counter()
-    with Sandbox(None, cold_start=cold, preload=preload) as sandbox:
+    sandbox = Sandbox(None, cold_start=cold, preload=preload)
+    try:
+        sandbox.start()
         calls.call_in_sandbox(sandbox, call)
+    finally:
+        sandbox.close(now=True)  # one-shot: the result is in, nothing to wait for
     return time.perf_counter() - started
 
 

@@ -180,8 +180,10 @@ METHOD = """\
 - **PSS**: `Pss` of `/proc/<pid>/smaps_rollup` with several kernels of one kind alive at once
   (4 in a full run), after one `pass` each; each kernel is one reading.
 - **Fresh kernel per request** (rows 8): `Sandbox(None)` started, one small `main()` call,
-  shut down, one request at a time. The pool rows use `launch.pool.KernelPool` of 2 kernels
-  (`get()`, the call, `close()`; the pool refills behind). Rates: a fixed number of requests
+  shut down one-shot (`close(now=True)`: killed once the result is in, as `sandbox-kernel
+  run` does; its reaper still removes the scratch), one request at a time. The pool rows
+  use `launch.pool.KernelPool` of 2 kernels (`get()`, the call, `close()`; the pool refills
+  behind). Rates: a fixed number of requests
   from two threads at once (two cores), completed requests / wall-clock seconds; the
   process-per-request runner driven the same way.
 - **pandas code node** (rows 9): `import pandas` and a small Series sum in `main()`, per request:

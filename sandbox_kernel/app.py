@@ -105,6 +105,18 @@ class SandboxKernelApp(IPKernelApp):
             self.log.addFilter(lambda record: "without encryption" not in record.getMessage())
         super().init_sockets()
 
+    def init_kernel(self) -> None:
+        """Create the kernel and its shell, with the input history kept in memory.
+
+        IPython keeps history in an SQLite file of the profile (here in the scratch, removed
+        with the kernel) written by a thread of its own: a file no later session can read, and
+        a thread and a database on every start. In memory, `In`, `%history` and `_i` work
+        as before for the kernel's own session. An explicit --HistoryManager.hist_file wins.
+        """
+        if "hist_file" not in self.config.HistoryManager:
+            self.config.HistoryManager.hist_file = ":memory:"
+        super().init_kernel()
+
     def init_control(self, context: Any) -> None:
         """Bind the control channel, without the debugger's loop-back connection.
 

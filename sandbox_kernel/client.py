@@ -232,14 +232,26 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
 
 
 def _fast_reconnecting(client: Any) -> Any:
-    """The client's sockets retry a refused connection after 10 ms, not ZMQ's 100 ms.
+    """The sockets of a client (or manager) retry a refused connection after 10 ms, not 100.
 
     The first kernel_info request goes out before the kernel has bound its sockets; a
     fork-served kernel binds them within tens of milliseconds, and would otherwise wait out
-    the rest of the 100 ms. The context is the client's own (jupyter_client makes one each).
+    the rest of the 100 ms. The same holds for the manager's control socket, connected as the
+    kernel starts: a shutdown soon after the start waited for its reconnection, 100 ms of
+    every fresh kernel's graceful close. The context is the client's (or manager's) own.
     """
     client.context.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
     return client
+
+
+def _start_channels(client: Any) -> None:
+    """Connect the shell and IOPub channels, the only ones a sandbox reads.
+
+    Liveness is the kernel process's (the manager's is_alive), not a client heartbeat thread;
+    requests never allow stdin; the manager has a control socket of its own. The others are
+    still created, and connected, the first time client.control_channel (etc.) is used.
+    """
+    client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
 
 
 def _check_start(alive: bool, deadline: float, timeout: float) -> None:
@@ -483,12 +495,12 @@ class Sandbox(_SandboxSettings):
 
     def start(self) -> None:
         """Start the kernel and wait until it answers."""
-        self.manager.start_kernel()
+        _fast_reconnecting(self.manager).start_kernel()
         self._connect()
 
     def _connect(self) -> None:
         self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
-        self.client.start_channels()
+        _start_channels(self.client)
         try:
             self._wait_for_ready()
         except RuntimeError:
@@ -511,7 +523,12 @@ class Sandbox(_SandboxSettings):
             _check_start(self.manager.is_alive(), deadline, self.startup_timeout)
 
     def close(self, now: bool = False) -> None:
-        """Shut the kernel down (now: kill it, without waiting for the code it runs)."""
+        """Shut the kernel down: graceful, or with now=True killed at once.
+
+        now=True is the one-shot close of a kernel whose results have all arrived: no shutdown
+        handshake, the kernel is gone when this returns and its reaper still removes the
+        scratch directory.
+        """
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
@@ -608,12 +625,12 @@ class AsyncSandbox(_SandboxSettings):
 
     async def start(self) -> None:
         """Start the kernel and wait until it answers."""
-        await self.manager.start_kernel()
+        await _fast_reconnecting(self.manager).start_kernel()
         await self._connect()
 
     async def _connect(self) -> None:
         self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
-        self.client.start_channels()
+        _start_channels(self.client)
         try:
             await self._wait_for_ready()
         except RuntimeError:
@@ -635,12 +652,12 @@ class AsyncSandbox(_SandboxSettings):
                 pass
             _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
 
-    async def close(self) -> None:
-        """Shut the kernel down."""
+    async def close(self, now: bool = False) -> None:
+        """Shut the kernel down: graceful, or with now=True killed at once (see Sandbox.close)."""
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
-            await self.manager.shutdown_kernel()
+            await self.manager.shutdown_kernel(now=now)
         self._close_inbox()
         self.context.destroy(linger=0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import os
 import sys
@@ -32,14 +33,23 @@ SYSTEM_READ_WRITE = ("/dev/null", "/dev/full")
 
 
 def interpreter_paths() -> list[str]:
-    """The running interpreter's prefixes, stdlib, site-packages and import path."""
+    """The running interpreter's prefixes, stdlib, site-packages and import path.
+
+    Worked out once per process (some 200 realpath calls): the kernel asks twice, and the fork
+    server asks once, after its imports, for all its kernels (sys.path is inherited as it is).
+    """
+    return list(_interpreter_paths())
+
+
+@functools.cache
+def _interpreter_paths() -> tuple[str, ...]:
     candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                   os.path.dirname(os.path.realpath(sys.executable))]
     candidates += [value for key, value in sysconfig.get_paths().items() if key != "scripts"]
     roots = [os.path.realpath(p) for p in candidates]
     candidates += import_path_grants([entry for entry in sys.path if entry], roots)
     candidates += editable_finder_paths()
-    return list(existing(dict.fromkeys(os.path.realpath(p) for p in candidates)))
+    return tuple(existing(dict.fromkeys(os.path.realpath(p) for p in candidates)))
 
 
 def _inside(path: str, roots: Iterable[str]) -> bool:

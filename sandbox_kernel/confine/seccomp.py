@@ -9,6 +9,7 @@ verdict of the two). Both are loaded with TSYNC so every thread of the kernel ge
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
 import termios
@@ -302,6 +303,30 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
     return flt
 
 
+@functools.cache
+def _denylist(allow_network: bool) -> Any:
+    """The denylist, compiled once per process (it names no process): a fork server's
+    kernels load the server's copy."""
+    assert _sc is not None
+    return _compile(denylist_rules(allow_network), _sc.ALLOW)
+
+
+def precompile() -> None:
+    """Compile, before a fork server forks, what every kernel would otherwise compile again.
+
+    The denylists (both network settings) are kept for the children to load. The allowlist
+    names the kernel's own pid, so each kernel compiles its own; compiling one here anyway
+    makes libseccomp's bindings, looked up on their first use, the server's and not a cost of
+    every kernel. Nothing is loaded here: the server itself stays unfiltered.
+    """
+    if available() is not None:
+        return
+    assert _sc is not None
+    for allow_network in (False, True):
+        _denylist(allow_network)
+    _compile(allowlist_rules(os.getpid(), False), _sc.NOTIFY)
+
+
 def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,
             notify: bool = False) -> int | None:
     """Load both filters into every thread of this process, then verify that they took.
@@ -317,7 +342,7 @@ def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,
     default = _sc.NOTIFY if notify else _sc.ERRNO(errno.EPERM)
     try:
         # The denylist goes first: once the allowlist is in, seccomp() itself is refused.
-        _compile(denylist_rules(allow_network), _sc.ALLOW).load()
+        _denylist(allow_network).load()
         allowlist = _compile(allowlist_rules(pid, allow_network, landlock_abi), default)
         allowlist.load()
     except OSError as exc:

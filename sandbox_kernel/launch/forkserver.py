@@ -167,6 +167,12 @@ class Server:
             except ImportError as exc:
                 if name in self.preload:
                     raise ForkServerError(f"cannot preload {name}: {exc}") from exc
+        # Policy-independent work every kernel would repeat: done once here, after the imports
+        # (a preloaded module may extend sys.path).
+        from sandbox_kernel.confine import paths, seccomp
+
+        paths.interpreter_paths()
+        seccomp.precompile()
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
@@ -484,9 +490,14 @@ class ForkedKernel:
         return self.conn.fileno() if self.conn.fileno() >= 0 else self.pidfd
 
     def send_signal(self, signum: int) -> None:
-        """Signal the kernel itself (never a recycled pid: the pidfd names this process)."""
-        if self.returncode is None:
-            signal.pidfd_send_signal(self.pidfd, signum)
+        """Signal the kernel itself (never a recycled pid: the pidfd names this process).
+
+        As Popen's: nothing once the kernel has ended, even before its exit report arrived
+        (jupyter_client interrupts a kernel before it shuts it down or kills it).
+        """
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signum)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -20,6 +20,8 @@ from traitlets import Bool, Float, Int, List, Unicode
 from . import forkserver
 
 NAME = "sandbox-fork-provisioner"
+SHUTDOWN_WATCH = 1.0  # seconds a requested shutdown is watched before jupyter_client polls
+KILL_WATCH = 5.0  # as long as jupyter_client waits for a killed kernel
 
 
 class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
@@ -56,17 +58,45 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
 
     async def wait(self) -> int | None:
         """As LocalProvisioner's, but woken by the kernel's end instead of polling every 0.1 s."""
+        await self._watch_exit(None)
+        return await super().wait()  # type: ignore[no-any-return]
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        """Watch for the kernel's exit before jupyter_client starts polling for it.
+
+        KernelManager.finish_shutdown checks every 0.1 s whether the kernel is gone, and a
+        fork-served kernel exits within milliseconds of the request: without this, every
+        shutdown took 100 ms more than it needed. A kernel that has not exited after
+        SHUTDOWN_WATCH seconds gets jupyter_client's usual sequence (wait, SIGTERM, SIGKILL).
+        """
+        await super().shutdown_requested(restart=restart)
+        await self._watch_exit(SHUTDOWN_WATCH)
+
+    async def kill(self, restart: bool = False) -> None:
+        """SIGKILL the kernel, and return once it is gone (jupyter_client polls every 0.1 s)."""
+        await super().kill(restart=restart)
+        await self._watch_exit(KILL_WATCH)
+
+    async def _watch_exit(self, timeout: float | None) -> None:
+        """Until a fork-served kernel has ended (at most timeout seconds); cold ones: no wait."""
         process = self.process
+        if not isinstance(process, forkserver.ForkedKernel):
+            return
         loop = asyncio.get_running_loop()
-        while isinstance(process, forkserver.ForkedKernel) and process.poll() is None:
+        end = None if timeout is None else loop.time() + timeout
+        while process.poll() is None:
+            left = None if end is None else end - loop.time()
+            if left is not None and left <= 0:
+                return
             news = asyncio.Event()
             watched = process.exit_fd()  # the server's report, or the pidfd once it is gone
             loop.add_reader(watched, news.set)
             try:
-                await news.wait()
+                await asyncio.wait_for(news.wait(), left)
+            except asyncio.TimeoutError:
+                return
             finally:
                 loop.remove_reader(watched)
-        return await super().wait()  # type: ignore[no-any-return]
 
     def _fork(self, cmd: list[str], kwargs: dict[str, Any]) -> forkserver.ForkedKernel:
         argv = _kernel_argv(cmd)
