@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import threading
 import uuid
 from enum import Enum
@@ -103,16 +104,28 @@ def loads(data: bytes | bytearray | memoryview | str, keep: bool = False) -> Any
 
 
 _PARKED = threading.Event()
+_FOREIGN_FREEZE: set[int] = set()  # processes (pids) where someone else uses gc.freeze
 
 
 def _park() -> None:
     # gc.freeze moves every tracked object to the permanent generation; thaw() moves them all
     # back into the oldest one, so the parsed value skips the young collections entirely.
     # Only while nobody else uses the permanent generation (a fork server freezes what its
-    # children share): unfreezing theirs would undo that.
-    if _PARKED.is_set() or gc.get_freeze_count() == 0:
+    # children share): unfreezing theirs would undo that. Counting the frozen objects walks
+    # all of them (tens of thousands in a fork-served kernel), so once another user is seen
+    # this process never parks again and never counts again. (A pid, not a flag: a fork
+    # server's children must look for themselves.)
+    if _PARKED.is_set():
+        gc.freeze()
+        return
+    pid = os.getpid()
+    if pid in _FOREIGN_FREEZE:
+        return
+    if gc.get_freeze_count() == 0:
         gc.freeze()
         _PARKED.set()
+    else:
+        _FOREIGN_FREEZE.add(pid)
 
 
 def thaw() -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import linecache
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from types import FrameType
 from typing import Any
@@ -30,6 +33,29 @@ def _timeout_source(label: Any) -> str:
     if isinstance(label, str) and 0 < len(label) <= 80 and label.isprintable():
         return label
     return "metadata.sandbox.timeout"
+
+
+def _is_warm_up(parent: dict[str, Any]) -> bool:
+    """Whether a request is a client's warm-up (Sandbox.warm_up), which must leave no trace."""
+    sandbox = parent.get("metadata", {}).get("sandbox")
+    return isinstance(sandbox, dict) and sandbox.get("warm_up") is True
+
+
+@contextmanager
+def _no_trace(shell: Any) -> Iterator[None]:
+    """Undo what a silent execution still leaves where user code can read it: the shell's last
+    execution result and success, and the cell's source in linecache and the compiler's map
+    of cell names. A warmed-up kernel then reads as one that never ran anything."""
+    saved = shell.last_execution_result, shell.last_execution_succeeded
+    cells, names = set(linecache.cache), set(shell.compile._filename_map)
+    try:
+        yield
+    finally:
+        shell.last_execution_result, shell.last_execution_succeeded = saved
+        for name in set(linecache.cache) - cells:
+            linecache.cache.pop(name, None)
+        for name in set(shell.compile._filename_map) - names:
+            shell.compile._filename_map.pop(name, None)
 
 
 class SandboxKernel(IPythonKernel):
@@ -111,6 +137,16 @@ class SandboxKernel(IPythonKernel):
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **kwargs: Any) -> dict[str, Any]:
         """Run a cell within the execution's time limit and output cap."""
+        if _is_warm_up(self.get_parent()) and silent:
+            with _no_trace(self.shell):
+                return await self._do_execute(code, silent, False, user_expressions,
+                                              allow_stdin, **kwargs)
+        return await self._do_execute(code, silent, store_history, user_expressions,
+                                      allow_stdin, **kwargs)
+
+    async def _do_execute(self, code: str, silent: bool, store_history: bool,
+                          user_expressions: dict | None, allow_stdin: bool,
+                          **kwargs: Any) -> dict[str, Any]:
         self.deadline = deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
         BUDGET.reset(self.policy.max_output_bytes)
         try:

@@ -63,3 +63,56 @@ def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
     with SandboxPool(size=1, kernel_name="no-such-kernelspec") as pool, \
             pytest.raises(PoolStartError, match="no-such-kernelspec"):
         pool.get(timeout=60)
+
+
+# What user code can see of a kernel's past: its execution count, history, namespace, output
+# cache, last result, compiled cells, loaded modules, garbage-collector state and IOPub/shell
+# leftovers (the reply's execution_count). Run as the first code in each kernel compared.
+FINGERPRINT = """\
+import gc, linecache, sys
+from ipykernel.compiler import get_tmp_directory
+ip = get_ipython()
+hidden = set(ip.user_ns_hidden)
+cells = get_tmp_directory()
+(ip.execution_count,
+ list(ip.history_manager.input_hist_raw), list(ip.history_manager.input_hist_parsed),
+ sorted(name for name in ip.user_ns if name not in hidden), sorted(hidden),
+ len(ip.user_ns["Out"]), repr(ip.user_ns.get("_")), repr(ip.user_ns.get("_i")),
+ ip.last_execution_result is None, ip.last_execution_succeeded,
+ sorted("".join(entry[2]) for name, entry in list(linecache.cache.items())
+        if name.startswith(cells) and len(entry) > 2),
+ sorted(ip.compile._filename_map.values()), sorted(sys.modules), gc.isenabled())
+"""
+
+
+def _first_look(execution):
+    import ast
+
+    from .helpers import ok
+
+    ok(execution)
+    return ast.literal_eval(execution.text)
+
+
+def test_a_pool_kernel_is_indistinguishable_from_a_fresh_one():
+    """The pool's warm-up leaves nothing user code could see: same first look as a fresh kernel."""
+    from sandbox_kernel.client import Sandbox
+
+    with Sandbox() as fresh:
+        expected = _first_look(fresh.run(FINGERPRINT))
+
+    async def from_pool():
+        async with KernelPool(size=1) as pool:
+            sandbox = await pool.get()
+            try:
+                return _first_look(await sandbox.run(FINGERPRINT))
+            finally:
+                await sandbox.close()
+
+    assert asyncio.run(from_pool()) == expected
+    with SandboxPool(size=1) as pool:
+        sandbox = pool.get(timeout=120)
+        try:
+            assert _first_look(sandbox.run(FINGERPRINT)) == expected
+        finally:
+            sandbox.close()

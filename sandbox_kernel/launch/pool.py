@@ -41,26 +41,6 @@ def _failure(exc: Exception) -> PoolStartError:
     return error
 
 
-# The kernel's first execution pays for first-time work (compiling, caches); a silent one that
-# leaves no history, no execution count and no variable makes the caller's first call a warm one.
-_WARM_UP = {"code": "pass", "silent": True, "store_history": False}
-_WARM_UP_TIMEOUT = 60.0
-
-
-def _warm_up(sandbox: Sandbox) -> None:
-    msg_id = sandbox.client.execute(**_WARM_UP)
-    while sandbox.client.get_shell_msg(timeout=_WARM_UP_TIMEOUT)["parent_header"].get(
-            "msg_id") != msg_id:
-        pass
-
-
-async def _warm_up_async(sandbox: AsyncSandbox) -> None:
-    msg_id = sandbox.client.execute(**_WARM_UP)
-    while (await sandbox.client.get_shell_msg(timeout=_WARM_UP_TIMEOUT))["parent_header"].get(
-            "msg_id") != msg_id:
-        pass
-
-
 class KernelPool:
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
@@ -113,7 +93,7 @@ class KernelPool:
                 sandbox = AsyncSandbox(**self.sandbox_options)
                 try:
                     await sandbox.start()
-                    await _warm_up_async(sandbox)
+                    await sandbox.warm_up()  # the first run is a warm one
                 except Exception as exc:  # a kernel that cannot start: tell a taker, go on
                     self._ready.put_nowait(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
@@ -184,7 +164,7 @@ class SandboxPool:
                 sandbox = Sandbox(**self.sandbox_options)
                 try:
                     sandbox.start()
-                    _warm_up(sandbox)
+                    sandbox.warm_up()
                 except Exception as exc:
                     self._ready.put(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
