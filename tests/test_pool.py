@@ -51,6 +51,13 @@ def test_sync_pool_hands_out_started_private_kernels():
         pool.get()
 
 
+def test_pool_settings_are_checked():
+    with pytest.raises(ValueError, match="refill_delay is a number of seconds >= 0"):
+        KernelPool(size=1, refill_delay=-1)
+    with pytest.raises(ValueError, match="at least one kernel"):
+        SandboxPool(size=0)
+
+
 def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
     async def scenario():
         async with KernelPool(size=1, kernel_name="no-such-kernelspec") as pool:

@@ -7,8 +7,12 @@
         finally:
             await sandbox.close()
 
-The pool refills in the background after every hand-out. `SandboxPool` is the same for the
-synchronous `Sandbox`, with a thread doing the refilling.
+The pool refills in the background after every hand-out, a moment later (`refill_delay`): a
+replacement's start (a fork, and tens of milliseconds of CPU) would otherwise compete with the
+first call of the kernel just handed out, on the same cores and, for `KernelPool`, in the same
+event loop. A pool that is already refilling goes on without pausing. Every kernel is warmed up
+before it is handed out (`Sandbox.warm_up`: invisible to user code), so its first call is a warm
+one. `SandboxPool` is the same for the synchronous `Sandbox`, with a thread doing the refilling.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..client import AsyncSandbox, Sandbox
 
 log = logging.getLogger(__name__)
 _RETRY_SECONDS = 1.0  # after a kernel failed to start, before trying again
+REFILL_DELAY = 0.025  # seconds: a small call on a handed-out kernel takes a few milliseconds
 
 
 class PoolClosed(RuntimeError):
@@ -41,13 +46,21 @@ def _failure(exc: Exception) -> PoolStartError:
     return error
 
 
+def _check(size: int, refill_delay: float) -> None:
+    if size < 1:
+        raise ValueError(f"a pool holds at least one kernel, not {size}")
+    if not refill_delay >= 0:
+        raise ValueError(f"refill_delay is a number of seconds >= 0, not {refill_delay!r}")
+
+
 class KernelPool:
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
-    def __init__(self, size: int = 2, **sandbox_options: Any) -> None:
-        if size < 1:
-            raise ValueError(f"a pool holds at least one kernel, not {size}")
+    def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
+                 **sandbox_options: Any) -> None:
+        _check(size, refill_delay)
         self.size = size
+        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
         self.sandbox_options = sandbox_options  # AsyncSandbox's: kernel_name, policy, preload...
         # A start failure takes a kernel's place, so that a waiting get() hears of it.
         self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
@@ -86,8 +99,12 @@ class KernelPool:
         return sandbox
 
     async def _fill(self) -> None:
+        filled = False  # the first fill starts at once: nothing was handed out to make room for
         while not self._closed:
             await self._wanted.wait()
+            if filled:
+                await asyncio.sleep(self.refill_delay)  # the handed-out kernel's call first
+            filled = True
             self._wanted.clear()
             while not self._closed and self._ready.qsize() < self.size:
                 sandbox = AsyncSandbox(**self.sandbox_options)
@@ -120,10 +137,11 @@ class KernelPool:
 class SandboxPool:
     """Keeps `size` started Sandbox kernels ready; `get()` takes one. A thread refills it."""
 
-    def __init__(self, size: int = 2, **sandbox_options: Any) -> None:
-        if size < 1:
-            raise ValueError(f"a pool holds at least one kernel, not {size}")
+    def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
+                 **sandbox_options: Any) -> None:
+        _check(size, refill_delay)
         self.size = size
+        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
         self.sandbox_options = sandbox_options
         self._ready: queue.Queue[Sandbox | PoolStartError] = queue.Queue()
         self._wanted = threading.Event()
@@ -157,8 +175,12 @@ class SandboxPool:
         return sandbox
 
     def _fill(self) -> None:
+        filled = False  # the first fill starts at once: nothing was handed out to make room for
         while not self._closed.is_set():
             self._wanted.wait()
+            if filled:
+                self._closed.wait(self.refill_delay)  # the handed-out kernel's call first
+            filled = True
             self._wanted.clear()
             while not self._closed.is_set() and self._ready.qsize() < self.size:
                 sandbox = Sandbox(**self.sandbox_options)
