@@ -22,6 +22,7 @@ import gc
 import json
 import math
 import os
+import re
 import threading
 import uuid
 from enum import Enum
@@ -37,6 +38,10 @@ except ImportError:  # an optional speed-up: without it, the standard library do
 _LONG_DIGITS = 19  # orjson's integers stop at 2**64 - 1 (20 digits) and -2**63 (19 digits)
 _ONLY_DIGITS = bytes(1 if chr(byte).isdigit() and byte < 128 else 0 for byte in range(256))
 _DIGIT_RUN = b"\x01" * _LONG_DIGITS
+_SCAN_PIECE = 64 * 1024
+# A literal search: the regular-expression engine finds it several times faster than `in`
+# (which stumbles over every "l" of the text).
+_NULL = re.compile(rb"null")
 _GC_PAUSE_FROM = 64 * 1024  # below this a collection during the parse is unlikely and cheap
 _ORJSON_REFUSED = (TypeError, ValueError) if orjson is None else (
     TypeError, ValueError, orjson.JSONEncodeError)
@@ -76,8 +81,19 @@ _PAUSE = _CollectorPause()
 
 
 def _has_long_number(data: bytes | bytearray | memoryview) -> bool:
-    """Whether the text holds 19 or more digits in a row (inside strings too: harmless)."""
-    return _DIGIT_RUN in bytes(data).translate(_ONLY_DIGITS)
+    """Whether the text holds 19 or more digits in a row (inside strings too: harmless).
+
+    Scanned in 64 KiB pieces (overlapping by a run's length less one): a piece's two copies
+    stay in the processor's cache and the allocator's free lists, where one copy of a whole
+    megabyte costs fresh pages every time, twice the time.
+    """
+    view = memoryview(data).cast("B")
+    overlap = _LONG_DIGITS - 1
+    for start in range(0, max(len(view) - overlap, 1), _SCAN_PIECE):
+        if _DIGIT_RUN in view[start:start + _SCAN_PIECE + overlap].tobytes().translate(
+                _ONLY_DIGITS):
+            return True
+    return False
 
 
 def _std_loads(data: bytes | bytearray | memoryview | str) -> Any:
@@ -176,7 +192,7 @@ def encode_result(value: dict[str, Any]) -> bytes:
             pass  # a type, key, integer or string orjson will not take: the exact path decides
         else:
             # orjson writes NaN and Infinity as null: only then is a second look needed.
-            if b"null" not in encoded or not _has_non_finite(value):
+            if _NULL.search(encoded) is None or not _has_non_finite(value):
                 return encoded
     return _std_encode_result(value)
 
