@@ -66,17 +66,23 @@ def test_jsonwire_is_exact_where_orjson_is_not():
         jsonwire.encode_result({"x": None, "y": float("nan")})
 
 
-@pytest.mark.parametrize("offset", [0, 65536 - 19, 65536 - 10, 65536 - 1, 65536, 3 * 65536 - 7])
-def test_a_long_integer_anywhere_in_a_large_text_is_exact(offset):
+@pytest.mark.parametrize("offset", [13, 65536 - 19, 65536 - 10, 65536 - 1, 65536, 3 * 65536 - 7])
+@pytest.mark.parametrize("number", [2**70 + 1, -(2**63) - 1])
+def test_a_long_integer_anywhere_in_a_large_text_is_exact(offset, number):
     """The digit scan goes piece by piece: a number across a piece boundary is still seen."""
-    padding = '"' + "x" * max(offset - 12, 0) + '"'
-    text = f'{{"p":{padding},"n":{2**70},"m":{-(2**63) - 1}}}'.encode()
-    assert text.index(b"1180591620717411303424") == max(offset, 12)
-    value = jsonwire.loads(text + b" " * 70000)
-    assert value["n"] == 2**70 and isinstance(value["n"], int)
-    assert value["m"] == -(2**63) - 1
+    digits = str(abs(number)).encode()
+    padding = '"' + "x" * (offset - 12 - (number < 0)) + '"'
+    text = f'{{"p":{padding},"n":{number}}}'.encode() + b" " * 70000
+    assert text.index(digits) == offset
+    value = jsonwire.loads(text)["n"]
+    assert value == number and isinstance(value, int)
+
+
+def test_nan_is_refused_and_null_kept_whatever_the_text_holds():
     assert jsonwire.encode_result({"big": [1.5, "null", None, 2**64]}) == \
         b'{"big":[1.5,"null",null,18446744073709551616]}'
+    with pytest.raises(jsonwire.NotJSON, match=r'result\["rows"\]\[2\]: float inf'):
+        jsonwire.encode_result({"rows": ["null", None, float("inf")]})
 
 
 # Without orjson: the client in a process of its own, and a kernel whose interpreter cannot
