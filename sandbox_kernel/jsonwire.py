@@ -298,22 +298,62 @@ class Unparsed(dict):  # type: ignore[type-arg]
     """A large part a peek did not parse: reads as empty; the full deserialize parses it."""
 
 
+_PEEKED: set[bytes] = set()  # signatures of large requests a peek verified
+_PEEKED_KEEP = 32  # more waiting means some went to subshells or failed: start afresh
+_TRUSTED = threading.local()  # the signature deserialize() need not compute again
+
+
+def _part_bytes(part: Any) -> bytes:
+    return bytes(getattr(part, "bytes", part))  # a zmq.Frame when received with copy=False
+
+
 class PeekingSession(Session):
     """A Session whose peeks (``deserialize(content=False)``) leave large parts unparsed.
 
     ipykernel's shell-channel thread peeks at every request to route it by its header, which
     parsed the metadata (a main() call's inputs) a second time before the main thread parsed
     it again. Peeks still check the signature; only parts over 64 KiB stay unparsed.
+
+    The main thread then computed a large request's signature a second time, over the same
+    megabytes. It takes a signature a peek verified as verified (the replay check and the
+    digest history stay as they are): the main thread receives shell requests only from the
+    shell-channel thread, forwarded unchanged after their peek, so a request that reaches it
+    with a peeked signature is the request that was peeked. Every other thread (control,
+    subshells) checks every signature itself.
     """
 
     def deserialize(self, msg_list: Any, content: bool = True, copy: bool = True) -> Any:
-        if content:
-            return super().deserialize(msg_list, content=content, copy=copy)
-        _PEEKING.active = True
+        if not content:
+            return self._peek(msg_list, copy)
+        if _PEEKED and threading.current_thread() is threading.main_thread():
+            signature = _part_bytes(msg_list[0])
+            if signature in _PEEKED:
+                _PEEKED.discard(signature)
+                _TRUSTED.signature = signature
         try:
             return super().deserialize(msg_list, content=content, copy=copy)
         finally:
+            _TRUSTED.signature = None
+
+    def _peek(self, msg_list: Any, copy: bool) -> Any:
+        _PEEKING.active = True
+        try:
+            msg = super().deserialize(msg_list, content=False, copy=copy)
+        finally:
             _PEEKING.active = False
+        if self.auth is not None and any(len(part) > _PEEK_PARSES_UP_TO
+                                         for part in msg_list[1:5]):
+            if len(_PEEKED) >= _PEEKED_KEEP:
+                _PEEKED.clear()
+            _PEEKED.add(_part_bytes(msg_list[0]))
+        return msg
+
+    def sign(self, msg_list: Any) -> bytes:
+        trusted = getattr(_TRUSTED, "signature", None)
+        if trusted is not None:
+            _TRUSTED.signature = None  # good for the one check it was set for
+            return trusted  # type: ignore[no-any-return]
+        return super().sign(msg_list)
 
 
 def kernel_loads(data: bytes | bytearray | memoryview | str) -> Any:

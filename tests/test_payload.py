@@ -128,3 +128,69 @@ def _repo():
     from pathlib import Path
 
     return Path(__file__).resolve().parent.parent
+
+
+# --- the kernel's session: a large request's signature is computed once, by the peek ----------
+
+def _kernel_session():
+    session = jupyter_client.session.Session(key=b"secret")
+    jsonwire.use_in_kernel(session)
+    return session
+
+
+def _large_request(session):
+    msg = session.msg("execute_request", {"code": "pass"},
+                      metadata={"sandbox": {"inputs": {"rows": ["x" * 100] * 2000}}})
+    return session.serialize(msg)[1:]  # the parts after the delimiter: signature first
+
+
+def _on_another_thread(session, parts, content=False):
+    """deserialize on a thread other than the main one (a peek by default), as the kernel's
+    shell-channel (or control) thread does; its error is raised here."""
+    import threading
+
+    outcome = []
+
+    def deserialize():
+        try:
+            outcome.append(session.deserialize(list(parts), content=content))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=deserialize)
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+def test_the_main_thread_trusts_a_signature_its_peek_verified(monkeypatch):
+    session = _kernel_session()
+    parts = _large_request(session)
+    peeked = _on_another_thread(session, parts)
+    assert isinstance(peeked["metadata"], jsonwire.Unparsed)  # the inputs were not parsed
+    computed = []
+    original = jupyter_client.session.Session.sign
+    monkeypatch.setattr(jupyter_client.session.Session, "sign",
+                        lambda self, msg_list: computed.append(1) or original(self, msg_list))
+    msg = session.deserialize(list(parts))
+    assert msg["metadata"]["sandbox"]["inputs"]["rows"][0] == "x" * 100
+    assert computed == []  # the peek's check stands
+    with pytest.raises(ValueError, match="Duplicate Signature"):  # replays are still refused
+        session.deserialize(list(parts))
+
+
+def test_every_other_signature_is_checked_in_full():
+    session = _kernel_session()
+    parts = _large_request(session)
+    forged = [parts[0], *parts[1:3], parts[3].replace(b"xxxx", b"yyyy", 1), *parts[4:]]
+    with pytest.raises(ValueError, match="Invalid Signature"):  # the peek refuses a forgery
+        _on_another_thread(session, forged)
+    with pytest.raises(ValueError, match="Invalid Signature"):  # unpeeked: checked in full
+        session.deserialize(list(forged))
+    parts = _large_request(session)
+    _on_another_thread(session, parts)
+    forged = [parts[0], *parts[1:3], parts[3].replace(b"xxxx", b"yyyy", 1), *parts[4:]]
+    with pytest.raises(ValueError, match="Invalid Signature"):  # other threads: in full
+        _on_another_thread(session, forged, content=True)  # e.g. the control thread
