@@ -112,6 +112,8 @@ class KernelPool:
                     await sandbox.start()
                     await sandbox.warm_up()  # the first run is a warm one
                 except Exception as exc:  # a kernel that cannot start: tell a taker, go on
+                    with contextlib.suppress(Exception):
+                        await sandbox.close()  # one that started but failed its warm-up ends
                     self._ready.put_nowait(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     await asyncio.sleep(_RETRY_SECONDS)
@@ -188,6 +190,8 @@ class SandboxPool:
                     sandbox.start()
                     sandbox.warm_up()
                 except Exception as exc:
+                    with contextlib.suppress(Exception):
+                        sandbox.close()  # one that started but failed its warm-up ends
                     self._ready.put(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     self._closed.wait(_RETRY_SECONDS)
