@@ -123,3 +123,38 @@ def test_a_pool_kernel_is_indistinguishable_from_a_fresh_one():
             assert _first_look(sandbox.run(FINGERPRINT)) == expected
         finally:
             sandbox.close()
+
+
+def _kernels_of(server_pid):
+    """Live kernels forked by the fork server (none without one)."""
+    from .test_service import children
+
+    return children(server_pid) if server_pid else set()
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.03, 0.08])
+def test_closing_a_refilling_pool_leaves_no_kernel_behind(wait):
+    """close() cancels a refill wherever it is (before, during or after the start): the
+    kernel that was starting is shut down, not left running."""
+    import time
+
+    from sandbox_kernel.launch import forkserver
+
+    async def scenario():
+        pool = KernelPool(size=1, refill_delay=0)
+        pool.start()
+        while pool.ready < 1:
+            await asyncio.sleep(0.02)
+        taken = await pool.get()  # the replacement starts now
+        await taken.close()
+        await asyncio.sleep(wait)
+        await pool.close()
+
+    before = _kernels_of(forkserver.ForkServerClient().server_pid())
+    asyncio.run(scenario())
+    server = forkserver.ForkServerClient().server_pid()
+    assert server is not None  # the tests' kernelspec is fork-served
+    deadline = time.monotonic() + 20
+    while (left := _kernels_of(server) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left

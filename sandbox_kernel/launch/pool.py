@@ -53,6 +53,11 @@ def _check(size: int, refill_delay: float) -> None:
         raise ValueError(f"refill_delay is a number of seconds >= 0, not {refill_delay!r}")
 
 
+async def _close_quietly(sandbox: AsyncSandbox) -> None:
+    with contextlib.suppress(Exception):
+        await sandbox.close()
+
+
 class KernelPool:
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
@@ -111,9 +116,11 @@ class KernelPool:
                 try:
                     await sandbox.start()
                     await sandbox.warm_up()  # the first run is a warm one
+                except asyncio.CancelledError:  # close() while it starts: it must not live on
+                    await asyncio.shield(_close_quietly(sandbox))
+                    raise
                 except Exception as exc:  # a kernel that cannot start: tell a taker, go on
-                    with contextlib.suppress(Exception):
-                        await sandbox.close()  # one that started but failed its warm-up ends
+                    await _close_quietly(sandbox)  # one that started but failed its warm-up
                     self._ready.put_nowait(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     await asyncio.sleep(_RETRY_SECONDS)
