@@ -46,6 +46,11 @@ _DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's ex
 _IOPUB_JOIN = 0.05
 _RECONNECT_MS = 10
 _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bounds a lost one
+# warm_up()'s request: silent and without history, it leaves no execution count, no history
+# entry and no variable behind (and the kernel keeps its last-result state as it was); it only
+# makes the first run pay nothing for first-time work.
+_WARM_UP = {"code": "pass", "silent": True, "store_history": False, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": False}
 
 
 @dataclass
@@ -231,6 +236,13 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
     return msg
 
 
+def _warm_up_request(client: Any) -> dict[str, Any]:
+    """The silent `pass` of warm_up(), marked so the kernel also keeps its last-result state."""
+    msg = client.session.msg("execute_request", dict(_WARM_UP))
+    msg["metadata"]["sandbox"] = {"warm_up": True}
+    return msg  # type: ignore[no-any-return]
+
+
 def _fast_reconnecting(client: Any) -> Any:
     """The sockets of a client (or manager) retry a refused connection after 10 ms, not 100.
 
@@ -252,6 +264,14 @@ def _start_channels(client: Any) -> None:
     still created, and connected, the first time client.control_channel (etc.) is used.
     """
     client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+
+
+def _check_warm_up(alive: bool, deadline: float, timeout: float) -> None:
+    """Raise if the kernel died or did not answer while warming up."""
+    if not alive:
+        raise RuntimeError("the kernel died while warming up (before any code of the caller ran)")
+    if time.monotonic() > deadline:
+        raise RuntimeError(f"the kernel did not answer a silent `pass` within {timeout:g} s")
 
 
 def _check_start(alive: bool, deadline: float, timeout: float) -> None:
@@ -336,6 +356,36 @@ class _Watchdog:
         return execution
 
 
+def _ready_frames(socket: Any) -> list[Any] | None:
+    """The frames of a message already queued on this socket, else None (without waiting).
+
+    A run's messages arrive in bursts (busy, streams, result, idle): taking what is queued
+    before polling saves a poll per message.
+    """
+    try:
+        return socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # type: ignore[no-any-return]
+    except zmq.Again:
+        return None
+
+
+async def _ready_frames_async(socket: Any) -> list[Any] | None:
+    """_ready_frames for an asyncio socket: a non-blocking read's future is already done, so
+    awaiting it costs no turn of the event loop."""
+    try:
+        return await socket.recv_multipart(  # type: ignore[no-any-return]
+            flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None
+
+
+def _queued_reply(client: Any, frames: list[Any] | None) -> dict[str, Any] | None:
+    """The shell reply in these frames, parsed as the client's get_shell_msg would."""
+    if frames is None:
+        return None
+    _idents, parts = client.session.feed_identities(frames, copy=False)
+    return client.session.deserialize(parts, copy=False)  # type: ignore[no-any-return]
+
+
 class _Inbox:
     """A client's IOPub socket read frame by frame, and whether libzmq refused a frame."""
 
@@ -354,6 +404,9 @@ class _Inbox:
 
     def receive(self, timeout: float) -> list[Any] | None:
         """The next message's frames, or None after `timeout` seconds without one."""
+        frames = _ready_frames(self.socket)
+        if frames is not None:
+            return frames
         events = dict(self.poller.poll(timeout * 1000))
         if self.monitor in events:
             self.monitor.recv_multipart()
@@ -382,6 +435,9 @@ class _AsyncInbox(_Inbox):
 
     async def receive(self, timeout: float) -> list[Any] | None:  # type: ignore[override]
         """The next message's frames, or None after `timeout` seconds without one."""
+        frames = await _ready_frames_async(self.socket)
+        if frames is not None:
+            return frames
         events = dict(await self.poller.poll(timeout * 1000))
         if self.monitor in events:
             await self.monitor.recv_multipart()
@@ -552,6 +608,27 @@ class Sandbox(_SandboxSettings):
         with self._lock:
             return self.client.kernel_info(reply=True, timeout=self.startup_timeout)["content"]
 
+    def warm_up(self) -> None:
+        """Send one silent `pass` through run()'s path, so the next run() pays no first time.
+
+        It sets up the run's IOPub reader, drains what the start left on IOPub and takes the
+        kernel through its execute path once, leaving no history, execution count or variable:
+        the kernel stays as fresh as it started. Pools call it before handing a kernel out.
+        """
+        with self._lock:
+            msg = _warm_up_request(self.client)
+            collector = self._collector(msg, None, None, None)
+            inbox = self._current_inbox()
+            self.client.shell_channel.send(msg)
+            deadline = time.monotonic() + self.startup_timeout
+            while not collector.idle:
+                frames = inbox.receive(_POLL)
+                if frames is None:
+                    _check_warm_up(self.manager.is_alive(), deadline, self.startup_timeout)
+                else:
+                    collector.feed_frames(frames)
+            self._take_reply(msg["header"]["msg_id"])
+
     def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
             on_stdout: Callback = None, on_stderr: Callback = None, on_display: Callback = None,
             entrypoint: str = "main") -> Execution:
@@ -599,10 +676,13 @@ class Sandbox(_SandboxSettings):
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
         give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
         while (left := give_up - time.monotonic()) > 0:
-            try:
-                reply: dict[str, Any] = self.client.get_shell_msg(timeout=left)
-            except queue.Empty:
-                return None
+            # The kernel sends the reply before it goes idle: it is usually queued already.
+            reply = _queued_reply(self.client, _ready_frames(self.client.shell_channel.socket))
+            if reply is None:
+                try:
+                    reply = self.client.get_shell_msg(timeout=left)
+                except queue.Empty:
+                    return None
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply
         return None
@@ -671,6 +751,24 @@ class AsyncSandbox(_SandboxSettings):
         """Interrupt the code that is running."""
         await self.manager.interrupt_kernel()
 
+    async def warm_up(self) -> None:
+        """Send one silent `pass` through run()'s path, so the next run() pays no first time
+        (see Sandbox.warm_up)."""
+        async with self._lock:
+            msg = _warm_up_request(self.client)
+            collector = self._collector(msg, None, None, None)
+            inbox = self._current_inbox()
+            self.client.shell_channel.send(msg)
+            deadline = time.monotonic() + self.startup_timeout
+            while not collector.idle:
+                frames = await inbox.receive(_POLL)
+                if frames is None:
+                    _check_warm_up(await self.manager.is_alive(), deadline,
+                                   self.startup_timeout)
+                else:
+                    collector.feed_frames(frames)
+            await self._take_reply(msg["header"]["msg_id"])
+
     async def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
                   on_stdout: Callback = None, on_stderr: Callback = None,
                   on_display: Callback = None, entrypoint: str = "main") -> Execution:
@@ -718,10 +816,13 @@ class AsyncSandbox(_SandboxSettings):
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
         give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
         while (left := give_up - time.monotonic()) > 0:
-            try:
-                reply: dict[str, Any] = await self.client.get_shell_msg(timeout=left)
-            except queue.Empty:
-                return None
+            reply = _queued_reply(self.client, await _ready_frames_async(
+                self.client.shell_channel.socket))  # usually queued already, as above
+            if reply is None:
+                try:
+                    reply = await self.client.get_shell_msg(timeout=left)
+                except queue.Empty:
+                    return None
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply
         return None

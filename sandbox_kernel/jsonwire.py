@@ -21,6 +21,8 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
+import re
 import threading
 import uuid
 from enum import Enum
@@ -36,6 +38,10 @@ except ImportError:  # an optional speed-up: without it, the standard library do
 _LONG_DIGITS = 19  # orjson's integers stop at 2**64 - 1 (20 digits) and -2**63 (19 digits)
 _ONLY_DIGITS = bytes(1 if chr(byte).isdigit() and byte < 128 else 0 for byte in range(256))
 _DIGIT_RUN = b"\x01" * _LONG_DIGITS
+_SCAN_PIECE = 64 * 1024
+# A literal search: the regular-expression engine finds it several times faster than `in`
+# (which stumbles over every "l" of the text).
+_NULL = re.compile(rb"null")
 _GC_PAUSE_FROM = 64 * 1024  # below this a collection during the parse is unlikely and cheap
 _ORJSON_REFUSED = (TypeError, ValueError) if orjson is None else (
     TypeError, ValueError, orjson.JSONEncodeError)
@@ -75,8 +81,19 @@ _PAUSE = _CollectorPause()
 
 
 def _has_long_number(data: bytes | bytearray | memoryview) -> bool:
-    """Whether the text holds 19 or more digits in a row (inside strings too: harmless)."""
-    return _DIGIT_RUN in bytes(data).translate(_ONLY_DIGITS)
+    """Whether the text holds 19 or more digits in a row (inside strings too: harmless).
+
+    Scanned in 64 KiB pieces (overlapping by a run's length less one): a piece's two copies
+    stay in the processor's cache and the allocator's free lists, where one copy of a whole
+    megabyte costs fresh pages every time, twice the time.
+    """
+    view = memoryview(data).cast("B")
+    overlap = _LONG_DIGITS - 1
+    for start in range(0, max(len(view) - overlap, 1), _SCAN_PIECE):
+        if _DIGIT_RUN in view[start:start + _SCAN_PIECE + overlap].tobytes().translate(
+                _ONLY_DIGITS):
+            return True
+    return False
 
 
 def _std_loads(data: bytes | bytearray | memoryview | str) -> Any:
@@ -103,16 +120,28 @@ def loads(data: bytes | bytearray | memoryview | str, keep: bool = False) -> Any
 
 
 _PARKED = threading.Event()
+_FOREIGN_FREEZE: set[int] = set()  # processes (pids) where someone else uses gc.freeze
 
 
 def _park() -> None:
     # gc.freeze moves every tracked object to the permanent generation; thaw() moves them all
     # back into the oldest one, so the parsed value skips the young collections entirely.
     # Only while nobody else uses the permanent generation (a fork server freezes what its
-    # children share): unfreezing theirs would undo that.
-    if _PARKED.is_set() or gc.get_freeze_count() == 0:
+    # children share): unfreezing theirs would undo that. Counting the frozen objects walks
+    # all of them (tens of thousands in a fork-served kernel), so once another user is seen
+    # this process never parks again and never counts again. (A pid, not a flag: a fork
+    # server's children must look for themselves.)
+    if _PARKED.is_set():
+        gc.freeze()
+        return
+    pid = os.getpid()
+    if pid in _FOREIGN_FREEZE:
+        return
+    if gc.get_freeze_count() == 0:
         gc.freeze()
         _PARKED.set()
+    else:
+        _FOREIGN_FREEZE.add(pid)
 
 
 def thaw() -> None:
@@ -163,7 +192,7 @@ def encode_result(value: dict[str, Any]) -> bytes:
             pass  # a type, key, integer or string orjson will not take: the exact path decides
         else:
             # orjson writes NaN and Infinity as null: only then is a second look needed.
-            if b"null" not in encoded or not _has_non_finite(value):
+            if _NULL.search(encoded) is None or not _has_non_finite(value):
                 return encoded
     return _std_encode_result(value)
 
@@ -269,22 +298,62 @@ class Unparsed(dict):  # type: ignore[type-arg]
     """A large part a peek did not parse: reads as empty; the full deserialize parses it."""
 
 
+_PEEKED: set[bytes] = set()  # signatures of large requests a peek verified
+_PEEKED_KEEP = 32  # more waiting means some went to subshells or failed: start afresh
+_TRUSTED = threading.local()  # the signature deserialize() need not compute again
+
+
+def _part_bytes(part: Any) -> bytes:
+    return bytes(getattr(part, "bytes", part))  # a zmq.Frame when received with copy=False
+
+
 class PeekingSession(Session):
     """A Session whose peeks (``deserialize(content=False)``) leave large parts unparsed.
 
     ipykernel's shell-channel thread peeks at every request to route it by its header, which
     parsed the metadata (a main() call's inputs) a second time before the main thread parsed
     it again. Peeks still check the signature; only parts over 64 KiB stay unparsed.
+
+    The main thread then computed a large request's signature a second time, over the same
+    megabytes. It takes a signature a peek verified as verified (the replay check and the
+    digest history stay as they are): the main thread receives shell requests only from the
+    shell-channel thread, forwarded unchanged after their peek, so a request that reaches it
+    with a peeked signature is the request that was peeked. Every other thread (control,
+    subshells) checks every signature itself.
     """
 
     def deserialize(self, msg_list: Any, content: bool = True, copy: bool = True) -> Any:
-        if content:
-            return super().deserialize(msg_list, content=content, copy=copy)
-        _PEEKING.active = True
+        if not content:
+            return self._peek(msg_list, copy)
+        if _PEEKED and threading.current_thread() is threading.main_thread():
+            signature = _part_bytes(msg_list[0])
+            if signature in _PEEKED:
+                _PEEKED.discard(signature)
+                _TRUSTED.signature = signature
         try:
             return super().deserialize(msg_list, content=content, copy=copy)
         finally:
+            _TRUSTED.signature = None
+
+    def _peek(self, msg_list: Any, copy: bool) -> Any:
+        _PEEKING.active = True
+        try:
+            msg = super().deserialize(msg_list, content=False, copy=copy)
+        finally:
             _PEEKING.active = False
+        if self.auth is not None and any(len(part) > _PEEK_PARSES_UP_TO
+                                         for part in msg_list[1:5]):
+            if len(_PEEKED) >= _PEEKED_KEEP:
+                _PEEKED.clear()
+            _PEEKED.add(_part_bytes(msg_list[0]))
+        return msg
+
+    def sign(self, msg_list: Any) -> bytes:
+        trusted = getattr(_TRUSTED, "signature", None)
+        if trusted is not None:
+            _TRUSTED.signature = None  # good for the one check it was set for
+            return trusted  # type: ignore[no-any-return]
+        return super().sign(msg_list)
 
 
 def kernel_loads(data: bytes | bytearray | memoryview | str) -> Any:

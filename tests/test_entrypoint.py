@@ -332,3 +332,13 @@ def test_large_results_are_sent_once_with_a_summary_as_text(sandbox):
     size = len(json.dumps(expected, separators=(",", ":")))
     assert result["content"]["data"]["text/plain"] == (
         f"<main() result: {size:,} bytes of JSON, in this message's application/json>")
+
+
+def test_only_notebook_cells_keep_ipykernels_pause_before_the_reply(sandbox):
+    """A main() caller reads output until idle: its reply is not held back by the pause that
+    protects frontends stopping at the reply; cells keep the configured pause."""
+    pause = "get_ipython().kernel._execute_sleep"
+    assert ok(sandbox.run(pause)).text == "0.0005"
+    reading = f"def main():\n    return {{'pause': {pause}}}"
+    assert ok(sandbox.run(reading, inputs={})).result == {"pause": 0.0}
+    assert ok(sandbox.run(pause)).text == "0.0005"

@@ -66,6 +66,25 @@ def test_jsonwire_is_exact_where_orjson_is_not():
         jsonwire.encode_result({"x": None, "y": float("nan")})
 
 
+@pytest.mark.parametrize("offset", [13, 65536 - 19, 65536 - 10, 65536 - 1, 65536, 3 * 65536 - 7])
+@pytest.mark.parametrize("number", [2**70 + 1, -(2**63) - 1])
+def test_a_long_integer_anywhere_in_a_large_text_is_exact(offset, number):
+    """The digit scan goes piece by piece: a number across a piece boundary is still seen."""
+    digits = str(abs(number)).encode()
+    padding = '"' + "x" * (offset - 12 - (number < 0)) + '"'
+    text = f'{{"p":{padding},"n":{number}}}'.encode() + b" " * 70000
+    assert text.index(digits) == offset
+    value = jsonwire.loads(text)["n"]
+    assert value == number and isinstance(value, int)
+
+
+def test_nan_is_refused_and_null_kept_whatever_the_text_holds():
+    assert jsonwire.encode_result({"big": [1.5, "null", None, 2**64]}) == \
+        b'{"big":[1.5,"null",null,18446744073709551616]}'
+    with pytest.raises(jsonwire.NotJSON, match=r'result\["rows"\]\[2\]: float inf'):
+        jsonwire.encode_result({"rows": ["null", None, float("inf")]})
+
+
 # Without orjson: the client in a process of its own, and a kernel whose interpreter cannot
 # import it either (the kernel re-executes itself with the same -c, so it stays hidden there).
 HIDE = "import sys; sys.modules['orjson'] = None"
@@ -109,3 +128,69 @@ def _repo():
     from pathlib import Path
 
     return Path(__file__).resolve().parent.parent
+
+
+# --- the kernel's session: a large request's signature is computed once, by the peek ----------
+
+def _kernel_session():
+    session = jupyter_client.session.Session(key=b"secret")
+    jsonwire.use_in_kernel(session)
+    return session
+
+
+def _large_request(session):
+    msg = session.msg("execute_request", {"code": "pass"},
+                      metadata={"sandbox": {"inputs": {"rows": ["x" * 100] * 2000}}})
+    return session.serialize(msg)[1:]  # the parts after the delimiter: signature first
+
+
+def _on_another_thread(session, parts, content=False):
+    """deserialize on a thread other than the main one (a peek by default), as the kernel's
+    shell-channel (or control) thread does; its error is raised here."""
+    import threading
+
+    outcome = []
+
+    def deserialize():
+        try:
+            outcome.append(session.deserialize(list(parts), content=content))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=deserialize)
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+def test_the_main_thread_trusts_a_signature_its_peek_verified(monkeypatch):
+    session = _kernel_session()
+    parts = _large_request(session)
+    peeked = _on_another_thread(session, parts)
+    assert isinstance(peeked["metadata"], jsonwire.Unparsed)  # the inputs were not parsed
+    computed = []
+    original = jupyter_client.session.Session.sign
+    monkeypatch.setattr(jupyter_client.session.Session, "sign",
+                        lambda self, msg_list: computed.append(1) or original(self, msg_list))
+    msg = session.deserialize(list(parts))
+    assert msg["metadata"]["sandbox"]["inputs"]["rows"][0] == "x" * 100
+    assert computed == []  # the peek's check stands
+    with pytest.raises(ValueError, match="Duplicate Signature"):  # replays are still refused
+        session.deserialize(list(parts))
+
+
+def test_every_other_signature_is_checked_in_full():
+    session = _kernel_session()
+    parts = _large_request(session)
+    forged = [parts[0], *parts[1:3], parts[3].replace(b"xxxx", b"yyyy", 1), *parts[4:]]
+    with pytest.raises(ValueError, match="Invalid Signature"):  # the peek refuses a forgery
+        _on_another_thread(session, forged)
+    with pytest.raises(ValueError, match="Invalid Signature"):  # unpeeked: checked in full
+        session.deserialize(list(forged))
+    parts = _large_request(session)
+    _on_another_thread(session, parts)
+    forged = [parts[0], *parts[1:3], parts[3].replace(b"xxxx", b"yyyy", 1), *parts[4:]]
+    with pytest.raises(ValueError, match="Invalid Signature"):  # other threads: in full
+        _on_another_thread(session, forged, content=True)  # e.g. the control thread

@@ -51,6 +51,13 @@ def test_sync_pool_hands_out_started_private_kernels():
         pool.get()
 
 
+def test_pool_settings_are_checked():
+    with pytest.raises(ValueError, match="refill_delay is a number of seconds >= 0"):
+        KernelPool(size=1, refill_delay=-1)
+    with pytest.raises(ValueError, match="at least one kernel"):
+        SandboxPool(size=0)
+
+
 def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
     async def scenario():
         async with KernelPool(size=1, kernel_name="no-such-kernelspec") as pool:
@@ -63,3 +70,91 @@ def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
     with SandboxPool(size=1, kernel_name="no-such-kernelspec") as pool, \
             pytest.raises(PoolStartError, match="no-such-kernelspec"):
         pool.get(timeout=60)
+
+
+# What user code can see of a kernel's past: its execution count, history, namespace, output
+# cache, last result, compiled cells, loaded modules, garbage-collector state and IOPub/shell
+# leftovers (the reply's execution_count). Run as the first code in each kernel compared.
+FINGERPRINT = """\
+import gc, linecache, sys
+from ipykernel.compiler import get_tmp_directory
+ip = get_ipython()
+hidden = set(ip.user_ns_hidden)
+cells = get_tmp_directory()
+(ip.execution_count,
+ list(ip.history_manager.input_hist_raw), list(ip.history_manager.input_hist_parsed),
+ sorted(name for name in ip.user_ns if name not in hidden), sorted(hidden),
+ len(ip.user_ns["Out"]), repr(ip.user_ns.get("_")), repr(ip.user_ns.get("_i")),
+ ip.last_execution_result is None, ip.last_execution_succeeded,
+ sorted("".join(entry[2]) for name, entry in list(linecache.cache.items())
+        if name.startswith(cells) and len(entry) > 2),
+ sorted(ip.compile._filename_map.values()), sorted(sys.modules), gc.isenabled())
+"""
+
+
+def _first_look(execution):
+    import ast
+
+    from .helpers import ok
+
+    ok(execution)
+    return ast.literal_eval(execution.text)
+
+
+def test_a_pool_kernel_is_indistinguishable_from_a_fresh_one():
+    """The pool's warm-up leaves nothing user code could see: same first look as a fresh kernel."""
+    from sandbox_kernel.client import Sandbox
+
+    with Sandbox() as fresh:
+        expected = _first_look(fresh.run(FINGERPRINT))
+
+    async def from_pool():
+        async with KernelPool(size=1) as pool:
+            sandbox = await pool.get()
+            try:
+                return _first_look(await sandbox.run(FINGERPRINT))
+            finally:
+                await sandbox.close()
+
+    assert asyncio.run(from_pool()) == expected
+    with SandboxPool(size=1) as pool:
+        sandbox = pool.get(timeout=120)
+        try:
+            assert _first_look(sandbox.run(FINGERPRINT)) == expected
+        finally:
+            sandbox.close()
+
+
+def _kernels_of(server_pid):
+    """Live kernels forked by the fork server (none without one)."""
+    from .test_service import children
+
+    return children(server_pid) if server_pid else set()
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.03, 0.08])
+def test_closing_a_refilling_pool_leaves_no_kernel_behind(wait):
+    """close() cancels a refill wherever it is (before, during or after the start): the
+    kernel that was starting is shut down, not left running."""
+    import time
+
+    from sandbox_kernel.launch import forkserver
+
+    async def scenario():
+        pool = KernelPool(size=1, refill_delay=0)
+        pool.start()
+        while pool.ready < 1:
+            await asyncio.sleep(0.02)
+        taken = await pool.get()  # the replacement starts now
+        await taken.close()
+        await asyncio.sleep(wait)
+        await pool.close()
+
+    before = _kernels_of(forkserver.ForkServerClient().server_pid())
+    asyncio.run(scenario())
+    server = forkserver.ForkServerClient().server_pid()
+    assert server is not None  # the tests' kernelspec is fork-served
+    deadline = time.monotonic() + 20
+    while (left := _kernels_of(server) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left

@@ -7,8 +7,12 @@
         finally:
             await sandbox.close()
 
-The pool refills in the background after every hand-out. `SandboxPool` is the same for the
-synchronous `Sandbox`, with a thread doing the refilling.
+The pool refills in the background after every hand-out, a moment later (`refill_delay`): a
+replacement's start (a fork, and tens of milliseconds of CPU) would otherwise compete with the
+first call of the kernel just handed out, on the same cores and, for `KernelPool`, in the same
+event loop. A pool that is already refilling goes on without pausing. Every kernel is warmed up
+before it is handed out (`Sandbox.warm_up`: invisible to user code), so its first call is a warm
+one. `SandboxPool` is the same for the synchronous `Sandbox`, with a thread doing the refilling.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..client import AsyncSandbox, Sandbox
 
 log = logging.getLogger(__name__)
 _RETRY_SECONDS = 1.0  # after a kernel failed to start, before trying again
+REFILL_DELAY = 0.025  # seconds: a small call on a handed-out kernel takes a few milliseconds
 
 
 class PoolClosed(RuntimeError):
@@ -41,33 +46,26 @@ def _failure(exc: Exception) -> PoolStartError:
     return error
 
 
-# The kernel's first execution pays for first-time work (compiling, caches); a silent one that
-# leaves no history, no execution count and no variable makes the caller's first call a warm one.
-_WARM_UP = {"code": "pass", "silent": True, "store_history": False}
-_WARM_UP_TIMEOUT = 60.0
+def _check(size: int, refill_delay: float) -> None:
+    if size < 1:
+        raise ValueError(f"a pool holds at least one kernel, not {size}")
+    if not refill_delay >= 0:
+        raise ValueError(f"refill_delay is a number of seconds >= 0, not {refill_delay!r}")
 
 
-def _warm_up(sandbox: Sandbox) -> None:
-    msg_id = sandbox.client.execute(**_WARM_UP)
-    while sandbox.client.get_shell_msg(timeout=_WARM_UP_TIMEOUT)["parent_header"].get(
-            "msg_id") != msg_id:
-        pass
-
-
-async def _warm_up_async(sandbox: AsyncSandbox) -> None:
-    msg_id = sandbox.client.execute(**_WARM_UP)
-    while (await sandbox.client.get_shell_msg(timeout=_WARM_UP_TIMEOUT))["parent_header"].get(
-            "msg_id") != msg_id:
-        pass
+async def _close_quietly(sandbox: AsyncSandbox) -> None:
+    with contextlib.suppress(Exception):
+        await sandbox.close()
 
 
 class KernelPool:
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
-    def __init__(self, size: int = 2, **sandbox_options: Any) -> None:
-        if size < 1:
-            raise ValueError(f"a pool holds at least one kernel, not {size}")
+    def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
+                 **sandbox_options: Any) -> None:
+        _check(size, refill_delay)
         self.size = size
+        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
         self.sandbox_options = sandbox_options  # AsyncSandbox's: kernel_name, policy, preload...
         # A start failure takes a kernel's place, so that a waiting get() hears of it.
         self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
@@ -106,15 +104,23 @@ class KernelPool:
         return sandbox
 
     async def _fill(self) -> None:
+        filled = False  # the first fill starts at once: nothing was handed out to make room for
         while not self._closed:
             await self._wanted.wait()
+            if filled:
+                await asyncio.sleep(self.refill_delay)  # the handed-out kernel's call first
+            filled = True
             self._wanted.clear()
             while not self._closed and self._ready.qsize() < self.size:
                 sandbox = AsyncSandbox(**self.sandbox_options)
                 try:
                     await sandbox.start()
-                    await _warm_up_async(sandbox)
+                    await sandbox.warm_up()  # the first run is a warm one
+                except asyncio.CancelledError:  # close() while it starts: it must not live on
+                    await asyncio.shield(_close_quietly(sandbox))
+                    raise
                 except Exception as exc:  # a kernel that cannot start: tell a taker, go on
+                    await _close_quietly(sandbox)  # one that started but failed its warm-up
                     self._ready.put_nowait(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     await asyncio.sleep(_RETRY_SECONDS)
@@ -140,10 +146,11 @@ class KernelPool:
 class SandboxPool:
     """Keeps `size` started Sandbox kernels ready; `get()` takes one. A thread refills it."""
 
-    def __init__(self, size: int = 2, **sandbox_options: Any) -> None:
-        if size < 1:
-            raise ValueError(f"a pool holds at least one kernel, not {size}")
+    def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
+                 **sandbox_options: Any) -> None:
+        _check(size, refill_delay)
         self.size = size
+        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
         self.sandbox_options = sandbox_options
         self._ready: queue.Queue[Sandbox | PoolStartError] = queue.Queue()
         self._wanted = threading.Event()
@@ -177,15 +184,21 @@ class SandboxPool:
         return sandbox
 
     def _fill(self) -> None:
+        filled = False  # the first fill starts at once: nothing was handed out to make room for
         while not self._closed.is_set():
             self._wanted.wait()
+            if filled:
+                self._closed.wait(self.refill_delay)  # the handed-out kernel's call first
+            filled = True
             self._wanted.clear()
             while not self._closed.is_set() and self._ready.qsize() < self.size:
                 sandbox = Sandbox(**self.sandbox_options)
                 try:
                     sandbox.start()
-                    _warm_up(sandbox)
+                    sandbox.warm_up()
                 except Exception as exc:
+                    with contextlib.suppress(Exception):
+                        sandbox.close()  # one that started but failed its warm-up ends
                     self._ready.put(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     self._closed.wait(_RETRY_SECONDS)
