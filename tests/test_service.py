@@ -692,6 +692,56 @@ def test_a_session_whose_kernel_died_says_so(server, session):
     assert http.get(session, headers=auth(KEY_B)).json()["alive"] is False
 
 
+def _idle(session_url: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while (state := http.get(session_url, headers=auth(KEY_B)).json())["busy"]:
+        assert time.monotonic() < deadline, f"the session stayed busy: {state}"
+        time.sleep(0.05)
+    return state
+
+
+# When the caller leaves: while the kernel dies, while the client restarts it, or after. Each used
+# to be able to leave the session's client with closed sockets (ZMQError "Socket operation on
+# non-socket" on its next call: a 500) or without a kernel (410).
+@pytest.mark.parametrize("leaves_after", [0.1, 0.2, 0.4])
+def test_a_departing_client_does_not_break_the_session(server, session, leaves_after):
+    assert http.post(session + "/execute", headers=auth(KEY_B),
+                     json={"code": "x = 1"}).json()["error"] is None
+    try:
+        answered = httpx.post(session + "/execute", headers=auth(KEY_B), timeout=leaves_after,
+                              json={"code": "import os\nos._exit(1)"}).json()
+        assert answered["state_lost"] is True  # the run ended before its caller left
+    except httpx.TimeoutException:
+        answered = None
+    assert _idle(session)["alive"] is True
+    after = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "x"})
+    assert after.status_code == 200, after.text
+    assert after.json()["error"]["name"] == "NameError"
+    # The loss is told once: to the caller whose run restarted the kernel, or, if that caller
+    # had left, to the next one.
+    assert after.json()["state_lost"] is (answered is None)
+    put = http.put(session + "/files/kept.txt", headers=auth(KEY_B), content=b"still here")
+    assert put.status_code == 201, put.text
+    assert http.get(session + "/files/kept.txt", headers=auth(KEY_B)).content == b"still here"
+    again = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "1 + 1"}).json()
+    assert again["text"] == "2" and again["state_lost"] is False
+
+
+def test_a_departing_streaming_client_interrupts_its_code_and_keeps_the_session(server, session):
+    headers = {**auth(KEY_B), "Accept": "text/event-stream"}
+    with http.stream("POST", session + "/execute", headers=headers, json={
+            "code": "import time\nkept = 1\nprint('bye', flush=True)\ntime.sleep(20)\n"
+                    "finished = True"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: stdout"):
+                break  # hang up mid-stream
+    assert _idle(session, timeout=15)["alive"] is True  # interrupted, not waited out
+    after = http.post(session + "/execute", headers=auth(KEY_B),
+                      json={"code": "kept, 'finished' in dir()"})
+    assert after.status_code == 200, after.text
+    assert after.json()["text"] == "(1, False)" and after.json()["state_lost"] is False
+
+
 def test_idle_sessions_are_culled(server):
     url = server.url + "/api/v1/sessions"
     created = http.post(url, headers=auth(KEY_B), json={"idle_timeout": 1}, timeout=60).json()
