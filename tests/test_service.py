@@ -3,6 +3,7 @@ to over HTTP by a client written like the platform's code executor and by plain 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -842,6 +843,38 @@ def test_body_too_large(small_server):
     answer = http.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3", "code": "#" * 70_000})
     assert answer.status_code == 413
+
+
+def _post_async(url: str, content, headers: dict[str, str]) -> httpx.Response:
+    """One POST from httpx's asyncio client (the one that saw the resets: it stops reading
+    when its write fails)."""
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(url, content=content, headers=headers)
+    return asyncio.run(post())
+
+
+def _too_large(answer: httpx.Response) -> None:
+    assert answer.status_code == 413, answer.text
+    assert "--max-body" in answer.json()["detail"]
+
+
+# A body that does not fit in the sockets' buffers: answered unread, the client (still sending)
+# saw a connection reset (httpx.ReadError) instead of the 413.
+@pytest.mark.parametrize("size", [65_537, 4 * 2**20, 20 * 2**20])
+def test_a_refused_body_still_gets_its_413_to_the_client(small_server, size):
+    for _ in range(2):
+        _too_large(_post_async(small_server.url + RUN, b"x" * size, headers={
+            "X-Api-Key": DIFY_KEY, "Content-Type": "application/json"}))
+
+
+def test_a_refused_chunked_body_still_gets_its_413_to_the_client(small_server):
+    async def chunks():
+        for _ in range(64):
+            yield b"x" * 65536
+    for _ in range(2):
+        _too_large(_post_async(small_server.url + "/api/v1/execute", chunks(),
+                               headers={**auth(DIFY_KEY), "Content-Type": "application/json"}))
 
 
 def test_a_client_that_disconnects_does_not_leak_its_kernel(small_server):
