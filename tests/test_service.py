@@ -743,6 +743,34 @@ def test_a_departing_streaming_client_interrupts_its_code_and_keeps_the_session(
     assert after.json()["text"] == "(1, False)" and after.json()["state_lost"] is False
 
 
+def test_a_call_on_a_session_deleted_under_it_answers_410(server):
+    url = server.url + "/api/v1/sessions"
+    created = http.post(url, headers=auth(KEY_B), json={}, timeout=60).json()
+    session_url = f"{url}/{created['id']}"
+    outcome = {}
+
+    def run():
+        outcome["answer"] = http.post(session_url + "/execute", headers=auth(KEY_B), json={
+            "code": "import time\ntime.sleep(20)", "timeout": 30})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    _busy_then(session_url)
+    assert http.delete(session_url, headers=auth(KEY_B)).status_code == 204
+    worker.join(20)
+    answer = outcome["answer"]
+    assert answer.status_code == 410, answer.text  # was a 500 (CancelledError from pyzmq)
+    assert "the session was closed" in answer.json()["detail"]
+
+
+def _busy_then(session_url: str) -> None:
+    deadline = time.monotonic() + 20
+    while not http.get(session_url, headers=auth(KEY_B)).json()["busy"]:
+        assert time.monotonic() < deadline, "the execution never started"
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the run
+
+
 def test_idle_sessions_are_culled(server):
     url = server.url + "/api/v1/sessions"
     created = http.post(url, headers=auth(KEY_B), json={"idle_timeout": 1}, timeout=60).json()

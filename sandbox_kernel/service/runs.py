@@ -28,6 +28,11 @@ class Busy(Exception):
     """More runs are in flight than the service admits."""
 
 
+class KernelClosed(RuntimeError):
+    """The kernel was shut down under a run (its session deleted, the service stopping): its
+    sockets were closed, which ends the client's pending reads as if they were cancelled."""
+
+
 class OutputLimit(Exception):
     """The code sent more output than the service takes from one execution."""
 
@@ -132,6 +137,8 @@ async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
     finally:
         stop.cancel()
     if work in done:
+        if work.cancelled():  # not by this function: the kernel's sockets closed under it
+            raise KernelClosed("the kernel was shut down during the run")
         return work.result(), False
     work.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
