@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import zmq
 from starlette.requests import Request
 
 from ..client import Execution, ExecutionError
-from .kernels import Kernels, kernel_id
+from .kernels import Kernels, KernelUnavailable, kernel_id, policy_name
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
@@ -170,6 +171,9 @@ class Runner:
                     timeout, self.grace, record, self.stopping)
             except OutputLimit as exc:
                 return output_limited(record, str(exc), state_lost=True), False
+            except zmq.ZMQError as exc:  # e.g. a send no peer takes (see client._never_waiting)
+                raise KernelUnavailable(f"the connection to the {policy_name(network)} kernel "
+                                        f"failed: {exc}") from exc
             finally:
                 self.kernels.discard(sandbox)  # also when the client went away mid-run
 
