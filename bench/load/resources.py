@@ -170,7 +170,11 @@ def sample(root_pid: int, marker: str, scratch_root: Path, url: str | None,
 
 
 def _cpu(root_pid: int, processes: list[psutil.Process]) -> tuple[float, float]:
-    """CPU seconds of the service process, and of every process under it (reaped or live)."""
+    """CPU seconds of the service process, and of every process under it (reaped or live).
+
+    A live process's reaped children count too: the fork server, not the service, reaps the
+    kernels it forked, so their CPU time ends up in its children's times.
+    """
     with contextlib.suppress(psutil.Error):
         own = psutil.Process(root_pid).cpu_times()
         live = 0.0
@@ -178,7 +182,8 @@ def _cpu(root_pid: int, processes: list[psutil.Process]) -> tuple[float, float]:
             if process.pid != root_pid:
                 with contextlib.suppress(psutil.Error):
                     times = process.cpu_times()
-                    live += times.user + times.system
+                    live += times.user + times.system + times.children_user \
+                        + times.children_system
         return own.user + own.system, own.children_user + own.children_system + live
     return 0.0, 0.0
 
