@@ -274,6 +274,17 @@ def _check_warm_up(alive: bool, deadline: float, timeout: float) -> None:
         raise RuntimeError(f"the kernel did not answer a silent `pass` within {timeout:g} s")
 
 
+def _never_waiting(context: Any) -> Any:
+    """No send on the context's sockets may wait: it raises zmq.Again instead.
+
+    jupyter_client's Session.send sends synchronously, even on an asyncio socket; a DEALER whose
+    peer failed the handshake (a port taken by another process's socket of the wrong type) has
+    no pipe left, and such a send would hold the event loop forever (it froze the service).
+    """
+    context.setsockopt(zmq.SNDTIMEO, 0)
+    return context
+
+
 def _check_start(alive: bool, deadline: float, timeout: float) -> None:
     """Raise (as jupyter_client's wait_for_ready does) if the kernel died or took too long."""
     if not alive:
@@ -703,8 +714,12 @@ class AsyncSandbox(_SandboxSettings):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _live_context(self) -> Any:
+        return _never_waiting(super()._live_context())
+
     async def start(self) -> None:
         """Start the kernel and wait until it answers."""
+        _never_waiting(self.manager.context)  # its control socket (shutdown requests)
         await _fast_reconnecting(self.manager).start_kernel()
         await self._connect()
 
@@ -721,7 +736,12 @@ class AsyncSandbox(_SandboxSettings):
         """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            msg_id = self.client.kernel_info()
+            try:
+                msg_id = self.client.kernel_info()
+            except zmq.Again:  # nothing takes it (see _never_waiting): as if no reply came
+                await asyncio.sleep(1.0)
+                _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
+                continue
             try:
                 while (await self.client.get_shell_msg(timeout=1.0))["parent_header"].get(
                         "msg_id") != msg_id:
@@ -737,7 +757,10 @@ class AsyncSandbox(_SandboxSettings):
         if self.client is not None:
             self.client.stop_channels()
         if self.manager.has_kernel:
-            await self.manager.shutdown_kernel(now=now)
+            try:
+                await self.manager.shutdown_kernel(now=now)
+            except zmq.Again:  # its control port takes nothing: no polite request, then
+                await self.manager.shutdown_kernel(now=True)
         self._close_inbox()
         self.context.destroy(linger=0)
 

@@ -93,10 +93,6 @@ def fuzz_run() -> ScenarioResult:
     return asyncio.run(fuzz.run(FUZZ, quick=True))
 
 
-@pytest.mark.xfail(reason="service bug (issue 14, open): in a stateful fuzz sequence a file "
-                   "download on a session whose previous call was cancelled by a departing "
-                   "client can fail with ZMQError 'Socket operation on non-socket' (500); "
-                   "seen in about 1 of 4 runs")
 def test_fuzz_no_server_error(fuzz_run: ScenarioResult) -> None:
     assert_met(goal(fuzz_run, "zero 5xx"))
 
@@ -109,8 +105,5 @@ def test_fuzz_every_rejection_clear(fuzz_run: ScenarioResult) -> None:
     assert_met(goal(fuzz_run, "each rejection a clear 4xx"))
 
 
-@pytest.mark.xfail(reason="service bug (bench/results/load.md): a body over --max-body is "
-                   "answered 413 and the connection closed unread, so the client often gets a "
-                   "reset instead of the 413; timing decides, hence not strict")
 def test_fuzz_no_rejection_dropped(fuzz_run: ScenarioResult) -> None:
     assert_met(goal(fuzz_run, "no rejection dropped"))

@@ -3,6 +3,7 @@ to over HTTP by a client written like the platform's code executor and by plain 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -64,7 +65,8 @@ def running(pid: int) -> bool:
 class Server:
     """`python -m sandbox_kernel serve` in a subprocess, stopped with SIGTERM."""
 
-    def __init__(self, tmp: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, *flags: str, env: dict[str, str] | None = None,
+                 launcher: tuple[str, ...] = ("-m", "sandbox_kernel")) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
@@ -72,7 +74,7 @@ class Server:
                    **(env or {})}
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "sandbox_kernel", "serve", "--host", "127.0.0.1", *flags],
+                [sys.executable, *launcher, "serve", "--host", "127.0.0.1", *flags],
                 env=environ, stdout=log, stderr=subprocess.STDOUT)
         self.wait_ready()
 
@@ -692,6 +694,88 @@ def test_a_session_whose_kernel_died_says_so(server, session):
     assert http.get(session, headers=auth(KEY_B)).json()["alive"] is False
 
 
+def _idle(session_url: str, timeout: float = 30) -> dict:
+    return _idle_as(session_url, KEY_B, timeout)
+
+
+def _idle_as(session_url: str, key: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while (state := http.get(session_url, headers=auth(key)).json())["busy"]:
+        assert time.monotonic() < deadline, f"the session stayed busy: {state}"
+        time.sleep(0.05)
+    return state
+
+
+# When the caller leaves: while the kernel dies, while the client restarts it, or after. Each used
+# to be able to leave the session's client with closed sockets (ZMQError "Socket operation on
+# non-socket" on its next call: a 500) or without a kernel (410).
+@pytest.mark.parametrize("leaves_after", [0.1, 0.2, 0.4])
+def test_a_departing_client_does_not_break_the_session(server, session, leaves_after):
+    assert http.post(session + "/execute", headers=auth(KEY_B),
+                     json={"code": "x = 1"}).json()["error"] is None
+    try:
+        answered = httpx.post(session + "/execute", headers=auth(KEY_B), timeout=leaves_after,
+                              json={"code": "import os\nos._exit(1)"}).json()
+        assert answered["state_lost"] is True  # the run ended before its caller left
+    except httpx.TimeoutException:
+        answered = None
+    assert _idle(session)["alive"] is True
+    after = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "x"})
+    assert after.status_code == 200, after.text
+    assert after.json()["error"]["name"] == "NameError"
+    # The loss is told once: to the caller whose run restarted the kernel, or, if that caller
+    # had left, to the next one.
+    assert after.json()["state_lost"] is (answered is None)
+    put = http.put(session + "/files/kept.txt", headers=auth(KEY_B), content=b"still here")
+    assert put.status_code == 201, put.text
+    assert http.get(session + "/files/kept.txt", headers=auth(KEY_B)).content == b"still here"
+    again = http.post(session + "/execute", headers=auth(KEY_B), json={"code": "1 + 1"}).json()
+    assert again["text"] == "2" and again["state_lost"] is False
+
+
+def test_a_departing_streaming_client_interrupts_its_code_and_keeps_the_session(server, session):
+    headers = {**auth(KEY_B), "Accept": "text/event-stream"}
+    with http.stream("POST", session + "/execute", headers=headers, json={
+            "code": "import time\nkept = 1\nprint('bye', flush=True)\ntime.sleep(20)\n"
+                    "finished = True"}) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: stdout"):
+                break  # hang up mid-stream
+    assert _idle(session, timeout=15)["alive"] is True  # interrupted, not waited out
+    after = http.post(session + "/execute", headers=auth(KEY_B),
+                      json={"code": "kept, 'finished' in dir()"})
+    assert after.status_code == 200, after.text
+    assert after.json()["text"] == "(1, False)" and after.json()["state_lost"] is False
+
+
+def test_a_call_on_a_session_deleted_under_it_answers_410(server):
+    url = server.url + "/api/v1/sessions"
+    created = http.post(url, headers=auth(KEY_B), json={}, timeout=60).json()
+    session_url = f"{url}/{created['id']}"
+    outcome = {}
+
+    def run():
+        outcome["answer"] = http.post(session_url + "/execute", headers=auth(KEY_B), json={
+            "code": "import time\ntime.sleep(20)", "timeout": 30})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    _busy_then(session_url)
+    assert http.delete(session_url, headers=auth(KEY_B)).status_code == 204
+    worker.join(20)
+    answer = outcome["answer"]
+    assert answer.status_code == 410, answer.text  # was a 500 (CancelledError from pyzmq)
+    assert "the session was closed" in answer.json()["detail"]
+
+
+def _busy_then(session_url: str) -> None:
+    deadline = time.monotonic() + 20
+    while not http.get(session_url, headers=auth(KEY_B)).json()["busy"]:
+        assert time.monotonic() < deadline, "the execution never started"
+        time.sleep(0.05)
+    time.sleep(0.3)  # into the run
+
+
 def test_idle_sessions_are_culled(server):
     url = server.url + "/api/v1/sessions"
     created = http.post(url, headers=auth(KEY_B), json={"idle_timeout": 1}, timeout=60).json()
@@ -792,6 +876,38 @@ def test_body_too_large(small_server):
     answer = http.post(small_server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
         "language": "python3", "code": "#" * 70_000})
     assert answer.status_code == 413
+
+
+def _post_async(url: str, content, headers: dict[str, str]) -> httpx.Response:
+    """One POST from httpx's asyncio client (the one that saw the resets: it stops reading
+    when its write fails)."""
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(url, content=content, headers=headers)
+    return asyncio.run(post())
+
+
+def _too_large(answer: httpx.Response) -> None:
+    assert answer.status_code == 413, answer.text
+    assert "--max-body" in answer.json()["detail"]
+
+
+# A body that does not fit in the sockets' buffers: answered unread, the client (still sending)
+# saw a connection reset (httpx.ReadError) instead of the 413.
+@pytest.mark.parametrize("size", [65_537, 4 * 2**20, 20 * 2**20])
+def test_a_refused_body_still_gets_its_413_to_the_client(small_server, size):
+    for _ in range(2):
+        _too_large(_post_async(small_server.url + RUN, b"x" * size, headers={
+            "X-Api-Key": DIFY_KEY, "Content-Type": "application/json"}))
+
+
+def test_a_refused_chunked_body_still_gets_its_413_to_the_client(small_server):
+    async def chunks():
+        for _ in range(64):
+            yield b"x" * 65536
+    for _ in range(2):
+        _too_large(_post_async(small_server.url + "/api/v1/execute", chunks(),
+                               headers={**auth(DIFY_KEY), "Content-Type": "application/json"}))
 
 
 def test_a_client_that_disconnects_does_not_leak_its_kernel(small_server):
@@ -953,3 +1069,82 @@ def test_serve_refuses_a_bad_keys_file(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "keys[0]: key must be a string of at least 16 characters" in done.stderr
+
+
+def test_the_event_loop_never_waits_on_a_kernel_socket(tmp_path):
+    """No synchronous ZMQ send, receive or poll on the event loop's thread (one froze the
+    service): the paths that start, restart, interrupt, stream from and close kernels."""
+    record = tmp_path / "blocking.json"
+    srv = Server(tmp_path, "--pool-size", "1", "--kernel-grace", "1",
+                 launcher=(str(Path(__file__).parent / "blocking_zmq.py"),),
+                 env={"BLOCKING_ZMQ_RECORD": str(record), "WORKER_TIMEOUT": "2"})
+    try:
+        platform = PlatformClient(srv.url)
+        assert platform.execute("def main(x):\n    return {'y': x + 1}\n", {"x": 1}) == {"y": 2}
+        with pytest.raises(CodeExecutionError):  # the kernel's own deadline, then the client's
+            platform.execute("import time\ndef main():\n    time.sleep(30)\n", {})
+        url = srv.url + "/api/v1/sessions"
+        session = f"{url}/{http.post(url, headers=auth(DIFY_KEY), json={}).json()['id']}"
+        died = http.post(session + "/execute", headers=auth(DIFY_KEY),
+                         json={"code": "import os\nos._exit(1)"}).json()
+        assert died["state_lost"] is True  # restarted in place
+        assert http.put(session + "/files/f", headers=auth(DIFY_KEY), content=b"1").status_code \
+            == 201
+        with http.stream("POST", session + "/execute", json={"code": "print(1)"},
+                         headers={**auth(DIFY_KEY), "Accept": "text/event-stream"}) as events:
+            assert "done" in [name for _, name, _ in _events(events)]
+        with pytest.raises(httpx.ReadTimeout):  # a client that leaves mid-run
+            http.post(session + "/execute", headers=auth(DIFY_KEY), timeout=0.5,
+                      json={"code": "import time\ntime.sleep(10)"})
+        _idle_as(session, DIFY_KEY)
+        assert http.post(session + "/interrupt", headers=auth(DIFY_KEY)).status_code == 204
+        assert http.delete(session, headers=auth(DIFY_KEY)).status_code == 204
+    finally:
+        srv.stop()
+    found = json.loads(record.read_text())
+    assert [call["call"] for call in found[:1]] == ["Socket.send"]  # the guard's own canary
+    assert "_canary" in "".join(found[0]["stack"])
+    blocking = found[1:]
+    assert not blocking, "\n\n".join(f"{call['call']}:\n{''.join(call['stack'])}"
+                                       for call in blocking[:3])
+
+
+@pytest.mark.timeout(60)  # before the fix the event loop stayed blocked: only this ended it
+def test_a_kernel_port_taken_by_a_wrong_peer_does_not_freeze_the_event_loop():
+    """The frozen service of bench/results/load.md: the client's shell socket reached a socket
+    of the wrong type (a port another process had taken), and jupyter_client's synchronous
+    kernel_info send waited forever on the event loop. Now the start fails in its own time,
+    and the loop keeps turning meanwhile."""
+    import zmq
+
+    from sandbox_kernel.client import AsyncSandbox
+
+    async def scenario() -> tuple[str, float]:
+        with zmq.Context() as context, context.socket(zmq.PUSH) as wrong_peer:
+            wrong_peer.linger = 0
+            port = wrong_peer.bind_to_random_port("tcp://127.0.0.1")
+            sandbox = AsyncSandbox(kernel_name=None, startup_timeout=4)
+            await sandbox.start()
+            gaps = [0.0]
+
+            async def tick() -> None:
+                last = time.monotonic()
+                while True:
+                    await asyncio.sleep(0.05)
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+
+            ticker = asyncio.ensure_future(tick())
+            try:
+                sandbox.client.stop_channels()
+                sandbox.manager.shell_port = port  # the next client's shell goes there
+                with pytest.raises(RuntimeError) as failed:
+                    await sandbox._connect()
+            finally:
+                ticker.cancel()
+                await sandbox.close()
+            return str(failed.value), max(gaps)
+
+    message, longest_gap = asyncio.run(scenario())
+    assert message == "Kernel didn't respond in 4 seconds"
+    assert longest_gap < 2.0, longest_gap

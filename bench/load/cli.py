@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 import tempfile
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             started, host = now(), machine()
             result = asyncio.run(runner(name, args.quick, args)())
             result.command, result.started, result.finished = command, started, now()
-            result.machine = host
+            result.machine = {**host, "load_average_end": [round(x, 2) for x in os.getloadavg()]}
             saved = result.save(QUICK_OUT / "load" if args.quick else DATA_DIR)
             print(f"saved {saved}", file=sys.stderr)
             for goal in result.goals:

@@ -298,7 +298,7 @@ async def sigterm_under_load(result: ScenarioResult) -> None:
                  if resources.alive(p) and p.pid not in {x.pid for x in left}]
         await asyncio.sleep(1)
         left = [p for p in left if resources.alive(p)]  # not those that were just exiting
-        scratch_left = resources.scratch_dirs(service.scratch_root)
+        scratch_left = resources.scratch_dirs(service.scratch_root, set(seen))
         log = service.log_tail(12)
     finally:
         service.stop()

@@ -71,8 +71,9 @@ def section(title: str, result: ScenarioResult | None) -> list[str]:
     if result is None:
         return [*lines, "Not run yet.", ""]
     lines += [f"- Command: `{result.command}`" + (" (quick version)" if result.quick else ""),
-              f"- Run: {result.started} → {result.finished}; load average at start "
-              f"{result.machine.get('load_average')}",
+              f"- Run: {result.started} → {result.finished}; load average (1, 5, 15 min) "
+              f"at start {result.machine.get('load_average')}, at the end "
+              f"{result.machine.get('load_average_end', 'not recorded')}",
               f"- Service flags: `{' '.join(_flags(result.settings))}`", "",
               "| Figure | Value |", "|---|---|"]
     lines += [f"| {_cell(label)} | {_cell(value)} |" for label, value in result.figures]

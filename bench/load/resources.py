@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,11 +108,31 @@ class Sample:
         return asdict(self)
 
 
-def scratch_dirs(root: Path) -> int:
-    """Scratch directories under the instance's scratch root."""
-    with contextlib.suppress(OSError):
-        return sum(1 for entry in root.iterdir() if entry.name.startswith("kernel-"))
-    return 0
+def _owner(entry: Path) -> int | None:
+    """The pid a scratch directory is named after (`kernel-<pid>-<random>`)."""
+    parts = entry.name.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "kernel" and parts[1].isdigit() \
+        else None
+
+
+def scratch_dirs(root: Path, pids: set[int]) -> int:
+    """Scratch directories of this instance. Under its own scratch root, all (cold-started
+    kernels inherit its TMPDIR); in the machine-wide root of this uid, where kernels forked by
+    the fork server make theirs whatever the launcher's TMPDIR, and other users' kernels too,
+    those named after a process of this instance seen by any sample, alive or gone (a kernel
+    that lived between two samples is not seen: its directory, if left, is not counted)."""
+    bases = {root: None, machine_scratch_root(): pids}
+    found = 0
+    for base, owners in bases.items():
+        with contextlib.suppress(OSError):
+            found += sum(1 for entry in base.iterdir() if (pid := _owner(entry)) is not None
+                         and (owners is None or pid in owners))
+    return found
+
+
+def machine_scratch_root() -> Path:
+    """Where kernels of this uid put scratch directories by default (confine/scratch.py)."""
+    return Path(tempfile.gettempdir()) / f"sandbox-kernel-{os.geteuid()}"
 
 
 def read_metrics(url: str) -> dict[str, float]:
@@ -128,9 +150,11 @@ def read_metrics(url: str) -> dict[str, float]:
 
 
 def sample(root_pid: int, marker: str, scratch_root: Path, url: str | None,
-           t0: float) -> Sample:
-    """Look at the instance now."""
+           t0: float, seen: set[int] | None = None) -> Sample:
+    """Look at the instance now; `seen` gathers the pids of its processes across samples."""
     processes = instance_processes(root_pid, marker)
+    seen = set() if seen is None else seen
+    seen.update(p.pid for p in processes)
     service_cpu, kernels_cpu = _cpu(root_pid, processes)
     host = psutil.cpu_times()
     rss = {p.pid: _rss(p) for p in processes}
@@ -140,13 +164,17 @@ def sample(root_pid: int, marker: str, scratch_root: Path, url: str | None,
         kernels=sum(1 for p in processes if is_kernel(p)),
         service_rss=rss.get(root_pid, 0), total_rss=sum(rss.values()),
         service_fds=fds.get(root_pid, 0), total_fds=sum(fds.values()),
-        scratch_dirs=scratch_dirs(scratch_root),
+        scratch_dirs=scratch_dirs(scratch_root, seen),
         metrics=read_metrics(url) if url else {}, service_cpu=service_cpu,
         kernels_cpu=kernels_cpu, host_busy_cpu=sum(host) - host.idle - host.iowait)
 
 
 def _cpu(root_pid: int, processes: list[psutil.Process]) -> tuple[float, float]:
-    """CPU seconds of the service process, and of every process under it (reaped or live)."""
+    """CPU seconds of the service process, and of every process under it (reaped or live).
+
+    A live process's reaped children count too: the fork server, not the service, reaps the
+    kernels it forked, so their CPU time ends up in its children's times.
+    """
     with contextlib.suppress(psutil.Error):
         own = psutil.Process(root_pid).cpu_times()
         live = 0.0
@@ -154,7 +182,8 @@ def _cpu(root_pid: int, processes: list[psutil.Process]) -> tuple[float, float]:
             if process.pid != root_pid:
                 with contextlib.suppress(psutil.Error):
                     times = process.cpu_times()
-                    live += times.user + times.system
+                    live += times.user + times.system + times.children_user \
+                        + times.children_system
         return own.user + own.system, own.children_user + own.children_system + live
     return 0.0, 0.0
 
@@ -179,11 +208,12 @@ class Sampler:
         self.args = (root_pid, marker, scratch_root, url)
         self.interval = interval
         self.samples: list[Sample] = []
+        self.seen: set[int] = set()  # every pid of the instance a sample saw
         self.t0 = time.monotonic()
         self._task: asyncio.Task[None] | None = None
 
     def now(self) -> Sample:
-        return sample(*self.args, self.t0)
+        return sample(*self.args, self.t0, self.seen)
 
     async def _loop(self) -> None:
         while True:

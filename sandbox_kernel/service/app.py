@@ -58,11 +58,14 @@ class Service:
         self._culler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
 
-    def background(self, work: Any) -> None:
-        """Run a coroutine on its own, keeping a reference until it is done."""
+    def background(self, work: Any) -> asyncio.Future[Any]:
+        """Run a coroutine on its own, keeping a reference until it is done (an exception no
+        one asks for is retrieved here, not reported as "never retrieved")."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return task
 
     def dify_key_ok(self, given: str | None) -> bool:
         return same(given, self.config.api_key)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import posixpath
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request
@@ -36,6 +37,7 @@ from .runs import (
     RunRecord,
     bounded,
     callbacks,
+    client_left,
     output_limited,
     unless_disconnected,
 )
@@ -179,11 +181,17 @@ def _final_events(execution: Execution) -> list[ServerSentEvent]:
     return events
 
 
-class _Stream:
-    """Collects output callbacks into a queue the SSE generator drains."""
+def _cancel(work: asyncio.Task[Execution]) -> None:
+    work.cancel()
 
-    def __init__(self) -> None:
+
+class _Stream:
+    """Collects output callbacks into a queue the SSE generator drains; `abandon` is what
+    becomes of the work when the client leaves before it ended (cancelled by default)."""
+
+    def __init__(self, abandon: Callable[[asyncio.Task[Execution]], None] = _cancel) -> None:
         self.queue: asyncio.Queue[ServerSentEvent] = asyncio.Queue()
+        self.abandon = abandon
 
     def __call__(self, name: str, payload: Any) -> None:
         self.queue.put_nowait(_event(name, payload))
@@ -203,13 +211,16 @@ class _Stream:
                 execution = work.result()
             except KernelUnavailable as exc:
                 execution = Execution(error=ExecutionError("KernelUnavailable", str(exc)))
+            except SessionError as exc:  # the status line is sent: say it in the stream
+                execution = Execution(error=ExecutionError("SessionGone", str(exc)),
+                                      state_lost=True)
             for event in _final_events(execution):
                 yield event
         finally:  # the client left, or the stream is done
             if getter is not None and not getter.done():
                 getter.cancel()
             if not work.done():
-                work.cancel()
+                self.abandon(work)
 
     def response(self, work: asyncio.Task[Execution]) -> Response:
         """The event stream of work (keep-alive comments every 15 s)."""
@@ -312,26 +323,53 @@ async def interrupt(session_id: str, request: Request, key: Key) -> Response:
 
 async def _session_run(service: Any, session: Session, sandbox: AsyncSandbox, body: ExecuteRequest,
                        timeout: float, on_output: Any = None) -> Execution:
-    """Run in the session's kernel; if even the client's restart does not end it, it is lost."""
+    """Run in the session's kernel; if even the client's restart does not end it, it is lost.
+
+    Raises SessionError(410) when the kernel cannot be reached any more (its restart failed,
+    or the session was deleted under the run).
+    """
     record = RunRecord(kernel_id=session.kernel_id)
     on = callbacks(record, OutputBudget(service.config.max_output_total), on_output)
+    # A kernel restarted by a call whose client had left: this call is the first to hear of it.
+    lost_unseen, session.lost_unseen = session.lost_unseen, False
     try:
         execution, lost = await bounded(
             sandbox.run(body.code, body.inputs, timeout=timeout, on_stdout=on["stdout"],
                         on_stderr=on["stderr"], on_display=on["display"]),
             timeout, 2 * service.config.kernel_grace + service.restart_allowance, record,
             service.runner.stopping)
-    except asyncio.CancelledError:
-        # The caller left mid-run: stop the code, keep the session.
-        service.background(sandbox.interrupt())
-        raise
     except OutputLimit as exc:
         service.background(sandbox.interrupt())
         execution, lost = output_limited(record, str(exc), state_lost=False), False
+    except Exception as exc:
+        service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
+        raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
+                           "delete the session and create a new one") from exc
     if lost:
         service.sessions.mark_dead(session, "it did not stop after its time limit")
+    execution.state_lost = execution.state_lost or lost_unseen
     service.count_run("session", execution)
     return execution
+
+
+def _stop_when_abandoned(service: Any, sandbox: AsyncSandbox) -> Callable[[Any], None]:
+    """What to do when a session execution's client leaves: interrupt the code, and let the
+    run end by itself (it is bounded by its deadline), holding the session until it has.
+
+    Cancelling the run instead could stop the kernel's client half-way through restarting a
+    lost kernel (its sockets closed, no new ones yet), breaking the session for its next call.
+    """
+    client = sandbox.client
+
+    async def interrupt() -> None:
+        # Only the kernel the run began on: once the run has restarted a lost kernel (a new
+        # client), a SIGINT would hit the new kernel while it starts. The check and the signal
+        # happen without a suspension point in between.
+        if sandbox.client is client and client.channels_running:
+            with contextlib.suppress(Exception):  # it ended meanwhile
+                await sandbox.interrupt()
+
+    return lambda _work: service.background(interrupt())
 
 
 @router.post("/sessions/{session_id}/execute", response_model=ExecutionShape,
@@ -347,19 +385,33 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
         sandbox = await service.sessions.acquire(session)
     except SessionError as exc:
         raise HTTPException(exc.status, str(exc)) from None
+    abandon = _stop_when_abandoned(service, sandbox)
+    caller_left = False
 
     async def work(on_output: Any = None) -> Execution:
         try:
-            return await _session_run(service, session, sandbox, body, timeout, on_output)
+            execution = await _session_run(service, session, sandbox, body, timeout, on_output)
+            session.lost_unseen = session.lost_unseen or (caller_left and execution.state_lost)
+            return execution
         finally:
             service.sessions.release(session)
 
+    def left(task: asyncio.Task[Execution]) -> None:
+        nonlocal caller_left
+        caller_left = True
+        abandon(task)
+
     if _wants_events(request):
-        stream = _Stream()
-        return stream.response(asyncio.ensure_future(work(stream)))
-    execution = await unless_disconnected(request, work())
-    if execution is None:
+        stream = _Stream(abandon=left)
+        return stream.response(service.background(work(stream)))
+    task = service.background(work())  # not the request's task: it must not be cancelled
+    if await client_left(request, task):
+        left(task)
         return Response(status_code=499)
+    try:
+        execution = task.result()
+    except SessionError as exc:
+        raise HTTPException(exc.status, str(exc)) from None
     return ExecutionJSON(execution.to_dict())
 
 
@@ -421,8 +473,8 @@ async def _file_op(request: Request, key: ApiKey, session_id: str, inputs: dict)
     except SessionError as exc:
         raise HTTPException(exc.status, str(exc)) from None
     except Exception as exc:
-        # Deleted or culled while the operation ran, or its client left in a broken state by
-        # an earlier call cancelled mid-restart: the session cannot be trusted to work again.
+        # Deleted or culled while the operation ran, or its kernel's restart failed: the
+        # session cannot be trusted to work again.
         if session.dead is None:
             service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
         raise HTTPException(410, f"session {session.id}'s kernel is gone: {session.dead}"

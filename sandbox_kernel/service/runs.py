@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import zmq
 from starlette.requests import Request
 
 from ..client import Execution, ExecutionError
-from .kernels import Kernels, kernel_id
+from .kernels import Kernels, KernelUnavailable, kernel_id, policy_name
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
@@ -26,6 +27,11 @@ SERVICE_STOPPING = "ServiceStopping"
 
 class Busy(Exception):
     """More runs are in flight than the service admits."""
+
+
+class KernelClosed(RuntimeError):
+    """The kernel was shut down under a run (its session deleted, the service stopping): its
+    sockets were closed, which ends the client's pending reads as if they were cancelled."""
 
 
 class OutputLimit(Exception):
@@ -132,6 +138,8 @@ async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
     finally:
         stop.cancel()
     if work in done:
+        if work.cancelled():  # not by this function: the kernel's sockets closed under it
+            raise KernelClosed("the kernel was shut down during the run")
         return work.result(), False
     work.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -163,6 +171,9 @@ class Runner:
                     timeout, self.grace, record, self.stopping)
             except OutputLimit as exc:
                 return output_limited(record, str(exc), state_lost=True), False
+            except zmq.ZMQError as exc:  # e.g. a send no peer takes (see client._never_waiting)
+                raise KernelUnavailable(f"the connection to the {policy_name(network)} kernel "
+                                        f"failed: {exc}") from exc
             finally:
                 self.kernels.discard(sandbox)  # also when the client went away mid-run
 
@@ -195,19 +206,33 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run work; cancel it (its finally blocks free the kernel) if the client disconnects."""
-    task = asyncio.ensure_future(work)
+async def client_left(request: Request, task: asyncio.Future[Any]) -> bool:
+    """Wait until task is done or the client has gone away; True if the client left first
+    (the task is left running: the caller decides whether to cancel it)."""
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+    return not task.done()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run work; cancel it (its finally blocks free the kernel) if the client disconnects.
+
+    Only for work whose kernel is thrown away after: cancelling a kernel's client half-way
+    (e.g. through a restart) leaves it unusable.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        if not await client_left(request, task):
+            return task.result()
+    finally:
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    return None if task.cancelled() else task.result()
+    return None
 
 
 @contextlib.asynccontextmanager

@@ -39,6 +39,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False
     dead: str | None = None  # why the kernel is gone, told on the next call
+    lost_unseen: bool = False  # its kernel was restarted by a call no one heard the end of
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
