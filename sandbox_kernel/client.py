@@ -31,10 +31,11 @@ from .policy import SandboxPolicy
 from .receive import (
     Budget,
     CallerLimits,
+    Refusals,
     bounded_context,
     oversize_error,
     unpack_frames,
-    watch_disconnects,
+    watch_connection,
 )
 
 _ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
@@ -403,8 +404,8 @@ class _Inbox:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.socket = client.iopub_channel.socket
-        self.monitor = watch_disconnects(self.socket)
-        self.refused = False  # the connection dropped: a frame past the caller's size limit
+        self.monitor = watch_connection(self.socket)
+        self.refusals = Refusals()
         self.poller = self._poller()
 
     def _poller(self) -> Any:
@@ -420,11 +421,20 @@ class _Inbox:
             return frames
         events = dict(self.poller.poll(timeout * 1000))
         if self.monitor in events:
-            self.monitor.recv_multipart()
-            self.refused = True
+            self.refusals.note(self.monitor.recv_multipart())
         if self.socket in events:
             return self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
         return None
+
+    @property
+    def refused(self) -> bool:
+        """Whether libzmq refused a frame past the caller's size limit (see Refusals)."""
+        return self.refusals.refused
+
+    def watch(self, timeout: float) -> None:
+        """Take the connection's events for up to `timeout` seconds (messages stay queued)."""
+        if self.monitor.poll(timeout * 1000):
+            self.refusals.note(self.monitor.recv_multipart())
 
     def close(self) -> None:
         """Stop watching the socket."""
@@ -437,6 +447,11 @@ class _Inbox:
 
 class _AsyncInbox(_Inbox):
     """The asyncio twin of _Inbox."""
+
+    async def watch(self, timeout: float) -> None:  # type: ignore[override]
+        """Take the connection's events for up to `timeout` seconds (messages stay queued)."""
+        if await self.monitor.poll(timeout * 1000):
+            self.refusals.note(await self.monitor.recv_multipart())
 
     def _poller(self) -> Any:
         poller = zmq.asyncio.Poller()
@@ -451,8 +466,7 @@ class _AsyncInbox(_Inbox):
             return frames
         events = dict(await self.poller.poll(timeout * 1000))
         if self.monitor in events:
-            await self.monitor.recv_multipart()
-            self.refused = True
+            self.refusals.note(await self.monitor.recv_multipart())
         if self.socket in events:
             return await self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
         return None
@@ -673,9 +687,10 @@ class Sandbox(_SandboxSettings):
         if alive and inbox.refused:
             # A dying kernel drops the connection too, a moment before it is seen to exit.
             give_up = time.monotonic() + _DEATH_WAIT
-            while (alive := self.manager.is_alive()) and time.monotonic() < give_up:
-                time.sleep(_POLL / 4)
-            if alive:
+            while (alive := self.manager.is_alive()) and inbox.refused \
+                    and time.monotonic() < give_up:
+                inbox.watch(_POLL / 4)
+            if alive and inbox.refused:
                 return "oversize"
         verdict = watchdog.check(alive)
         if verdict == "interrupt":
@@ -825,9 +840,10 @@ class AsyncSandbox(_SandboxSettings):
         if alive and inbox.refused:
             # A dying kernel drops the connection too, a moment before it is seen to exit.
             give_up = time.monotonic() + _DEATH_WAIT
-            while (alive := await self.manager.is_alive()) and time.monotonic() < give_up:
-                await asyncio.sleep(_POLL / 4)
-            if alive:
+            while (alive := await self.manager.is_alive()) and inbox.refused \
+                    and time.monotonic() < give_up:
+                await inbox.watch(_POLL / 4)
+            if alive and inbox.refused:
                 return "oversize"
         verdict = watchdog.check(alive)
         if verdict == "interrupt":

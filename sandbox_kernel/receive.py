@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils import monitor
 
 from . import jsonwire
 from .policy import SandboxPolicy
@@ -76,9 +77,35 @@ def bounded_context(limits: CallerLimits, context_class: type = zmq.Context) -> 
     return context
 
 
-def watch_disconnects(socket: Any) -> Any:
-    """A monitor socket that reports when libzmq dropped this socket's connection."""
-    return socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+def watch_connection(socket: Any) -> Any:
+    """A monitor socket that reports when this socket's connection drops or is tried again."""
+    return socket.get_monitor_socket(
+        zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED)
+
+
+class Refusals:
+    """Whether libzmq refused a frame past the size limit, told from the connection's events.
+
+    libzmq drops a connection that brings a frame over MAXMSGSIZE and does not try it again. A
+    kernel that closed its sockets (or is dying) drops the connection too, but then libzmq tries
+    to connect again (within the context's RECONNECT_IVL): a drop alone proves nothing.
+    """
+
+    def __init__(self) -> None:
+        self.dropped = False
+        self.reconnecting = False
+
+    def note(self, event_frames: list[bytes]) -> None:
+        """Take one event from the monitor socket."""
+        if monitor.parse_monitor_message(event_frames)["event"] == zmq.EVENT_DISCONNECTED:
+            self.dropped = True
+        elif self.dropped:
+            self.reconnecting = True
+
+    @property
+    def refused(self) -> bool:
+        """Dropped, and (so far) not tried again."""
+        return self.dropped and not self.reconnecting
 
 
 def oversize_error(limits: CallerLimits) -> tuple[str, str]:

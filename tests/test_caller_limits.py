@@ -213,3 +213,66 @@ def test_the_async_client_enforces_the_same_limits(kernelspecs):
     assert result.error is not None and result.error.name == "ResultTooLarge"
     assert chatter.error is not None and chatter.error.name == "ExecutionTimeout"
     assert chatter.state_lost and 4.0 <= waited < 14.0, waited
+
+
+PUBLISHER = """
+import sys, time, zmq
+pub = zmq.Context().socket(zmq.PUB)
+print(pub.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+for line in sys.stdin:  # one message per line: its size
+    pub.send(b"x" * int(line))
+"""
+
+
+def _watched_subscriber(max_message):
+    """A kernel-like process publishing what it is told, and a caller's size-capped SUB socket
+    connected to it, with the SUB's connection events."""
+    import zmq
+
+    from sandbox_kernel.receive import Refusals, watch_connection
+
+    kernel = subprocess.Popen([sys.executable, "-c", PUBLISHER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    port = int(kernel.stdout.readline())
+    caller = zmq.Context()
+    caller.setsockopt(zmq.MAXMSGSIZE, max_message)
+    caller.setsockopt(zmq.RECONNECT_IVL, 10)
+    sub = caller.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    events = watch_connection(sub)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    deadline = time.monotonic() + 10
+    while not sub.poll(50):  # a PUB drops what it sends before the subscription reaches it
+        assert time.monotonic() < deadline, "the subscriber never connected"
+        publish(kernel, 10)
+    return kernel, caller, (sub, events), Refusals()
+
+
+def publish(kernel, size):
+    kernel.stdin.write(f"{size}\n")
+    kernel.stdin.flush()
+
+
+def _take_events(watched, refusals, seconds):
+    _, events = watched  # the socket itself is kept alive: gone, it would report nothing
+    deadline = time.monotonic() + seconds
+    while events.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        refusals.note(events.recv_multipart())
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["refused", "peer-gone"])
+def test_a_refused_frame_is_told_from_a_kernel_gone(gone):
+    # A04 (a kernel closing its own sockets) read as MessageTooLarge when it took more than a
+    # second to die: both drop the connection; only a peer gone is tried again.
+    kernel, caller, watched, refusals = _watched_subscriber(1000)
+    try:
+        if gone:
+            kernel.kill()
+        else:
+            publish(kernel, 5000)
+        _take_events(watched, refusals, 1.0)
+        assert refusals.dropped and refusals.refused == (not gone)
+    finally:
+        kernel.kill()
+        kernel.wait()
+        caller.destroy(linger=0)
