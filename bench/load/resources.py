@@ -101,7 +101,7 @@ class Sample:
     scratch_dirs: int
     metrics: dict[str, float]
     service_cpu: float = 0.0  # CPU seconds of the service process itself
-    kernels_cpu: float = 0.0  # of its kernels: the ones it reaped plus the live ones
+    kernels_cpu: float = 0.0  # of its live kernels, and of the ones the service reaped itself
     host_busy_cpu: float = 0.0  # of the whole machine (other users' work included)
 
     def as_dict(self) -> dict[str, object]:
@@ -276,6 +276,7 @@ def cpu_split(samples: list[Sample]) -> str:
     kernels = last.kernels_cpu - first.kernels_cpu
     service = last.service_cpu - first.service_cpu
     return (f"{busy:.0f} of {capacity:.0f} CPU-s busy ({100 * busy / capacity:.0f} %) over "
-            f"{wall:.0f} s: this service's kernels {kernels:.0f} CPU-s, the service process "
-            f"{service:.0f}, everything else on the host (other users, this harness) "
-            f"{busy - kernels - service:.0f}")
+            f"{wall:.0f} s: kernels alive at the last sample {kernels:.0f} CPU-s, the service "
+            f"process {service:.0f}, everything else on the host {busy - kernels - service:.0f} "
+            "(fork-served kernels that ended: the fork server reaps them, outside the service's "
+            "tree; other users; this harness)")

@@ -15,6 +15,8 @@ uid 0 is exempt from RLIMIT_NPROC, so it bounds nothing there.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import resource
@@ -70,6 +72,18 @@ def thread_bound(max_threads: int, uid: int) -> int:
     return max(others, 0) + max_threads
 
 
+def _one_malloc_arena() -> None:
+    """Every thread allocates from glibc's main heap, which gives freed memory back for real.
+
+    A thread's own arena gives it back with MADV_DONTNEED, leaving the pages mapped and counted
+    in RLIMIT_DATA: user code that once filled memory from threads would keep that much less for
+    good, down to threads that cannot start (CPython then waits forever in Thread.start).
+    """
+    M_ARENA_MAX = -8  # malloc.h
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
+        ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)
+
+
 def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int,
           max_threads: int = 0, uid: int | None = None) -> dict[str, Any]:
     """Apply the policy's limits (0 means no limit) and report them.
@@ -79,6 +93,7 @@ def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int,
     report: dict[str, Any] = {"core": _lower(resource.RLIMIT_CORE, 0)}
     if memory:
         report["data"] = _lower(resource.RLIMIT_DATA, memory)
+        _one_malloc_arena()
     if cpu_seconds:
         # SIGXCPU at the soft limit, SIGKILL at the hard one a little later.
         report["cpu"] = _lower(resource.RLIMIT_CPU, cpu_seconds, cpu_seconds + 5)
