@@ -267,14 +267,6 @@ def _start_channels(client: Any) -> None:
     client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
 
 
-def _check_warm_up(alive: bool, deadline: float, timeout: float) -> None:
-    """Raise if the kernel died or did not answer while warming up."""
-    if not alive:
-        raise RuntimeError("the kernel died while warming up (before any code of the caller ran)")
-    if time.monotonic() > deadline:
-        raise RuntimeError(f"the kernel did not answer a silent `pass` within {timeout:g} s")
-
-
 def _never_waiting(context: Any) -> Any:
     """No send on the context's sockets may wait: it raises zmq.Again instead.
 
@@ -286,12 +278,19 @@ def _never_waiting(context: Any) -> Any:
     return context
 
 
-def _check_start(alive: bool, deadline: float, timeout: float) -> None:
-    """Raise (as jupyter_client's wait_for_ready does) if the kernel died or took too long."""
+_STARTING = ("Kernel died before replying to kernel_info",  # as jupyter_client's wait_for_ready
+             "Kernel didn't respond in {timeout:g} seconds")
+_WARMING_UP = ("the kernel died while warming up (before any code of the caller ran)",
+               "the kernel did not answer a silent `pass` within {timeout:g} s")
+
+
+def _check_start(alive: bool, deadline: float, timeout: float,
+                 errors: tuple[str, str] = _STARTING) -> None:
+    """Raise if the kernel died or took too long (errors: what to say for each)."""
     if not alive:
-        raise RuntimeError("Kernel died before replying to kernel_info")
+        raise RuntimeError(errors[0])
     if time.monotonic() > deadline:
-        raise RuntimeError(f"Kernel didn't respond in {timeout:g} seconds")
+        raise RuntimeError(errors[1].format(timeout=timeout))
 
 
 def _exit_status(manager: Any) -> str:
@@ -649,7 +648,8 @@ class Sandbox(_SandboxSettings):
             while not collector.idle:
                 frames = inbox.receive(_POLL)
                 if frames is None:
-                    _check_warm_up(self.manager.is_alive(), deadline, self.startup_timeout)
+                    _check_start(self.manager.is_alive(), deadline, self.startup_timeout,
+                                 _WARMING_UP)
                 else:
                     collector.feed_frames(frames)
             self._take_reply(msg["header"]["msg_id"])
@@ -801,8 +801,8 @@ class AsyncSandbox(_SandboxSettings):
             while not collector.idle:
                 frames = await inbox.receive(_POLL)
                 if frames is None:
-                    _check_warm_up(await self.manager.is_alive(), deadline,
-                                   self.startup_timeout)
+                    _check_start(await self.manager.is_alive(), deadline,
+                                 self.startup_timeout, _WARMING_UP)
                 else:
                     collector.feed_frames(frames)
             await self._take_reply(msg["header"]["msg_id"])
