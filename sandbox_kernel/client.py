@@ -535,10 +535,14 @@ class _SandboxSettings:
         self._inbox: Any = None
         self._lock = self.lock_class()
 
-    def _collector(self, msg: dict[str, Any], on_stdout: Callback, on_stderr: Callback,
-                   on_display: Callback) -> _Collector:
-        return _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
-                          self.limits, self.client.session)
+    def _send(self, msg: dict[str, Any], on_stdout: Callback = None, on_stderr: Callback = None,
+              on_display: Callback = None) -> tuple[_Collector, Any]:
+        """Send an execute request; return what collects its output and the inbox to read."""
+        collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
+                               self.limits, self.client.session)
+        inbox = self._current_inbox()  # before the send: nothing of the reply may be missed
+        self.client.shell_channel.send(msg)
+        return collector, inbox
 
     def _finish(self, watchdog: _Watchdog, collector: _Collector, lost: str | None) -> Execution:
         watchdog.oversize = oversize_error(self.limits)
@@ -641,9 +645,7 @@ class Sandbox(_SandboxSettings):
         """
         with self._lock:
             msg = _warm_up_request(self.client)
-            collector = self._collector(msg, None, None, None)
-            inbox = self._current_inbox()
-            self.client.shell_channel.send(msg)
+            collector, inbox = self._send(msg)
             deadline = time.monotonic() + self.startup_timeout
             while not collector.idle:
                 frames = inbox.receive(_POLL)
@@ -662,9 +664,7 @@ class Sandbox(_SandboxSettings):
             watchdog = _Watchdog(timeout, self.grace, self.one_shot)
             msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                    self.timeout_source)
-            collector = self._collector(msg, on_stdout, on_stderr, on_display)
-            inbox = self._current_inbox()
-            self.client.shell_channel.send(msg)
+            collector, inbox = self._send(msg, on_stdout, on_stderr, on_display)
             lost = None
             while not collector.idle and not lost:
                 frames = inbox.receive(_POLL)
@@ -794,9 +794,7 @@ class AsyncSandbox(_SandboxSettings):
         (see Sandbox.warm_up)."""
         async with self._lock:
             msg = _warm_up_request(self.client)
-            collector = self._collector(msg, None, None, None)
-            inbox = self._current_inbox()
-            self.client.shell_channel.send(msg)
+            collector, inbox = self._send(msg)
             deadline = time.monotonic() + self.startup_timeout
             while not collector.idle:
                 frames = await inbox.receive(_POLL)
@@ -815,9 +813,7 @@ class AsyncSandbox(_SandboxSettings):
             watchdog = _Watchdog(timeout, self.grace, self.one_shot)
             msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                    self.timeout_source)
-            collector = self._collector(msg, on_stdout, on_stderr, on_display)
-            inbox = self._current_inbox()
-            self.client.shell_channel.send(msg)
+            collector, inbox = self._send(msg, on_stdout, on_stderr, on_display)
             lost = None
             while not collector.idle and not lost:
                 frames = await inbox.receive(_POLL)
