@@ -46,11 +46,18 @@ def _failure(exc: Exception) -> PoolStartError:
     return error
 
 
-def _check(size: int, refill_delay: float) -> None:
-    if size < 1:
-        raise ValueError(f"a pool holds at least one kernel, not {size}")
-    if not refill_delay >= 0:
-        raise ValueError(f"refill_delay is a number of seconds >= 0, not {refill_delay!r}")
+class _PoolSettings:
+    """What both pools are given: how many kernels, the refill pause, the sandboxes' options."""
+
+    def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
+                 **sandbox_options: Any) -> None:
+        if size < 1:
+            raise ValueError(f"a pool holds at least one kernel, not {size}")
+        if not refill_delay >= 0:
+            raise ValueError(f"refill_delay is a number of seconds >= 0, not {refill_delay!r}")
+        self.size = size
+        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
+        self.sandbox_options = sandbox_options  # the sandbox's: kernel_name, policy, preload...
 
 
 async def _close_quietly(sandbox: AsyncSandbox) -> None:
@@ -58,15 +65,12 @@ async def _close_quietly(sandbox: AsyncSandbox) -> None:
         await sandbox.close()
 
 
-class KernelPool:
+class KernelPool(_PoolSettings):
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
     def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
                  **sandbox_options: Any) -> None:
-        _check(size, refill_delay)
-        self.size = size
-        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
-        self.sandbox_options = sandbox_options  # AsyncSandbox's: kernel_name, policy, preload...
+        super().__init__(size, refill_delay=refill_delay, **sandbox_options)
         # A start failure takes a kernel's place, so that a waiting get() hears of it.
         self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
         self._wanted = asyncio.Event()
@@ -143,15 +147,12 @@ class KernelPool:
                 await waiting.close()
 
 
-class SandboxPool:
+class SandboxPool(_PoolSettings):
     """Keeps `size` started Sandbox kernels ready; `get()` takes one. A thread refills it."""
 
     def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
                  **sandbox_options: Any) -> None:
-        _check(size, refill_delay)
-        self.size = size
-        self.refill_delay = refill_delay  # after a hand-out, before an idle pool starts refilling
-        self.sandbox_options = sandbox_options
+        super().__init__(size, refill_delay=refill_delay, **sandbox_options)
         self._ready: queue.Queue[Sandbox | PoolStartError] = queue.Queue()
         self._wanted = threading.Event()
         self._closed = threading.Event()
