@@ -23,10 +23,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
-from jupyter_client.manager import AsyncKernelManager, KernelManager
 
 from . import jsonwire
 from .install import DEFAULT_NAME, kernel_json
+from .manager import AsyncSandboxKernelManager, SandboxKernelManager
 from .policy import SandboxPolicy
 from .receive import (
     Budget,
@@ -507,7 +507,7 @@ def _installed_policy(kernel_name: str) -> dict[str, Any]:
 class _SandboxSettings:
     """What Sandbox and AsyncSandbox are made of: a kernel manager and their limits."""
 
-    manager_class: type = KernelManager
+    manager_class: type = SandboxKernelManager
     lock_class: type = threading.Lock
     # What a timeout message says set the limit, and whether state outlives one run (the CLI
     # changes both: its limit is `--timeout`, and its kernel ends after the one run).
@@ -717,7 +717,7 @@ class Sandbox(_SandboxSettings):
 class AsyncSandbox(_SandboxSettings):
     """The asyncio twin of Sandbox."""
 
-    manager_class = AsyncKernelManager
+    manager_class = AsyncSandboxKernelManager
     lock_class = asyncio.Lock
     context_class = zmq.asyncio.Context
     inbox_class = _AsyncInbox

@@ -1,0 +1,67 @@
+"""Sandbox's kernel managers keep jupyter_client's `ready` bookkeeping, without its pauses."""
+
+import asyncio
+
+import pytest
+from jupyter_client.kernelspec import NoSuchKernel
+
+from sandbox_kernel.client import AsyncSandbox, Sandbox
+
+
+@pytest.fixture
+def pauses(monkeypatch):
+    """Every asyncio.sleep of 10 ms (in_pending_state's pause), wherever it comes from."""
+    seen = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay, *args, **kwargs):
+        if delay == 0.01:
+            seen.append(delay)
+        return await real_sleep(delay, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+    return seen
+
+
+def test_start_and_close_settle_ready_without_pausing(pauses):
+    sandbox = Sandbox(None)
+    sandbox.start()
+    try:
+        assert sandbox.manager.ready.done() and sandbox.manager.ready.exception() is None
+        assert sandbox.run("def main():\n    return {'ok': 1}\n", inputs={}).result == {"ok": 1}
+    finally:
+        sandbox.close(now=True)
+    assert sandbox.manager.ready.done() and not sandbox.manager.is_alive()
+    assert pauses == []
+
+
+def test_restart_gives_a_fresh_kernel_without_pausing(pauses):
+    with Sandbox(None) as sandbox:
+        sandbox.run("x = 1")
+        sandbox.restart()
+        assert sandbox.run("print('x' in globals())").stdout == "False\n"
+        assert sandbox.manager.ready.done()
+    assert pauses == []
+
+
+def test_a_failed_start_sets_ready_to_the_error():
+    sandbox = Sandbox("no-such-kernel-here")
+    with pytest.raises(NoSuchKernel):
+        sandbox.start()
+    assert isinstance(sandbox.manager.ready.exception(), NoSuchKernel)
+
+
+def test_the_async_manager_settles_ready_without_pausing(pauses):
+    async def scenario():
+        sandbox = AsyncSandbox(None)
+        await sandbox.start()
+        try:
+            assert sandbox.manager.ready.done()
+            execution = await sandbox.run("def main():\n    return {'ok': 2}\n", inputs={})
+            assert execution.result == {"ok": 2}
+        finally:
+            await sandbox.close()
+        assert not await sandbox.manager.is_alive()
+
+    asyncio.run(scenario())
+    assert pauses == []
