@@ -169,10 +169,12 @@ class Server:
                     raise ForkServerError(f"cannot preload {name}: {exc}") from exc
         # Policy-independent work every kernel would repeat: done once here, after the imports
         # (a preloaded module may extend sys.path).
+        from sandbox_kernel.app import SandboxKernelApp
         from sandbox_kernel.confine import paths, seccomp
 
         paths.interpreter_paths()
         seccomp.precompile()
+        SandboxKernelApp.prebuild_parser()
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
