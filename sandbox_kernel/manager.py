@@ -1,4 +1,4 @@
-"""The kernel managers behind Sandbox and AsyncSandbox: jupyter_client's, without its pauses.
+"""The kernel managers and clients behind Sandbox and AsyncSandbox: jupyter_client's, minus waste.
 
 jupyter_client wraps `start_kernel` and `shutdown_kernel` in `in_pending_state`, which keeps
 the manager's `ready` future and then sleeps 10 ms "to ensure tests can capture the state".
@@ -6,6 +6,11 @@ A fork-served kernel starts in ~50 ms and a one-shot kernel is killed in ~1 ms: 
 pauses were a fifth of a fresh-kernel request, time in which neither the client nor the kernel
 does anything (measured: 21.7 → 27.2 fresh-kernel requests/s on 2 cores). These managers keep
 the `ready` bookkeeping around jupyter_client's own method bodies and leave out the sleep.
+
+Their clients stop only the channels that were opened: jupyter_client's stop_channels asks each
+of the five channels whether it runs, and asking creates the channel: a sandbox, which opens
+shell and IOPub only, created and connected stdin, heartbeat and control sockets at every close,
+just to close them (the kernel's I/O threads answering the handshakes on their way out).
 """
 
 from __future__ import annotations
@@ -14,8 +19,12 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.client import KernelClient
 from jupyter_client.manager import AsyncKernelManager, KernelManager, _get_future
 from jupyter_core.utils import run_sync
+from traitlets import DottedObjectName
 
 Method = Callable[..., Coroutine[Any, Any, Any]]
 
@@ -42,8 +51,45 @@ def _without_pause(decorated: Method) -> Method:
     return settled
 
 
+class _NeverOpened:
+    """Stands in for a channel nobody opened while jupyter_client stops the channels."""
+
+    @staticmethod
+    def is_alive() -> bool:
+        return False
+
+
+_OPTIONAL_CHANNELS = ("_stdin_channel", "_hb_channel", "_control_channel")
+
+
+def _stop_opened_channels(client: KernelClient) -> None:
+    """jupyter_client's stop_channels, without first creating the channels never opened."""
+    unopened = [name for name in _OPTIONAL_CHANNELS if getattr(client, name) is None]
+    for name in unopened:
+        setattr(client, name, _NeverOpened)
+    try:
+        KernelClient.stop_channels(client)
+    finally:
+        for name in unopened:
+            setattr(client, name, None)
+
+
+class SandboxKernelClient(BlockingKernelClient):  # type: ignore[misc]
+    """BlockingKernelClient that stops only the channels it opened."""
+
+    stop_channels = _stop_opened_channels
+
+
+class AsyncSandboxKernelClient(AsyncKernelClient):  # type: ignore[misc]
+    """AsyncKernelClient that stops only the channels it opened."""
+
+    stop_channels = _stop_opened_channels
+
+
 class SandboxKernelManager(KernelManager):  # type: ignore[misc]
     """KernelManager whose start and shutdown return as soon as their work is done."""
+
+    client_class = DottedObjectName("sandbox_kernel.manager.SandboxKernelClient")
 
     _async_start_kernel = _without_pause(KernelManager._async_start_kernel)
     _async_shutdown_kernel = _without_pause(KernelManager._async_shutdown_kernel)
@@ -53,6 +99,8 @@ class SandboxKernelManager(KernelManager):  # type: ignore[misc]
 
 class AsyncSandboxKernelManager(AsyncKernelManager):  # type: ignore[misc]
     """AsyncKernelManager whose start and shutdown return as soon as their work is done."""
+
+    client_class = DottedObjectName("sandbox_kernel.manager.AsyncSandboxKernelClient")
 
     _async_start_kernel = SandboxKernelManager._async_start_kernel
     _async_shutdown_kernel = SandboxKernelManager._async_shutdown_kernel

@@ -1,4 +1,5 @@
-"""Sandbox's kernel managers keep jupyter_client's `ready` bookkeeping, without its pauses."""
+"""Sandbox's kernel managers keep jupyter_client's `ready` bookkeeping, without its pauses;
+its clients stop the channels they opened and create no other on the way."""
 
 import asyncio
 
@@ -65,3 +66,15 @@ def test_the_async_manager_settles_ready_without_pausing(pauses):
 
     asyncio.run(scenario())
     assert pauses == []
+
+
+def test_close_stops_the_channels_it_opened_and_creates_no_other():
+    sandbox = Sandbox(None)
+    sandbox.start()
+    client = sandbox.client
+    control = client.control_channel  # opened on purpose: it must be stopped too
+    control.start()
+    sandbox.close(now=True)
+    assert (client._stdin_channel, client._hb_channel) == (None, None)
+    assert client._control_channel is control and not control.is_alive()
+    assert not client.shell_channel.is_alive() and not client.iopub_channel.is_alive()
