@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench import payload, profiling
+from bench import calls, costs, fresh, payload, profiling
 from bench.kernels import PLAIN, SANDBOX, Kernel
 from bench.suite import Results
 
@@ -100,12 +100,24 @@ EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
     "payload.10mb": lambda results, kernels: payload.explain(results, "10mb"),
     "cpu": lambda results, kernels: payload.explain_cpu(results),
     "fork": lambda results, kernels: profiling.explain_fork(results.samples["cpu.fork"].median),
-    "pss": lambda results, kernels: _related(results, "pss.fork", "pss.sandbox", "rss.fork"),
-    "fresh": lambda results, kernels: _related(results, "fresh.fork", "fresh.pool",
-                                               "rate.pool", "cpu.fork"),
-    "pandas": lambda results, kernels: _related(results, "pandas.fork", "pandas.process"),
+    "pss": lambda results, kernels: [*_related(results, "pss.fork", "pss.sandbox", "rss.fork"),
+                                     *costs.fork_memory_lines()],
+    "fresh": lambda results, kernels: [*_related(results, "fresh.fork", "fresh.pool",
+                                                 "rate.pool", "cpu.fork"),
+                                       *_request_costs(calls.SMALL_CALL)],
+    "pandas": lambda results, kernels: [*_related(results, "pandas.fork", "pandas.process"),
+                                        *_request_costs(fresh.PANDAS_CALL, fresh.PRELOAD)],
     "pool": lambda results, kernels: _related(results, "pool.first", "fresh.pool"),
 }
+
+
+def _request_costs(call: calls.Call, preload: tuple[str, ...] = ()) -> list[str]:
+    """Machine CPU of a fresh fork-served request and of a process per request, side by side."""
+    return costs.cost_lines({
+        "fresh fork-served kernel": costs.request_cost(
+            lambda: fresh.request_in_fresh_kernel(call, cold=False, preload=preload)),
+        "process per request": costs.request_cost(lambda: calls.call_in_fresh_process(call)),
+    })
 
 
 def _related(results: Results, *rows: str) -> list[str]:

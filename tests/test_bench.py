@@ -72,6 +72,7 @@ def test_quick_run_reports_targets_machine_and_profiles(quick_run):
     assert "nproc" in text and "Python 3." in text and "ipykernel" in text
     for target in ("start.sandbox", "execute.sandbox", "process.small", "rss.sandbox"):
         assert f"## `{target}`" in text  # --profile all: evidence for every target
+    assert "MiB private dirty" in text  # pss.fork's evidence: what a forked kernel wrote
 
 
 def test_quick_run_draws_the_chart(quick_run):
