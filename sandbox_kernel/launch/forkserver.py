@@ -169,9 +169,10 @@ class Server:
                     raise ForkServerError(f"cannot preload {name}: {exc}") from exc
         # Policy-independent work every kernel would repeat: done once here, after the imports
         # (a preloaded module may extend sys.path).
-        from sandbox_kernel.confine import paths, seccomp
+        from sandbox_kernel.confine import paths, privileges, seccomp
 
         paths.interpreter_paths()
+        privileges.prepare()
         seccomp.precompile()
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
