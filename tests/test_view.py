@@ -1,4 +1,4 @@
-"""Which directories the kernel's uid gets covered."""
+"""Which directories the kernel's uid gets covered, and the one mount namespace per process."""
 
 import os
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_kernel.confine import view
+from sandbox_kernel.confine import scratch, view
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the view is made by root")
 
@@ -80,3 +80,46 @@ def test_the_interpreter_is_covered_as_by_walking():
     needed = privileges.interpreter_needs()
     assert sorted(view.covers_for(needed, UID, GID)) == \
         sorted(covers_by_walking(needed, UID, GID))
+
+
+def in_child(check):
+    """Run check() in a forked child (namespaces and mounts stay there); its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if check() else 2
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def namespace():
+    return os.stat("/proc/self/ns/mnt").st_ino
+
+
+def test_one_private_namespace_per_process():
+    def check():
+        host = namespace()
+        view.private_namespace()
+        own = namespace()
+        view.private_namespace()  # already its own: the same one
+        if not host != own == namespace():
+            return False
+        # A forked child shares its parent's namespace: it makes one of its own.
+        return in_child(lambda: (view.private_namespace(), namespace())[1] not in (own, host)) \
+            == 0
+
+    assert in_child(check) == 0
+
+
+def test_the_scratch_quota_and_the_view_share_one_namespace(tmp_path):
+    def check():
+        host = namespace()
+        assert scratch.mount_quota(str(tmp_path), 2**20)
+        own = namespace()
+        view.private_namespace()
+        return host != own == namespace() and scratch.quota(str(tmp_path)) == 2**20
+
+    assert in_child(check) == 0
+    assert scratch.quota(str(tmp_path)) is None  # the host never saw the tmpfs

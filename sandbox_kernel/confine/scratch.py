@@ -9,9 +9,10 @@ import stat
 import tempfile
 from pathlib import Path
 
+from . import view
+
 DEFAULT_SCRATCH_SIZE = 2**30
-_CLONE_NEWNS = 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+_MS_NOSUID, _MS_NODEV = 0x2, 0x4
 
 
 class ScratchError(RuntimeError):
@@ -89,12 +90,13 @@ def mount_quota(path: str, size: int) -> bool:
     """
     if not size or os.geteuid() != 0:
         return False
+    try:
+        view.private_namespace()
+    except view.ViewError as exc:
+        raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: {exc}") from None
     libc = ctypes.CDLL(None, use_errno=True)
-    private = _MS_REC | _MS_PRIVATE
     options = f"size={size},mode=0700".encode()
-    if (libc.unshare(_CLONE_NEWNS) != 0
-            or libc.mount(None, b"/", None, private, None) != 0
-            or libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options)):
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
         raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: "
                            f"{os.strerror(ctypes.get_errno())}")
     return True

@@ -81,12 +81,24 @@ def _check(result: int, what: str) -> None:
         raise ViewError(f"{what}: {os.strerror(ctypes.get_errno())}")
 
 
+_namespace_of: int | None = None  # the process that made the mount namespace it is in
+
+
 def private_namespace() -> None:
-    """A mount namespace of this process's own, whose changes never reach the host."""
+    """A mount namespace of this process's own, whose changes never reach the host.
+
+    Made once per process: the scratch's tmpfs (scratch.mount_quota) and the view both need
+    one, and a second unshare would copy the mount table again for nothing. A forked child
+    shares its parent's namespace (another pid), so it makes its own.
+    """
+    global _namespace_of
+    if _namespace_of == os.getpid():
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     _check(libc.unshare(_CLONE_NEWNS), "no private mount namespace (unshare)")
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None),
            "cannot make the mount namespace private")
+    _namespace_of = os.getpid()
 
 
 def expose(needed: Sequence[str], also_visible: Iterable[str], uid: int, gid: int) -> list[str]:
