@@ -21,7 +21,11 @@ class ScratchError(RuntimeError):
 
 def root() -> Path:
     """Where every scratch directory of this user lives (one per kernel)."""
-    return Path(tempfile.gettempdir()) / f"sandbox-kernel-{os.geteuid()}"
+    return Path(tempfile.gettempdir()) / _root_name()
+
+
+def _root_name() -> str:
+    return f"sandbox-kernel-{os.geteuid()}"
 
 
 def _safe_root() -> Path:
@@ -70,13 +74,14 @@ def create() -> str:
 
 def is_own(path: str) -> bool:
     """True when path is a scratch directory this very process created before re-executing."""
-    # After the re-exec TMPDIR is the scratch itself, so the parent is checked by name and owner.
+    # After the re-exec TMPDIR is the scratch itself, so the parent is checked by name and owner
+    # (by name alone: tempfile would probe the scratch, writing a file, to find its own dir).
     candidate = Path(path)
     try:
         info, parent = candidate.lstat(), candidate.parent.lstat()
     except OSError:
         return False
-    return (candidate.parent.name == root().name and parent.st_uid == os.geteuid()
+    return (candidate.parent.name == _root_name() and parent.st_uid == os.geteuid()
             and not parent.st_mode & 0o022 and stat.S_ISDIR(info.st_mode)
             and info.st_uid == os.geteuid()
             and candidate.name.startswith(f"kernel-{os.getpid()}-"))
