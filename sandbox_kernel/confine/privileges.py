@@ -78,7 +78,9 @@ def interpreter_needs() -> list[str]:
 
 @functools.cache
 def _interpreter_needs(executable: str, search_path: tuple[str, ...]) -> tuple[str, ...]:
-    needed = [*paths.interpreter_paths(), os.path.dirname(executable), *_needed_paths()]
+    # Keyed like _needed_paths_of (search_path is what _needed_paths reads from sys.path).
+    needed = [*paths.interpreter_paths(), os.path.dirname(executable),
+              *_needed_paths_of(executable, search_path)]
     return tuple(dict.fromkeys(os.path.realpath(path) for path in needed))
 
 
