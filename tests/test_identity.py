@@ -207,16 +207,3 @@ def test_interpreter_needs_are_the_real_paths_worked_out_afresh():
     assert privileges._needed_paths() == [sys.executable, os.path.dirname(os.__file__),
                                           *[p for p in sys.path if p and os.path.isdir(p)]]
 
-
-def test_fork_served_and_cold_kernels_get_the_same_identity():
-    """The fork server works out the interpreter's real paths and the accounts beforehand."""
-    with Sandbox(None) as forked, Sandbox(None, cold_start=True) as cold:
-        assert forked.manager.provisioner.fork_served
-        assert not cold.manager.provisioner.fork_served
-        layers = [sb.kernel_info()["sandbox"]["layers"]["privileges"] for sb in (forked, cold)]
-    taken, _ = privileges.accounts_ids()
-    for layer in layers:
-        assert layer["uid"] in RANGE and layer["uid"] not in taken
-        assert layer["gid"] == layer["uid"] and layer["own"] is True
-    assert layers[0].get("covered") == layers[1].get("covered")
-    assert layers[0].keys() == layers[1].keys() and layers[0]["uid"] != layers[1]["uid"]
