@@ -206,4 +206,3 @@ def test_interpreter_needs_are_the_real_paths_worked_out_afresh():
     assert needs == list(dict.fromkeys(os.path.realpath(path) for path in fresh))
     assert privileges._needed_paths() == [sys.executable, os.path.dirname(os.__file__),
                                           *[p for p in sys.path if p and os.path.isdir(p)]]
-
