@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import os
 import pwd
+import signal
 import subprocess
 import sys
 import time
@@ -206,3 +207,19 @@ def test_interpreter_needs_are_the_real_paths_worked_out_afresh():
     assert needs == list(dict.fromkeys(os.path.realpath(path) for path in fresh))
     assert privileges._needed_paths() == [sys.executable, os.path.dirname(os.__file__),
                                           *[p for p in sys.path if p and os.path.isdir(p)]]
+
+
+def test_the_uid_of_a_kernel_whose_reaper_was_killed_is_not_handed_out():
+    with Sandbox("sandbox") as orphan:
+        uid = uid_of(orphan)
+        kernel = orphan.manager.provisioner.process.pid
+        (reaper,) = (int(pid) for pid in
+                     open(f"/proc/{kernel}/task/{kernel}/children").read().split())
+        os.kill(reaper, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while is_locked(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_locked(uid)  # nothing holds the uid now but its live kernel
+        with pytest.raises(privileges.PrivilegeError, match="used by an account or a live kernel"):
+            privileges.allocate(range(uid, uid + 1))
+        assert uid_of(orphan) == uid  # and that kernel still runs as it
