@@ -4,15 +4,19 @@ These kernels come from the suite's own interpreter; on this host it lives under
 so each of them also exercises the private view of the interpreter.
 """
 
+import contextlib
 import fcntl
 import os
+import pwd
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from sandbox_kernel.client import Sandbox
-from sandbox_kernel.confine import privileges
+from sandbox_kernel.confine import limits, paths, privileges
 from sandbox_kernel.policy import SandboxPolicy
 from tests.helpers import evaluate
 
@@ -85,3 +89,137 @@ def test_range_skips_every_account():
         privileges.allocate(range(65534, 65535))  # nobody's
     with pytest.raises(privileges.PrivilegeError, match="FIRST-LAST"):
         privileges.parse_range("0-10")
+
+
+# A uid whose lock is free but which still has a process: what a kernel whose reaper was
+# killed leaves behind. The top of the default range, which kernels reach last.
+STRAY, NEXT = RANGE.stop - 2, RANGE.stop - 1
+
+
+@contextlib.contextmanager
+def process_as(uid, effective):
+    """A process whose real uid is uid (its effective and saved one: effective) meanwhile."""
+    ready_read, ready_write = os.pipe()
+    stop_read, stop_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_read)
+            os.close(stop_write)
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, effective, effective)
+            os.write(ready_write, b"x")
+            os.read(stop_read, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.close(stop_read)
+    try:
+        assert os.read(ready_read, 1) == b"x"
+        yield pid
+    finally:
+        os.close(stop_write)
+        os.close(ready_read)
+        os.waitpid(pid, 0)
+
+
+# The real uid is what RLIMIT_NPROC counts: a process that has it (even one running a
+# set-user-ID program, which /proc shows as its owner's) takes threads from the kernel's bound.
+@pytest.mark.parametrize("effective", ["same", 0], ids=["as-uid", "real-uid-only"])
+def test_a_uid_with_a_live_process_is_skipped_even_without_its_lock(effective):
+    with process_as(STRAY, STRAY if effective == "same" else effective):
+        assert limits.has_tasks(STRAY)
+        uid, lock = privileges.allocate(range(STRAY, NEXT + 1))
+        os.close(lock)
+        assert uid == NEXT
+    assert not limits.has_tasks(STRAY) and limits.tasks_of(STRAY) == 0
+    uid, lock = privileges.allocate(range(STRAY, NEXT + 1))  # gone: the uid is free again
+    os.close(lock)
+    assert uid == STRAY
+
+
+@pytest.fixture
+def account_files(tmp_path, monkeypatch):
+    """The account tables privileges reads, as files of this test's own (and a fresh cache)."""
+    files = {name: tmp_path / name for name in ("nsswitch.conf", "subuid", "userdb")}
+    files["nsswitch.conf"].write_text("passwd: files systemd\ngroup: files\n")
+    files["subuid"].write_text("someone:300000:10\n")
+    for path in files.values():
+        if path.exists():
+            settle(path)
+    monkeypatch.setattr(privileges, "NSSWITCH", str(files["nsswitch.conf"]))
+    monkeypatch.setattr(privileges, "SUBORDINATE_TABLES", (str(files["subuid"]),))
+    monkeypatch.setattr(privileges, "SYSTEMD_USER_DIRS", (str(files["userdb"]),))
+    monkeypatch.setattr(privileges, "_accounts", None)
+    reads = []
+    getpwall = pwd.getpwall
+    monkeypatch.setattr(pwd, "getpwall", lambda: reads.append(1) or getpwall())
+    files["reads"] = reads
+    return files
+
+
+def settle(path):
+    """Date path an hour back, as a file nobody has written to lately."""
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+
+
+def test_account_ids_are_read_again_exactly_when_a_table_changed(account_files):
+    subuid, reads = account_files["subuid"], account_files["reads"]
+    taken, ranges = privileges.accounts_ids()
+    assert ranges == [range(300000, 300010)] and 0 in taken
+    assert privileges.accounts_ids() == (taken, ranges) and len(reads) == 1  # unchanged
+    subuid.write_text("someone:300100:10\n")  # same size, same inode
+    assert privileges.accounts_ids()[1] == [range(300100, 300110)] and len(reads) == 2
+    # Written just now: the same mtime could still hide another write, so read every time.
+    privileges.accounts_ids()
+    assert len(reads) == 3
+    settle(subuid)
+    privileges.accounts_ids()
+    privileges.accounts_ids()
+    assert len(reads) == 4
+    subuid.unlink()
+    assert privileges.accounts_ids()[1] == [] and len(reads) == 5
+
+
+@pytest.mark.parametrize("sources", ["passwd: files ldap\ngroup: files\n",
+                                     "passwd: files\ngroup: sss files\n",
+                                     "passwd: compat\ngroup: compat\n",
+                                     "group: files\n", "userdb"])
+def test_account_ids_are_read_every_time_when_no_file_tells_a_change(account_files, sources):
+    if sources == "userdb":  # nss-systemd then serves users that no file of ours shows
+        account_files["userdb"].mkdir()
+        settle(account_files["userdb"])
+    else:
+        account_files["nsswitch.conf"].write_text(sources)
+        settle(account_files["nsswitch.conf"])
+    for _ in range(3):
+        privileges.accounts_ids()
+    assert len(account_files["reads"]) == 3
+
+
+def test_interpreter_needs_are_the_real_paths_worked_out_afresh():
+    needs = privileges.interpreter_needs()
+    fresh = [*paths.interpreter_paths(), os.path.dirname(sys.executable),
+             sys.executable, os.path.dirname(os.__file__),
+             *[entry for entry in sys.path if entry and os.path.isdir(entry)]]
+    assert needs == list(dict.fromkeys(os.path.realpath(path) for path in fresh))
+    assert privileges._needed_paths() == [sys.executable, os.path.dirname(os.__file__),
+                                          *[p for p in sys.path if p and os.path.isdir(p)]]
+
+
+def test_the_uid_of_a_kernel_whose_reaper_was_killed_is_not_handed_out():
+    with Sandbox("sandbox") as orphan:
+        uid = uid_of(orphan)
+        kernel = orphan.manager.provisioner.process.pid
+        (reaper,) = (int(pid) for pid in
+                     open(f"/proc/{kernel}/task/{kernel}/children").read().split())
+        os.kill(reaper, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while is_locked(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not is_locked(uid)  # nothing holds the uid now but its live kernel
+        with pytest.raises(privileges.PrivilegeError, match="used by an account or a live kernel"):
+            privileges.allocate(range(uid, uid + 1))
+        assert uid_of(orphan) == uid  # and that kernel still runs as it

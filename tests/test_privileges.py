@@ -47,7 +47,8 @@ def private_dir():
         packages = sysconfig.get_path("purelib")
         Path(venv_site, "packages.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
         root = ["--run-as", "root", "--max-threads", "0"]  # uid 0 is exempt from RLIMIT_NPROC
-        for name, extra in (("private", []), ("private-root", root)):
+        for name, extra in (("private", []), ("private-root", root),
+                            ("private-cold", ["--cold-start"])):
             subprocess.run([str(venv / "bin/python"), "-m", "sandbox_kernel", "install",
                             "--prefix", str(prefix), "--name", name, *extra],
                            check=True, capture_output=True)
@@ -105,6 +106,28 @@ def outcome(fn):
     # The host's view is untouched: the secret is still there, the directory still private.
     assert (private_dir / "secret.txt").read_text() == "root's own"
     assert oct(private_dir.stat().st_mode & 0o777) == "0o700"
+
+
+def test_fork_served_and_cold_kernels_are_shown_the_same(two_kernels, private_dir):
+    """The fork server resolves the interpreter's paths once; a cold kernel does it itself."""
+    cold = start(private_dir, "private-cold")
+    try:
+        assert two_kernels[0].manager.provisioner.fork_served
+        assert not cold.manager.provisioner.fork_served
+        forked, alone = (sandbox.kernel_info()["sandbox"]["layers"]["privileges"]
+                         for sandbox in (two_kernels[0], cold))
+        assert forked["covered"] == alone["covered"] and str(private_dir) in alone["covered"]
+        assert forked.keys() == alone.keys() and alone["own"] is True
+        taken, _ = privileges.accounts_ids()
+        for layer in (forked, alone):  # the same rules: a uid of the range no account has
+            assert layer["uid"] in RANGE and layer["uid"] not in taken
+        assert forked["uid"] != alone["uid"]
+        probe = (f"import os\n[os.path.exists(os.path.join({str(private_dir)!r}, name))"
+                 " for name in ('venv', 'secret.txt', 'prefix')]")
+        shown = [evaluate(sandbox, probe) for sandbox in (two_kernels[0], cold)]
+        assert shown == [[True, False, False]] * 2
+    finally:
+        cold.close()
 
 
 def test_user_code_cannot_become_root_again(two_kernels):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import re
 import resource
@@ -48,8 +49,26 @@ def _lower(limit: int, soft: int, hard: int | None = None) -> dict[str, int]:
     return {"soft": new_soft, "hard": new_hard}
 
 
+def has_tasks(uid: int) -> bool:
+    """Whether any task (thread) of this PID namespace has uid as its real uid.
+
+    One system call, where scanning /proc costs a stat per process: getpriority(PRIO_USER)
+    walks the tasks in the kernel and fails with ESRCH when none has that real uid (the uid
+    RLIMIT_NPROC counts; /proc shows a directory's owner as the effective one).
+    """
+    try:
+        os.getpriority(os.PRIO_USER, uid)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return False
+        raise
+    return True
+
+
 def tasks_of(uid: int) -> int:
     """Tasks (threads) the real uid has now, as far as /proc shows them."""
+    if not has_tasks(uid):  # a fresh uid of a kernel's own: no /proc scan needed
+        return 0
     count = 0
     for entry in os.scandir("/proc"):
         try:

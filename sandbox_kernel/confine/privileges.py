@@ -10,19 +10,30 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import grp
 import os
 import pwd
 import stat
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from . import paths, view
+from . import limits, paths, view
 
 NOBODY = 65534
 DEFAULT_UID_RANGE = "200000-265535"
 LOCK_DIR = "/run/sandbox-kernel/uids"
+SUBORDINATE_TABLES = ("/etc/subuid", "/etc/subgid")
+NSSWITCH = "/etc/nsswitch.conf"
+# What the account database is read from, per nsswitch source whose state lives in files only:
+# "files" reads these two; nss-systemd adds root and nobody (fixed ids) and, only where any of
+# these directories exists, dynamic users and userdb records (which may change in place).
+ACCOUNT_FILES = ("/etc/passwd", "/etc/group")
+SYSTEMD_USER_DIRS = ("/run/systemd/userdb", "/run/systemd/dynamic-uid", "/etc/userdb",
+                     "/run/userdb", "/run/host/userdb", "/usr/local/lib/userdb", "/usr/lib/userdb")
+_RACY_SECONDS = 2  # a file changed this recently may change again with the same mtime
 _PR_SET_DUMPABLE = 4
 _PR_CAPBSET_DROP = 24
 _CAP_VERSION_3 = 0x20080522
@@ -48,8 +59,37 @@ def resolve(run_as: str) -> tuple[int, int]:
 
 
 def _needed_paths() -> list[str]:
+    """What the kernel's uid must be able to read to run: interpreter, stdlib, import path."""
+    return list(_needed_paths_of(sys.executable, tuple(sys.path)))
+
+
+@functools.cache
+def _needed_paths_of(executable: str, search_path: tuple[str, ...]) -> tuple[str, ...]:
+    # Keyed by the import path: a fork server works this out once for all its kernels, which
+    # inherit its sys.path as it is (see paths.interpreter_paths).
     stdlib = Path(os.__file__).parent
-    return [sys.executable, str(stdlib), *[p for p in sys.path if p and os.path.isdir(p)]]
+    return (executable, str(stdlib), *[p for p in search_path if p and os.path.isdir(p)])
+
+
+def interpreter_needs() -> list[str]:
+    """Real paths the kernel's uid must reach: interpreter paths and what _needed_paths lists."""
+    return list(_interpreter_needs(sys.executable, tuple(sys.path)))
+
+
+@functools.cache
+def _interpreter_needs(executable: str, search_path: tuple[str, ...]) -> tuple[str, ...]:
+    # Keyed like _needed_paths_of (search_path is what _needed_paths reads from sys.path).
+    needed = [*paths.interpreter_paths(), os.path.dirname(executable),
+              *_needed_paths_of(executable, search_path)]
+    return tuple(dict.fromkeys(os.path.realpath(path) for path in needed))
+
+
+def prepare() -> None:
+    """In a fork server: work out once what every kernel it forks would work out alike."""
+    interpreter_needs()
+    accounts_ids()
+    _libc()
+    _last_capability()
 
 
 def parse_range(text: str) -> range:
@@ -65,7 +105,7 @@ def parse_range(text: str) -> range:
 def _subordinate_ranges() -> list[range]:
     """Ranges /etc/subuid and /etc/subgid give to user namespaces (container files)."""
     ranges = []
-    for table in ("/etc/subuid", "/etc/subgid"):
+    for table in SUBORDINATE_TABLES:
         try:
             lines = Path(table).read_text().splitlines()
         except OSError:
@@ -77,11 +117,80 @@ def _subordinate_ranges() -> list[range]:
     return ranges
 
 
+class _Accounts(NamedTuple):
+    ids: frozenset[int]
+    subordinate: tuple[range, ...]
+    fingerprint: tuple[tuple[int, int, int] | None, ...]
+    reusable: bool  # whether the fingerprint tells every change of what was read
+
+
+_accounts: _Accounts | None = None
+
+
 def accounts_ids() -> tuple[set[int], list[range]]:
-    """Ids some account or group has, and the subordinate ranges; the range must avoid both."""
-    ids = {entry.pw_uid for entry in pwd.getpwall()} | {entry.pw_gid for entry in pwd.getpwall()}
+    """Ids some account or group has, and the subordinate ranges; the range must avoid both.
+
+    Read again whenever a file they come from changed (a fork server reads them once for all
+    its kernels while nothing changes), and every time where nsswitch names a source whose
+    changes no file shows (LDAP, sssd, systemd's userdb).
+    """
+    global _accounts
+    fingerprint = _fingerprint()
+    if _accounts is None or not _accounts.reusable or _accounts.fingerprint != fingerprint:
+        _accounts = _read_accounts(fingerprint)
+    return set(_accounts.ids), list(_accounts.subordinate)
+
+
+def _account_state_files() -> tuple[str, ...]:
+    return (NSSWITCH, *ACCOUNT_FILES, *SUBORDINATE_TABLES, *SYSTEMD_USER_DIRS)
+
+
+def _fingerprint() -> tuple[tuple[int, int, int] | None, ...]:
+    """(inode, mtime, size) of each file the accounts come from; None for a missing one."""
+    prints: list[tuple[int, int, int] | None] = []
+    for path in _account_state_files():
+        try:
+            info = os.stat(path)
+        except OSError:
+            prints.append(None)
+            continue
+        prints.append((info.st_ino, info.st_mtime_ns, info.st_size))
+    return tuple(prints)
+
+
+def _read_accounts(fingerprint: tuple[tuple[int, int, int] | None, ...]) -> _Accounts:
+    read_at = time.time_ns()
+    accounts = pwd.getpwall()
+    ids = {entry.pw_uid for entry in accounts} | {entry.pw_gid for entry in accounts}
     ids |= {entry.gr_gid for entry in grp.getgrall()}
-    return ids, _subordinate_ranges()
+    return _Accounts(frozenset(ids), tuple(_subordinate_ranges()), fingerprint,
+                     _reusable(fingerprint, read_at))
+
+
+def _reusable(fingerprint: tuple[tuple[int, int, int] | None, ...], read_at: int) -> bool:
+    """Whether the same fingerprint later proves the accounts read at read_at unchanged."""
+    state = dict(zip(_account_state_files(), fingerprint, strict=True))
+    # A file written within the file system's timestamp granularity of the read could be
+    # written again without its mtime changing (a coarse clock ticks every few ms).
+    settled = all(info is None or info[1] < read_at - _RACY_SECONDS * 10**9
+                  for info in fingerprint)
+    without_userdb = all(state[path] is None for path in SYSTEMD_USER_DIRS)
+    return settled and without_userdb and _sources_in_files()
+
+
+def _sources_in_files() -> bool:
+    """Whether nsswitch takes users and groups only from sources the fingerprint covers."""
+    try:
+        lines = Path(NSSWITCH).read_text().splitlines()
+    except OSError:
+        return False  # glibc's built-in default may include NIS (compat)
+    sources = {}
+    for line in lines:
+        database, sep, rest = line.partition("#")[0].partition(":")
+        if sep:
+            sources[database.strip()] = rest.split()
+    return all(name in sources and sources[name]
+               and set(sources[name]) <= {"files", "systemd"} for name in ("passwd", "group"))
 
 
 def _lock_dir() -> Path:
@@ -92,18 +201,6 @@ def _lock_dir() -> Path:
         raise PrivilegeError(f"{directory} must be a directory only root can use; remove it "
                              "and start the kernel again")
     return directory
-
-
-def _uid_running(uid: int) -> bool:
-    """Whether any process runs as uid (a kernel whose reaper was killed, say)."""
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.stat(entry.path).st_uid == uid:
-                    return True
-            except OSError:
-                continue
-    return False
 
 
 def allocate(id_range: range) -> tuple[int, int]:
@@ -123,7 +220,8 @@ def allocate(id_range: range) -> tuple[int, int]:
         except BlockingIOError:
             os.close(fd)
             continue
-        if _uid_running(uid):
+        # A free lock with a live process of uid: a kernel whose reaper was killed, say.
+        if limits.has_tasks(uid):
             os.close(fd)
             continue
         return uid, fd
@@ -147,11 +245,21 @@ def _chown_tree(top: str, uid: int, gid: int) -> None:
             os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+@functools.cache
+def _last_capability() -> int:
+    # Fixed by the running Linux kernel: a fork server reads it once for all its kernels.
+    return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+
+
 def _drop_bounding_set() -> None:
     """Empty this thread's bounding set: no execve can ever grant a capability again."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-    for cap in range(last + 1):
+    libc = _libc()
+    for cap in range(_last_capability() + 1):
         if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             why = os.strerror(ctypes.get_errno())
             raise PrivilegeError(f"could not drop capability {cap}: {why}")
@@ -160,7 +268,7 @@ def _drop_bounding_set() -> None:
 def _drop_capabilities() -> None:
     """Empty the bounding, permitted, effective and inheritable sets of this thread."""
     _drop_bounding_set()
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # two empty __user_cap_data_struct
     number = _SYS_CAPSET.get(os.uname().machine)
@@ -208,8 +316,7 @@ def plan(run_as: str, uid_range: str, grants: list[str],
 
 
 def _make_reachable(uid: int, gid: int, grants: list[str], visible: list[str]) -> list[str]:
-    needed = [*paths.interpreter_paths(), os.path.dirname(sys.executable), *_needed_paths(),
-              *grants]
+    needed = [*interpreter_needs(), *dict.fromkeys(os.path.realpath(path) for path in grants)]
     try:
         covered = view.expose(needed, visible, uid, gid)
     except view.ViewError as exc:
@@ -237,5 +344,4 @@ def switch(planned: dict[str, Any], scratch_dir: str) -> None:
     os.setgid(gid)
     os.setuid(uid)
     if planned.get("own"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+        _libc().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)

@@ -9,9 +9,10 @@ import stat
 import tempfile
 from pathlib import Path
 
+from . import view
+
 DEFAULT_SCRATCH_SIZE = 2**30
-_CLONE_NEWNS = 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x4000, 0x40000
+_MS_NOSUID, _MS_NODEV = 0x2, 0x4
 
 
 class ScratchError(RuntimeError):
@@ -20,7 +21,11 @@ class ScratchError(RuntimeError):
 
 def root() -> Path:
     """Where every scratch directory of this user lives (one per kernel)."""
-    return Path(tempfile.gettempdir()) / f"sandbox-kernel-{os.geteuid()}"
+    return Path(tempfile.gettempdir()) / _root_name()
+
+
+def _root_name() -> str:
+    return f"sandbox-kernel-{os.geteuid()}"
 
 
 def _safe_root() -> Path:
@@ -69,13 +74,14 @@ def create() -> str:
 
 def is_own(path: str) -> bool:
     """True when path is a scratch directory this very process created before re-executing."""
-    # After the re-exec TMPDIR is the scratch itself, so the parent is checked by name and owner.
+    # After the re-exec TMPDIR is the scratch itself, so the parent is checked by name and owner
+    # (by name alone: tempfile would probe the scratch, writing a file, to find its own dir).
     candidate = Path(path)
     try:
         info, parent = candidate.lstat(), candidate.parent.lstat()
     except OSError:
         return False
-    return (candidate.parent.name == root().name and parent.st_uid == os.geteuid()
+    return (candidate.parent.name == _root_name() and parent.st_uid == os.geteuid()
             and not parent.st_mode & 0o022 and stat.S_ISDIR(info.st_mode)
             and info.st_uid == os.geteuid()
             and candidate.name.startswith(f"kernel-{os.getpid()}-"))
@@ -89,12 +95,13 @@ def mount_quota(path: str, size: int) -> bool:
     """
     if not size or os.geteuid() != 0:
         return False
+    try:
+        view.private_namespace()
+    except view.ViewError as exc:
+        raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: {exc}") from None
     libc = ctypes.CDLL(None, use_errno=True)
-    private = _MS_REC | _MS_PRIVATE
     options = f"size={size},mode=0700".encode()
-    if (libc.unshare(_CLONE_NEWNS) != 0
-            or libc.mount(None, b"/", None, private, None) != 0
-            or libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options)):
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
         raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: "
                            f"{os.strerror(ctypes.get_errno())}")
     return True

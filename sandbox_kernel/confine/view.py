@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 _CLONE_NEWNS = 0x00020000
@@ -39,15 +39,10 @@ def as_user(uid: int, gid: int) -> Iterator[None]:
         os.setgroups(groups)
 
 
-def blocked_ancestor(path: str) -> str | None:
-    """The outermost directory above path the current effective uid cannot enter, if any."""
-    parts = os.path.realpath(path).split(os.sep)[1:-1]
-    current = "/"
-    for part in parts:
-        current = os.path.join(current, part)
-        if not os.access(current, os.X_OK, effective_ids=True):
-            return current
-    return None
+def ancestors(path: str) -> list[str]:
+    """The directories above an absolute path, outermost first, without '/'."""
+    parts = path.split(os.sep)[1:-1]
+    return [os.sep + os.sep.join(parts[:depth]) for depth in range(1, len(parts) + 1)]
 
 
 def outermost(paths: Iterable[str]) -> list[str]:
@@ -65,10 +60,20 @@ def is_within(path: str, directory: str) -> bool:
 
 
 def covers_for(needed: Iterable[str], uid: int, gid: int) -> list[str]:
-    """The directories to cover so that uid:gid can reach every needed path."""
+    """The outermost directories above the needed real paths that uid:gid cannot enter.
+
+    Covering those makes every needed path reachable. The paths share most of their
+    ancestors (one prefix, one site-packages): each directory is checked once, outermost
+    first, and nothing under a blocked one is checked at all.
+    """
+    above = {directory for path in needed for directory in ancestors(path)}
+    blocked: list[str] = []
     with as_user(uid, gid):
-        blocked = [blocked_ancestor(path) for path in needed]
-    return outermost(path for path in blocked if path)
+        for directory in sorted(above, key=lambda path: (path.count(os.sep), path)):
+            if not any(is_within(directory, cover) for cover in blocked) \
+                    and not os.access(directory, os.X_OK, effective_ids=True):
+                blocked.append(directory)
+    return blocked
 
 
 def _check(result: int, what: str) -> None:
@@ -76,26 +81,38 @@ def _check(result: int, what: str) -> None:
         raise ViewError(f"{what}: {os.strerror(ctypes.get_errno())}")
 
 
+_namespace_of: int | None = None  # the process that made the mount namespace it is in
+
+
 def private_namespace() -> None:
-    """A mount namespace of this process's own, whose changes never reach the host."""
+    """A mount namespace of this process's own, whose changes never reach the host.
+
+    Made once per process: the scratch's tmpfs (scratch.mount_quota) and the view both need
+    one, and a second unshare would copy the mount table again for nothing. A forked child
+    shares its parent's namespace (another pid), so it makes its own.
+    """
+    global _namespace_of
+    if _namespace_of == os.getpid():
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     _check(libc.unshare(_CLONE_NEWNS), "no private mount namespace (unshare)")
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None),
            "cannot make the mount namespace private")
+    _namespace_of = os.getpid()
 
 
-def expose(needed: Iterable[str], also_visible: Iterable[str], uid: int, gid: int) -> list[str]:
+def expose(needed: Sequence[str], also_visible: Iterable[str], uid: int, gid: int) -> list[str]:
     """Cover what keeps uid:gid from the needed paths; return the covered directories.
 
+    needed: real paths (the caller resolves them, a fork server once for all its kernels).
     Under each cover only the needed and also_visible paths (the connection file, grants)
     appear, bind-mounted from the host, with their own permissions.
     """
-    needed = [os.path.realpath(path) for path in needed]
     covers = covers_for(needed, uid, gid)
     if not covers:
         return []
     private_namespace()
-    visible = [os.path.realpath(path) for path in [*needed, *also_visible]]
+    visible = [*needed, *(os.path.realpath(path) for path in also_visible)]
     for cover in covers:
         _cover(cover, outermost(p for p in visible if is_within(p, cover) and p != cover
                                 and os.path.exists(p)))

@@ -170,9 +170,10 @@ class Server:
         # Policy-independent work every kernel would repeat: done once here, after the imports
         # (a preloaded module may extend sys.path).
         from sandbox_kernel.app import SandboxKernelApp
-        from sandbox_kernel.confine import paths, seccomp
+        from sandbox_kernel.confine import paths, privileges, seccomp
 
         paths.interpreter_paths()
+        privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
         # A collection in a child walks every object and writes to it: each page the server
