@@ -114,6 +114,14 @@ def test_kernels_compile_their_own_allowlist_when_the_pid_cannot_be_located(monk
         seccomp._allowlist_template.cache_clear()
 
 
+def test_a_program_larger_than_the_export_pipe_is_refused_not_hung():
+    huge = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    for value in range(8200):  # an 8-byte instruction a rule: more than a pipe's 64 KiB
+        huge.add_rule(pyseccomp.ERRNO(errno.EPERM), "ioctl", pyseccomp.Arg(1, pyseccomp.EQ, value))
+    with pytest.raises(seccomp.SeccompError, match="through a pipe of"):
+        seccomp._export(huge)
+
+
 # Loads both filters (from another thread too) and waits, as a kernel would, to be inspected.
 FILTERED_CHILD = """
 import os, sys, threading

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import os
 import socket
@@ -314,14 +315,20 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
 
 def _export(compiled: Any) -> bytes:
     """The BPF program libseccomp would load for a compiled filter."""
-    # A memfd, not a pipe (whose buffer may be smaller than the program) nor a file (Landlock
-    # may already confine a kernel that builds its programs lazily).
-    with os.fdopen(os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC), "w+b") as out:
-        compiled.export_bpf(out)
-        out.seek(0)
-        program = out.read()
-    if not program or len(program) % _INSTRUCTION.size:
-        raise SeccompError(f"libseccomp exported a BPF program of {len(program)} bytes")
+    # Through a pipe: pods refuse memfd_create, and Landlock may already confine a kernel that
+    # builds its programs lazily. The write end does not block, so a program larger than the
+    # pipe (a loadable one is at most 32 KiB, a pipe holds 64 KiB unless the user's pipe quota
+    # is spent) is cut short, which libseccomp does not notice, instead of hanging: a pipe that
+    # came back full is refused.
+    read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    with open(read_end, "rb", buffering=0) as source:
+        with open(write_end, "wb", buffering=0) as sink:
+            capacity = fcntl.fcntl(sink, fcntl.F_GETPIPE_SZ)
+            compiled.export_bpf(sink)
+        program = source.read(capacity) or b""  # all of it: nothing more can be written
+    if not program or len(program) >= capacity or len(program) % _INSTRUCTION.size:
+        raise SeccompError(f"libseccomp exported a BPF program of {len(program)} bytes "
+                           f"through a pipe of {capacity}")
     return program
 
 
