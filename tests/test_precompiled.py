@@ -63,7 +63,7 @@ def _constants(program):
 def test_the_allowlist_with_a_pid_written_in_is_the_program_compiled_for_it(
         allow_network, landlock_abi, notify):
     seccomp.precompile()
-    template = seccomp._allowlist_template(allow_network, landlock_abi >= 3, notify)
+    template = seccomp._templates[allow_network, landlock_abi >= 3, notify]
     assert template is not None and template.floor == 0 and template.pid_offsets
     # Pids equal to a constant of the filter (syscall numbers, fcntl commands, prctl options,
     # F_SETOWN, errno actions, jump offsets...) are where libseccomp could merge or reorder.
@@ -78,7 +78,8 @@ def test_the_allowlist_with_a_pid_written_in_is_the_program_compiled_for_it(
 
 @pytest.mark.parametrize("notify", [False, True])
 def test_pid_zero_is_compiled_because_libseccomp_merges_it_with_the_rules_for_zero(notify):
-    template = seccomp._allowlist_template(False, True, notify)
+    seccomp.precompile()
+    template = seccomp._templates[False, True, notify]
     assert template is not None
     assert template.for_pid(0) != _compiled_allowlist(0, False, 7, notify)
     assert seccomp._allowlist(0, False, 7, notify) == _compiled_allowlist(0, False, 7, notify)
@@ -103,15 +104,16 @@ def test_the_placeholder_is_located_only_where_it_is_the_only_difference():
         assert seccomp._pid_offsets(one, other) is None
 
 
-def test_kernels_compile_their_own_allowlist_when_the_pid_cannot_be_located(monkeypatch):
-    seccomp._allowlist_template.cache_clear()
+@pytest.mark.parametrize("templates", [{}, {(False, True, True): None}],
+                         ids=["not prepared", "placeholder not located"])
+def test_kernels_compile_their_own_allowlist_without_a_template(templates, monkeypatch):
+    monkeypatch.setattr(seccomp, "_templates", templates)
+    assert seccomp._allowlist(4242, False, 7, True) == _compiled_allowlist(4242, False, 7, True)
+
+
+def test_a_placeholder_that_cannot_be_located_leaves_no_template(monkeypatch):
     monkeypatch.setattr(seccomp, "_pid_offsets", lambda first, second: None)
-    try:
-        assert seccomp._allowlist_template(False, True, True) is None
-        assert seccomp._allowlist(4242, False, 7, True) == _compiled_allowlist(4242, False, 7,
-                                                                                True)
-    finally:
-        seccomp._allowlist_template.cache_clear()
+    assert seccomp._allowlist_template(False, True, True) is None
 
 
 def test_a_program_larger_than_the_export_pipe_is_refused_not_hung():
@@ -126,6 +128,8 @@ def test_a_program_larger_than_the_export_pipe_is_refused_not_hung():
 FILTERED_CHILD = """
 import os, sys, threading
 from sandbox_kernel.confine import seccomp
+if {prepared}:  # as a fork server does: the allowlist then has the pid written in
+    seccomp.precompile()
 done = threading.Event()
 threading.Thread(target=done.wait).start()
 listener = seccomp.install(os.getpid(), {allow_network}, landlock_abi={landlock_abi},
@@ -164,8 +168,10 @@ def _attached(pid):
 
 
 @pytest.mark.parametrize(("allow_network", "notify"), [(False, True), (True, False)])
-def test_a_process_holds_exactly_the_programs_libseccomp_compiles(allow_network, notify):
-    code = FILTERED_CHILD.format(allow_network=allow_network, landlock_abi=7, notify=notify)
+@pytest.mark.parametrize("prepared", [True, False])
+def test_a_process_holds_exactly_the_programs_libseccomp_compiles(allow_network, notify, prepared):
+    code = FILTERED_CHILD.format(allow_network=allow_network, landlock_abi=7, notify=notify,
+                                 prepared=prepared)
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:

@@ -5,10 +5,9 @@ default action: an *allowlist* (default EPERM) and a small *denylist* (default a
 few calls that are allowed except for some argument values (the kernel applies the stricter
 verdict of the two). Both are loaded with TSYNC so every thread of the kernel gets them.
 
-libseccomp compiles each filter to a BPF program once per process (a fork server's kernels
-inherit its copies); a kernel loads the raw program with seccomp(2). The allowlist names the
-kernel's pid, so it is compiled for a placeholder pid and each kernel writes its own pid into
-the instructions found to hold the placeholder.
+libseccomp compiles each filter to a BPF program, which a kernel loads with seccomp(2). A fork
+server compiles them once for all its kernels: the allowlist, which names the kernel's pid, for
+a placeholder pid, and each kernel writes its own pid into the instructions found to hold it.
 """
 
 from __future__ import annotations
@@ -398,10 +397,9 @@ def _pid_offsets(first: bytes, second: bytes) -> tuple[int, ...] | None:
     return tuple(offsets) if offsets else None
 
 
-@functools.cache
 def _allowlist_template(allow_network: bool, truncate: bool, notify: bool) -> _Template | None:
-    """The allowlist for these settings with a placeholder pid, compiled once per process;
-    None if the placeholder could not be located exactly (kernels then compile their own)."""
+    """The allowlist for these settings with a placeholder pid; None if the placeholder could not
+    be located exactly (kernels then compile their own)."""
     landlock_abi = _LANDLOCK_TRUNCATE_ABI if truncate else 0
     first, second = (_export(_compile(allowlist_rules(placeholder, allow_network, landlock_abi),
                                       _default_action(notify)))
@@ -414,9 +412,14 @@ def _allowlist_template(allow_network: bool, truncate: bool, notify: bool) -> _T
     return _Template(first, offsets, floor)
 
 
+# The templates precompile() made, by (allow_network, truncate, notify). Only a process that
+# forks kernels makes them: for a single kernel, two compiles would cost more than its own one.
+_templates: dict[tuple[bool, bool, bool], _Template | None] = {}
+
+
 def _allowlist(pid: int, allow_network: bool, landlock_abi: int, notify: bool) -> bytes:
     """The allowlist program for this pid: the template with the pid written in, or compiled."""
-    template = _allowlist_template(allow_network, landlock_abi >= _LANDLOCK_TRUNCATE_ABI, notify)
+    template = _templates.get((allow_network, landlock_abi >= _LANDLOCK_TRUNCATE_ABI, notify))
     if template is not None and pid > template.floor:
         return template.for_pid(pid)
     rules = allowlist_rules(pid, allow_network, landlock_abi)
@@ -433,7 +436,9 @@ def precompile() -> None:
         _denylist(allow_network)
         for truncate in (False, True):
             for notify in (False, True):
-                _allowlist_template(allow_network, truncate, notify)
+                settings = (allow_network, truncate, notify)
+                if settings not in _templates:
+                    _templates[settings] = _allowlist_template(*settings)
     _tsync_flags()
 
 
