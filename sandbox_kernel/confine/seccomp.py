@@ -314,8 +314,8 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
 
 def _export(compiled: Any) -> bytes:
     """The BPF program libseccomp would load for a compiled filter."""
-    # Through a pipe: pods refuse memfd_create, and Landlock may already confine a kernel that
-    # builds its programs lazily. The write end does not block, so a program larger than the
+    # Through a pipe: pods refuse memfd_create, and a kernel started on its own compiles under
+    # Landlock, which may refuse a file. The write end does not block, so a program larger than the
     # pipe (a loadable one is at most 32 KiB, a pipe holds 64 KiB unless the user's pipe quota
     # is spent) is cut short, which libseccomp does not notice, instead of hanging: a pipe that
     # came back full is refused.
