@@ -4,14 +4,21 @@ Two filters are stacked, because libseccomp refuses a rule whose action equals t
 default action: an *allowlist* (default EPERM) and a small *denylist* (default allow) for the
 few calls that are allowed except for some argument values (the kernel applies the stricter
 verdict of the two). Both are loaded with TSYNC so every thread of the kernel gets them.
+
+libseccomp compiles each filter to a BPF program, which a kernel loads with seccomp(2). A fork
+server compiles them once for all its kernels: the allowlist, which names the kernel's pid, for
+a placeholder pid, and each kernel writes its own pid into the instructions found to hold it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import functools
 import os
 import socket
+import struct
 import termios
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -292,6 +299,8 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
     flt = _sc.SyscallFilter(default)
     # Foreign architectures (i386 via int 0x80) and the x32 ABI kill the whole process.
     flt.set_attr(_sc.Attr.ACT_BADARCH, _sc.KILL_PROCESS)
+    # _load loads the exported program with these, as libseccomp's own load would; setting them
+    # still makes libseccomp check that this Linux has TSYNC (and TSYNC_ESRCH to notify).
     flt.set_attr(_sc.Attr.CTL_TSYNC, 1)
     flt.set_attr(_sc.Attr.CTL_NNP, 1)
     for rule in rules:
@@ -303,28 +312,203 @@ def _compile(rules: Iterable[Rule], default: int) -> Any:
     return flt
 
 
+def _export(compiled: Any) -> bytes:
+    """The BPF program libseccomp would load for a compiled filter."""
+    # Through a pipe: pods refuse memfd_create, and a kernel started on its own compiles under
+    # Landlock, which may refuse a file. The write end does not block, so a program larger than the
+    # pipe (a loadable one is at most 32 KiB, a pipe holds 64 KiB unless the user's pipe quota
+    # is spent) is cut short, which libseccomp does not notice, instead of hanging: a pipe that
+    # came back full is refused.
+    read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    with open(read_end, "rb", buffering=0) as source:
+        with open(write_end, "wb", buffering=0) as sink:
+            capacity = fcntl.fcntl(sink, fcntl.F_GETPIPE_SZ)
+            compiled.export_bpf(sink)
+        program = source.read(capacity) or b""  # all of it: nothing more can be written
+    if not program or len(program) >= capacity or len(program) % _INSTRUCTION.size:
+        raise SeccompError(f"libseccomp exported a BPF program of {len(program)} bytes "
+                           f"through a pipe of {capacity}")
+    return program
+
+
+def _default_action(notify: bool) -> int:
+    assert _sc is not None
+    return _sc.NOTIFY if notify else _sc.ERRNO(errno.EPERM)
+
+
 @functools.cache
-def _denylist(allow_network: bool) -> Any:
-    """The denylist, compiled once per process (it names no process): a fork server's
+def _denylist(allow_network: bool) -> bytes:
+    """The denylist program, compiled once per process (it names no process): a fork server's
     kernels load the server's copy."""
     assert _sc is not None
-    return _compile(denylist_rules(allow_network), _sc.ALLOW)
+    return _export(_compile(denylist_rules(allow_network), _sc.ALLOW))
+
+
+# struct sock_filter (linux/filter.h): code, jt, jf, k. A pid is compared by a
+# BPF_JMP | BPF_JEQ | BPF_K instruction, in its k.
+_INSTRUCTION = struct.Struct("=HBBI")
+_K_OFFSET = 4
+_JEQ_K = 0x15
+# Two values no process can have as its pid (pid_max is at most 2**22) that stand for the
+# kernel's pid while the allowlist is compiled once for all kernels.
+_PLACEHOLDERS = (0x5EC0_1D00, 0x2BAD_F00D)
+
+
+@dataclass(frozen=True)
+class _Template:
+    """The allowlist compiled for a placeholder pid, and where that pid sits in the program."""
+
+    program: bytes
+    pid_offsets: tuple[int, ...]  # byte offsets of the k fields that hold the pid
+    # libseccomp sorts the values one argument is compared with and merges equal ones, so only
+    # a pid above every other value compared where the pid is compiles like the placeholders.
+    floor: int
+
+    def for_pid(self, pid: int) -> bytes:
+        program = bytearray(self.program)
+        for offset in self.pid_offsets:
+            struct.pack_into("=I", program, offset, pid)
+        return bytes(program)
+
+
+def _compared_with_pid(rules: list[Rule], pid: int) -> set[int]:
+    """The other values the rules compare with an argument that is also compared with pid."""
+    places = {(rule.syscall, arg) for rule in rules for arg, _, value in rule.args if value == pid}
+    return {value for rule in rules for arg, _, value in rule.args
+            if (rule.syscall, arg) in places and value != pid}
+
+
+def _pid_offsets(first: bytes, second: bytes) -> tuple[int, ...] | None:
+    """Where the two placeholders sit in programs compiled for each, if they sit only there.
+
+    Verified, not assumed: the programs differ in exactly the instructions that compare with
+    the placeholder, each is the same comparison in both, and neither placeholder occurs
+    anywhere else. Otherwise None: the pid cannot be patched in.
+    """
+    if len(first) != len(second):
+        return None
+    offsets = []
+    pairs = zip(_INSTRUCTION.iter_unpack(first), _INSTRUCTION.iter_unpack(second), strict=True)
+    for index, (one, other) in enumerate(pairs):
+        if (one[3], other[3]) == _PLACEHOLDERS and one[:3] == other[:3] and one[0] == _JEQ_K:
+            offsets.append(index * _INSTRUCTION.size + _K_OFFSET)
+        elif one != other or one[3] in _PLACEHOLDERS or other[3] in _PLACEHOLDERS:
+            return None
+    return tuple(offsets) if offsets else None
+
+
+def _allowlist_template(allow_network: bool, truncate: bool, notify: bool) -> _Template | None:
+    """The allowlist for these settings with a placeholder pid; None if the placeholder could not
+    be located exactly (kernels then compile their own)."""
+    landlock_abi = _LANDLOCK_TRUNCATE_ABI if truncate else 0
+    first, second = (_export(_compile(allowlist_rules(placeholder, allow_network, landlock_abi),
+                                      _default_action(notify)))
+                     for placeholder in _PLACEHOLDERS)
+    offsets = _pid_offsets(first, second)
+    rules = allowlist_rules(_PLACEHOLDERS[0], allow_network, landlock_abi)
+    floor = max(_compared_with_pid(rules, _PLACEHOLDERS[0]), default=0)
+    if offsets is None or min(_PLACEHOLDERS) <= floor:
+        return None
+    return _Template(first, offsets, floor)
+
+
+# The templates precompile() made, by (allow_network, truncate, notify). Only a process that
+# forks kernels makes them: for a single kernel, two compiles would cost more than its own one.
+_templates: dict[tuple[bool, bool, bool], _Template | None] = {}
+
+
+def _allowlist(pid: int, allow_network: bool, landlock_abi: int, notify: bool) -> bytes:
+    """The allowlist program for this pid: the template with the pid written in, or compiled."""
+    template = _templates.get((allow_network, landlock_abi >= _LANDLOCK_TRUNCATE_ABI, notify))
+    if template is not None and pid > template.floor:
+        return template.for_pid(pid)
+    rules = allowlist_rules(pid, allow_network, landlock_abi)
+    return _export(_compile(rules, _default_action(notify)))
 
 
 def precompile() -> None:
-    """Compile, before a fork server forks, what every kernel would otherwise compile again.
-
-    The denylists (both network settings) are kept for the children to load. The allowlist
-    names the kernel's own pid, so each kernel compiles its own; compiling one here anyway
-    makes libseccomp's bindings, looked up on their first use, the server's and not a cost of
-    every kernel. Nothing is loaded here: the server itself stays unfiltered.
-    """
+    """Compile, before a fork server forks, what every kernel would otherwise compile again:
+    both denylists and the allowlist's templates for every setting. Nothing is loaded here:
+    the server itself stays unfiltered."""
     if available() is not None:
         return
-    assert _sc is not None
     for allow_network in (False, True):
         _denylist(allow_network)
-    _compile(allowlist_rules(os.getpid(), False), _sc.NOTIFY)
+        for truncate in (False, True):
+            for notify in (False, True):
+                settings = (allow_network, truncate, notify)
+                if settings not in _templates:
+                    _templates[settings] = _allowlist_template(*settings)
+    _tsync_flags()
+
+
+# seccomp(2) and prctl(2) (linux/seccomp.h, linux/prctl.h).
+_SECCOMP_SET_MODE_FILTER = 1
+_FLAG_TSYNC = 1
+_FLAG_NEW_LISTENER = 1 << 3
+_FLAG_TSYNC_ESRCH = 1 << 4
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _seccomp(flags: int, program: Any) -> int:
+    """seccomp(SECCOMP_SET_MODE_FILTER, flags, program); OSError when it fails."""
+    assert _sc is not None
+    number = _sc.resolve_syscall(_sc.Arch.NATIVE, "seccomp")
+    result = _libc().syscall(ctypes.c_long(number), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+                             ctypes.c_long(flags), program)
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(result)
+
+
+@functools.cache
+def _tsync_flags() -> int:
+    """TSYNC, with TSYNC_ESRCH where this Linux has it, as libseccomp chooses them.
+
+    TSYNC_ESRCH makes a failed synchronisation an ESRCH error instead of a thread id, which is
+    what lets TSYNC and the notification listener (whose fd is the result) go together.
+    """
+    try:  # a NULL program: EFAULT if the flags are understood, EINVAL if not
+        _seccomp(_FLAG_TSYNC | _FLAG_TSYNC_ESRCH, None)
+    except OSError as exc:
+        if exc.errno == errno.EFAULT:
+            return _FLAG_TSYNC | _FLAG_TSYNC_ESRCH
+    return _FLAG_TSYNC
+
+
+def _load(program: bytes, listener: bool) -> int | None:
+    """Load a BPF program into every thread as libseccomp's load would; the listener's fd if
+    asked for one."""
+    # Without CAP_SYS_ADMIN, seccomp() requires no_new_privs; libseccomp sets it before each load.
+    no_new_privs = (ctypes.c_ulong(value) for value in (1, 0, 0, 0))
+    if _libc().prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), *no_new_privs) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(code)}")
+    flags = _tsync_flags()
+    if listener:
+        if not flags & _FLAG_TSYNC_ESRCH:  # the kernel refuses TSYNC with a listener without it
+            raise SeccompError("recording denials with every thread filtered needs Linux 5.7")
+        flags |= _FLAG_NEW_LISTENER
+    instructions = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // _INSTRUCTION.size, ctypes.addressof(instructions))
+    result = _seccomp(flags, ctypes.byref(fprog))
+    if listener:
+        return result
+    if result:  # without TSYNC_ESRCH, a thread that could not be synchronised is named
+        raise OSError(errno.ESRCH, f"thread {result} could not receive the filter")
+    return None
 
 
 def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,
@@ -338,30 +522,18 @@ def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,
     reason = available()
     if reason:
         raise SeccompError(reason)
-    assert _sc is not None
-    default = _sc.NOTIFY if notify else _sc.ERRNO(errno.EPERM)
     try:
+        denylist = _denylist(allow_network)
+        allowlist = _allowlist(pid, allow_network, landlock_abi, notify)
         # The denylist goes first: once the allowlist is in, seccomp() itself is refused.
-        _denylist(allow_network).load()
-        allowlist = _compile(allowlist_rules(pid, allow_network, landlock_abi), default)
-        allowlist.load()
+        _load(denylist, listener=False)
+        listener = _load(allowlist, listener=notify)
     except OSError as exc:
         raise SeccompError(f"loading the seccomp filter failed: {exc}") from exc
-    listener = _notify_fd(allowlist) if notify else None
     unfiltered = [tid for tid, mode in thread_modes().items() if mode != 2]
     if unfiltered:
         raise SeccompError(f"threads {unfiltered} did not receive the seccomp filter")
     return listener
-
-
-def _notify_fd(loaded: Any) -> int:
-    """The listener fd libseccomp created when it loaded a filter that notifies."""
-    seccomp_notify_fd = _sc._libseccomp.seccomp_notify_fd  # type: ignore[union-attr]
-    fd = int(seccomp_notify_fd(loaded._filter))
-    if fd < 0:
-        raise SeccompError(f"libseccomp gave no notification fd ({os.strerror(-fd)}): "
-                           "recording denials needs Linux 5.0 and libseccomp 2.5")
-    return fd
 
 
 def thread_modes() -> dict[int, int]:
