@@ -54,3 +54,15 @@ def test_a_bad_option_is_refused_as_before():
     for prebuilt in (False, True):
         with pytest.raises(SystemExit):
             _parsed(["--memory-limit"], prebuilt=prebuilt)
+
+
+def test_the_prebuilt_class_list_is_the_one_traitlets_makes():
+    SandboxKernelApp._prebuilt_parser = None
+    fresh = list(SandboxKernelApp()._classes_with_config_traits())
+    SandboxKernelApp.prebuild_parser()
+    try:
+        assert list(SandboxKernelApp()._classes_with_config_traits()) == fresh
+        some = [SandboxKernelApp.classes[0]]  # a given list is never the prebuilt one
+        assert list(SandboxKernelApp()._classes_with_config_traits(some)) != fresh
+    finally:
+        SandboxKernelApp._prebuilt_parser = None
