@@ -281,8 +281,10 @@ def denylist_rules(allow_network: bool = False) -> list[Rule]:
     return rules
 
 
+@functools.cache
 def available() -> str | None:
-    """None when seccomp can be used here; otherwise why not."""
+    """None when seccomp can be used here; otherwise why not (a fact of the running Linux
+    and libseccomp: found out once per process, by a fork server for all its kernels)."""
     if _sc is None:
         return (f"libseccomp is not usable ({_IMPORT_ERROR}); install the system package "
                 "libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2)")
