@@ -79,3 +79,14 @@ def test_quick_run_draws_the_chart(quick_run):
     _done, out = quick_run
     png = (out / "latest.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+
+
+def test_stage_timings_cover_a_fork_served_start():
+    done = subprocess.run([sys.executable, "-I", "-m", "bench.stages", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()[1:]}
+    for stage in ("fork", "initialize", "init_kernel", "init_sockets", "parse_command_line",
+                  "seccomp.install", "prepare"):
+        assert stage in rows, done.stdout
+    assert float(rows["fork"][-1]) > 0  # "fork to ready": minor faults counted

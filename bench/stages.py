@@ -1,0 +1,136 @@
+"""Where a fork-served kernel's start goes, stage by stage: wall, CPU and page faults.
+
+Usage: python -I -m bench.stages [KERNELS]. A fork server (in this process, no socket) prepares
+as it always does; each of KERNELS forked children (default 15) runs `become_kernel` with a
+connection file of its own, times each step of the application's `initialize()` (wrapped, no
+profiler: its overhead would distort the copy-on-write picture), and exits before serving.
+Medians are printed; nested stages overlap (init_sockets contains init_confinement, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # bench's modules must not shadow anything the kernel imports
+
+from jupyter_client.connect import write_connection_file
+
+import sandbox_kernel.app
+from sandbox_kernel.confine import environment, privileges, seccomp
+from sandbox_kernel.launch.forkserver import Server
+
+MARKER = "BENCH-STAGE "
+APP_STEPS = ("parse_command_line", "init_connection_file", "init_profile_dir",
+             "load_config_file", "init_sockets", "init_confinement", "init_identity",
+             "init_landlock", "init_iopub", "init_control", "init_heartbeat", "init_io",
+             "init_kernel", "init_seccomp")
+Sample = tuple[float, float, int]  # wall seconds, CPU seconds, minor faults
+
+STAGES: dict[str, Sample] = {}
+
+
+def _now() -> Sample:
+    return (time.perf_counter(), time.process_time(),
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
+def _since(start: Sample) -> Sample:
+    wall, cpu, faults = _now()
+    return wall - start[0], cpu - start[1], faults - start[2]
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    """Replace owner.name with a wrapper that adds its cost to STAGES[label]."""
+    original: Callable[..., Any] = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = _now()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent = _since(start)
+            before = STAGES.get(label, (0.0, 0.0, 0))
+            STAGES[label] = (before[0] + spent[0], before[1] + spent[1], before[2] + spent[2])
+
+    setattr(owner, name, timed)
+
+
+def _instrument() -> None:
+    app_class = sandbox_kernel.app.SandboxKernelApp
+    for name in APP_STEPS:
+        _timed(app_class, name, name)
+    _timed(environment, "prepare", "prepare (scratch, reaper)")
+    _timed(seccomp, "install", "seccomp.install")
+    _timed(privileges, "switch", "privileges.switch")
+
+
+def _measured_main(argv: list[str] | None = None) -> None:
+    """In the child, instead of app.main: initialize, report over the log pipe, exit."""
+    log = os.dup(2)  # the pipe to the reaper, before ipykernel puts a capture pipe on fd 2
+    start = _now()
+    sandbox_kernel.app.SandboxKernelApp.instance().initialize(argv)
+    STAGES["initialize (all)"] = _since(start)
+    STAGES["fork to ready"] = _since(FORKED)
+    with os.fdopen(log, "wb") as stream:  # one short line each: the reaper relays lines
+        for label, sample in STAGES.items():
+            stream.write(f"\n{MARKER}{json.dumps([label, sample])}\n".encode())
+    os._exit(0)
+
+
+FORKED: Sample = (0.0, 0.0, 0)
+
+
+def _one_kernel(server: Server, directory: str, number: int) -> dict[str, Sample]:
+    global FORKED
+    connection, _ = write_connection_file(os.path.join(directory, f"kernel-{number}.json"),
+                                          ip="127.0.0.1", key=b"bench")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        FORKED = _now()
+        os.close(read_end)
+        server.become_kernel(["-f", connection], {}, [0, 1, write_end])  # the pipe as stderr
+    os.close(write_end)
+    chunks = []
+    while chunk := os.read(read_end, 1 << 16):
+        chunks.append(chunk)
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    found = {}
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        if MARKER in line:  # the relay may put a prefix before it
+            label, sample = json.loads(line.split(MARKER, 1)[1])
+            found[label] = tuple(sample)
+    return found
+
+
+def run(kernels: int) -> None:
+    directory = tempfile.mkdtemp()
+    server = Server(os.path.join(directory, "server.sock"))
+    server.prepare()
+    server.bind()
+    _instrument()
+    sandbox_kernel.app.main = _measured_main
+    runs = [_one_kernel(server, directory, number) for number in range(kernels)]
+    runs = [found for found in runs if found]
+    if not runs:
+        sys.exit("no kernel reported its stages")
+    print(f"median of {len(runs)} fork-served kernels: wall ms, CPU ms, minor page faults")
+    labels = sorted(runs[0], key=lambda label: -runs[0][label][1])
+    for label in labels:
+        wall, cpu, faults = (statistics.median(found[label][i] for found in runs if label in found)
+                             for i in range(3))
+        print(f"{label:28s} {wall * 1000:7.2f} {cpu * 1000:7.2f} {faults:7.0f}")
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]) if len(sys.argv) > 1 else 15)
