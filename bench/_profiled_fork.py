@@ -13,6 +13,7 @@ import pstats
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # bench's modules must not shadow anything the kernel imports
@@ -54,30 +55,40 @@ def _profiled_main(argv: list[str] | None = None) -> None:
     os._exit(0)
 
 
-def run() -> None:
-    """Fork one profiled kernel and print its profile."""
-    directory = tempfile.mkdtemp()
-    server = Server(os.path.join(directory, "server.sock"))
-    server.prepare()
-    server.bind()
-    connection, _ = write_connection_file(os.path.join(directory, "kernel.json"),
+def marked_lines(server: Server, directory: str, name: str, marker: str,
+                 in_child: Callable[[], None] = lambda: None) -> list[str]:
+    """Fork one kernel from server (its stderr a pipe to us) and return, once it has exited,
+    what follows the marker on each line it wrote (the reaper relays whole lines)."""
+    connection, _ = write_connection_file(os.path.join(directory, f"{name}.json"),
                                           ip="127.0.0.1", key=b"bench")
     read_end, write_end = os.pipe()
-    sandbox_kernel.app.main = _profiled_main
     pid = os.fork()
     if pid == 0:
+        in_child()
         os.close(read_end)
         server.become_kernel(["-f", connection], {}, [0, 1, write_end])  # the pipe as stderr
     os.close(write_end)
     chunks = []
     while chunk := os.read(read_end, 1 << 16):
         chunks.append(chunk)
+    os.close(read_end)
     os.waitpid(pid, 0)
+    text = b"".join(chunks).decode(errors="replace")
+    # The relay may put a prefix before the marker.
+    return [line.split(marker, 1)[1] for line in text.splitlines() if marker in line]
+
+
+def run() -> None:
+    """Fork one profiled kernel and print its profile."""
+    directory = tempfile.mkdtemp()
+    server = Server(os.path.join(directory, "server.sock"))
+    server.prepare()
+    server.bind()
+    sandbox_kernel.app.main = _profiled_main
     pieces = {}
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
-        if MARKER in line:  # the relay may put a prefix before it
-            number, total, piece = line.split(MARKER, 1)[1].split(" ", 2)
-            pieces[int(number)] = piece
+    for line in marked_lines(server, directory, "kernel", MARKER):
+        number, total, piece = line.split(" ", 2)
+        pieces[int(number)] = piece
     if pieces and len(pieces) == int(total):
         print("".join(pieces[number] for number in range(len(pieces))))
 

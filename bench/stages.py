@@ -22,9 +22,8 @@ from typing import Any
 if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # bench's modules must not shadow anything the kernel imports
 
-from jupyter_client.connect import write_connection_file
-
 import sandbox_kernel.app
+from bench._profiled_fork import marked_lines
 from sandbox_kernel.confine import environment, privileges, seccomp
 from sandbox_kernel.launch.forkserver import Server
 
@@ -89,27 +88,16 @@ def _measured_main(argv: list[str] | None = None) -> None:
 FORKED: Sample = (0.0, 0.0, 0)
 
 
-def _one_kernel(server: Server, directory: str, number: int) -> dict[str, Sample]:
+def _mark_fork() -> None:
     global FORKED
-    connection, _ = write_connection_file(os.path.join(directory, f"kernel-{number}.json"),
-                                          ip="127.0.0.1", key=b"bench")
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        FORKED = _now()
-        os.close(read_end)
-        server.become_kernel(["-f", connection], {}, [0, 1, write_end])  # the pipe as stderr
-    os.close(write_end)
-    chunks = []
-    while chunk := os.read(read_end, 1 << 16):
-        chunks.append(chunk)
-    os.close(read_end)
-    os.waitpid(pid, 0)
+    FORKED = _now()
+
+
+def _one_kernel(server: Server, directory: str, number: int) -> dict[str, Sample]:
     found = {}
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
-        if MARKER in line:  # the relay may put a prefix before it
-            label, sample = json.loads(line.split(MARKER, 1)[1])
-            found[label] = tuple(sample)
+    for line in marked_lines(server, directory, f"kernel-{number}", MARKER, _mark_fork):
+        label, sample = json.loads(line)
+        found[label] = tuple(sample)
     return found
 
 
