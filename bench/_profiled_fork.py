@@ -20,7 +20,7 @@ if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
 
 from jupyter_client.connect import write_connection_file
 
-import sandbox_kernel.app
+import sandbox_kernel.kernel.app
 from sandbox_kernel.launch.forkserver import Server
 
 _MIN_SECONDS = 0.0001
@@ -35,7 +35,7 @@ def _profiled_main(argv: list[str] | None = None) -> None:
     log = os.dup(2)  # the pipe to the reaper, before ipykernel puts a capture pipe on fd 2
     started = time.perf_counter()
     profile = cProfile.Profile()
-    app = sandbox_kernel.app.SandboxKernelApp.instance()
+    app = sandbox_kernel.kernel.app.SandboxKernelApp.instance()
     profile.enable()
     app.initialize(argv)
     profile.disable()
@@ -84,7 +84,7 @@ def run() -> None:
     server = Server(os.path.join(directory, "server.sock"))
     server.prepare()
     server.bind()
-    sandbox_kernel.app.main = _profiled_main
+    sandbox_kernel.kernel.app.main = _profiled_main
     pieces = {}
     for line in marked_lines(server, directory, "kernel", MARKER):
         number, total, piece = line.split(" ", 2)

@@ -24,7 +24,8 @@ from bench.kernels import PLAIN, SANDBOX, Kernel, kernel_argv
 WRAPPER = Path(__file__).with_name("_profiled_kernel.py")
 MARKER = "BENCH-PROFILE "
 SANDBOX_CODE = ("/sandbox_kernel/", "pyseccomp")  # where the sandbox's own start-up work lives
-APP_STEPS = ("ipykernel/kernelapp.py", "sandbox_kernel/app.py")  # where the init_* steps live
+# where the init_* steps live
+APP_STEPS = ("ipykernel/kernelapp.py", "sandbox_kernel/kernel/app.py")
 STDLIB = sysconfig.get_paths()["stdlib"]
 IMPORTTIME_HEADER = "self [us]"  # each interpreter image starts its importtime output with it
 SYSCALLS = 1_000_000
@@ -381,7 +382,7 @@ FORK_WRAPPER = Path(__file__).with_name("_profiled_fork.py")
 # the shell, traitlets singletons, sockets and threads that must be the kernel's own).
 FORK_STEPS = ("IPython/core/interactiveshell.py", "ipykernel/ipkernel.py", "ipykernel/zmqshell.py",
               "IPython/core/history.py", "traitlets/config/application.py",
-              "sandbox_kernel/confine/", "sandbox_kernel/app.py", "ipykernel/kernelapp.py")
+              "sandbox_kernel/confine/", "sandbox_kernel/kernel/app.py", "ipykernel/kernelapp.py")
 
 
 def explain_fork(cpu_seconds: float) -> list[str]:

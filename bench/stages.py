@@ -22,7 +22,7 @@ from typing import Any
 if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # bench's modules must not shadow anything the kernel imports
 
-import sandbox_kernel.app
+import sandbox_kernel.kernel.app
 from bench._profiled_fork import marked_lines
 from sandbox_kernel.confine import environment, privileges, seccomp
 from sandbox_kernel.launch.forkserver import Server
@@ -64,7 +64,7 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 
 def _instrument() -> None:
-    app_class = sandbox_kernel.app.SandboxKernelApp
+    app_class = sandbox_kernel.kernel.app.SandboxKernelApp
     for name in APP_STEPS:
         _timed(app_class, name, name)
     _timed(environment, "prepare", "prepare (scratch, reaper)")
@@ -76,7 +76,7 @@ def _measured_main(argv: list[str] | None = None) -> None:
     """In the child, instead of app.main: initialize, report over the log pipe, exit."""
     log = os.dup(2)  # the pipe to the reaper, before ipykernel puts a capture pipe on fd 2
     start = _now()
-    sandbox_kernel.app.SandboxKernelApp.instance().initialize(argv)
+    sandbox_kernel.kernel.app.SandboxKernelApp.instance().initialize(argv)
     STAGES["initialize (all)"] = _since(start)
     STAGES["fork to ready"] = _since(FORKED)
     with os.fdopen(log, "wb") as stream:  # one short line each: the reaper relays lines
@@ -107,7 +107,7 @@ def run(kernels: int) -> None:
     server.prepare()
     server.bind()
     _instrument()
-    sandbox_kernel.app.main = _measured_main
+    sandbox_kernel.kernel.app.main = _measured_main
     runs = [_one_kernel(server, directory, number) for number in range(kernels)]
     runs = [found for found in runs if found]
     if not runs:

@@ -15,6 +15,6 @@ if __name__ == "__main__":
     # The sandbox refuses the debugger (debugpy's adapter is a subprocess), yet ipykernel
     # imports debugpy at start (60-125 ms). None tells ipykernel, and user code, it is absent.
     sys.modules["debugpy"] = None  # type: ignore[assignment]
-    from sandbox_kernel.app import main
+    from sandbox_kernel.kernel.app import main
 
     main()

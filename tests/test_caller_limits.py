@@ -79,7 +79,8 @@ def test_a_chattering_kernel_cannot_hold_off_the_deadline(capped):
 
 @pytest.mark.parametrize("bypass", [
     "import sys\nsys.stdout.write_uncapped('x' * 50_000)\nsys.stdout.flush()",
-    "from sandbox_kernel.output import BUDGET\nBUDGET.limit = 0\nprint('x' * 50_000, end='')",
+    "from sandbox_kernel.kernel.output import BUDGET\n"
+    "BUDGET.limit = 0\nprint('x' * 50_000, end='')",
     SEND + "_send('stream', {'name': 'stdout', 'text': 'x' * 50_000})",
 ])
 def test_output_past_the_cap_is_cut_by_the_caller(capped, bypass):
@@ -229,7 +230,7 @@ def _watched_subscriber(max_message):
     connected to it, with the SUB's connection events."""
     import zmq
 
-    from sandbox_kernel.receive import Refusals, watch_connection
+    from sandbox_kernel.client.receive import Refusals, watch_connection
 
     kernel = subprocess.Popen([sys.executable, "-c", PUBLISHER], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

@@ -11,7 +11,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
 from sandbox_kernel.install import install
-from sandbox_kernel.kernel import DEBUGGER_REFUSED
+from sandbox_kernel.kernel.kernel import DEBUGGER_REFUSED
 from sandbox_kernel.policy import SandboxPolicy
 
 TIMEOUT = 30

@@ -80,7 +80,7 @@ def sandbox_frames(traceback):
     """Traceback lines that show the sandbox's or a library's insides."""
     return [line for line in traceback if any(
         inside in line for inside in ("denials.py", "deadline.py", "subprocess.py", "pexpect",
-                                      "site-packages", "ipykernel", "entrypoint.py"))]
+                                      "site-packages", "ipykernel", "main_call.py"))]
 
 
 @pytest.mark.parametrize("call", [

@@ -100,7 +100,8 @@ WITHOUT_ORJSON = HIDE + "\n" + textwrap.dedent("""
     run_module = "import runpy; runpy.run_module('sandbox_kernel', run_name='__main__')"
     spec["argv"][1:4] = ["-I", "-c", KERNEL_HIDE + "; " + run_module]
     sandbox = client.Sandbox(None)
-    sandbox.manager.kernel_spec_manager.spec = client.KernelSpec(**spec)
+    from jupyter_client.kernelspec import KernelSpec
+    sandbox.manager.kernel_spec_manager.spec = KernelSpec(**spec)
     with sandbox:
         hidden = sandbox.run("import sys\\nprint(sys.modules.get('orjson', 'absent'))")
         big = sandbox.run(BIG, inputs={"x": 2**70})

@@ -8,7 +8,7 @@ compare everything parsing leaves on the application.
 import pytest
 from traitlets.config import Config
 
-from sandbox_kernel.app import SandboxKernelApp
+from sandbox_kernel.kernel.app import SandboxKernelApp
 
 COMMAND_LINES = [
     ["-f", "/tmp/kernel-1.json", "--IPKernelApp.parent_handle=1"],

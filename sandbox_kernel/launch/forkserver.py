@@ -45,7 +45,7 @@ from typing import IO, Any
 # Imported by a kernel only once it runs (ipykernel's lazy imports, recorded from a started
 # kernel's sys.modules); importing them in the server makes them free in every child.
 KERNEL_IMPORTS = (
-    "sandbox_kernel.app", "ipykernel.ipkernel", "ipykernel.zmqshell", "ipykernel.comm",
+    "sandbox_kernel.kernel.app", "ipykernel.ipkernel", "ipykernel.zmqshell", "ipykernel.comm",
     "ipykernel.comm.manager", "ipykernel.heartbeat", "ipykernel.iostream",
     "ipykernel.control", "ipykernel.shellchannel", "ipykernel.subshell_manager",
     "ipykernel.eventloops", "ipykernel.displayhook", "ipykernel.jsonutil",
@@ -169,8 +169,8 @@ class Server:
                     raise ForkServerError(f"cannot preload {name}: {exc}") from exc
         # Policy-independent work every kernel would repeat: done once here, after the imports
         # (a preloaded module may extend sys.path).
-        from sandbox_kernel.app import SandboxKernelApp
         from sandbox_kernel.confine import paths, privileges, seccomp
+        from sandbox_kernel.kernel.app import SandboxKernelApp
 
         paths.interpreter_paths()
         privileges.prepare()
@@ -314,8 +314,8 @@ class Server:
             self.close_in_child()
             for target, fd in enumerate(stdio):
                 os.dup2(fd, target)
-            from sandbox_kernel.app import main
             from sandbox_kernel.confine.environment import prepare
+            from sandbox_kernel.kernel.app import main
 
             kernel_env = prepare(argv, env)  # closes the remaining server descriptors
             os.environ.clear()

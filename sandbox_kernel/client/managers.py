@@ -89,7 +89,7 @@ class AsyncSandboxKernelClient(AsyncKernelClient):  # type: ignore[misc]
 class SandboxKernelManager(KernelManager):  # type: ignore[misc]
     """KernelManager whose start and shutdown return as soon as their work is done."""
 
-    client_class = DottedObjectName("sandbox_kernel.manager.SandboxKernelClient")
+    client_class = DottedObjectName("sandbox_kernel.client.managers.SandboxKernelClient")
 
     _async_start_kernel = _without_pause(KernelManager._async_start_kernel)
     _async_shutdown_kernel = _without_pause(KernelManager._async_shutdown_kernel)
@@ -100,7 +100,7 @@ class SandboxKernelManager(KernelManager):  # type: ignore[misc]
 class AsyncSandboxKernelManager(AsyncKernelManager):  # type: ignore[misc]
     """AsyncKernelManager whose start and shutdown return as soon as their work is done."""
 
-    client_class = DottedObjectName("sandbox_kernel.manager.AsyncSandboxKernelClient")
+    client_class = DottedObjectName("sandbox_kernel.client.managers.AsyncSandboxKernelClient")
 
     _async_start_kernel = SandboxKernelManager._async_start_kernel
     _async_shutdown_kernel = SandboxKernelManager._async_shutdown_kernel

@@ -24,10 +24,10 @@ import zmq
 import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
-from . import jsonwire
-from .install import DEFAULT_NAME, kernel_json
-from .manager import AsyncSandboxKernelManager, SandboxKernelManager
-from .policy import SandboxPolicy
+from .. import jsonwire
+from ..install import DEFAULT_NAME, kernel_json
+from ..policy import SandboxPolicy
+from .managers import AsyncSandboxKernelManager, SandboxKernelManager
 from .receive import (
     Budget,
     CallerLimits,

@@ -25,8 +25,8 @@ from typing import Any
 import zmq
 from zmq.utils import monitor
 
-from . import jsonwire
-from .policy import SandboxPolicy
+from .. import jsonwire
+from ..policy import SandboxPolicy
 
 MESSAGE_ROOM = 1 << 20  # a message's envelope: header, text/plain copy or summary, metadata
 # An honest result message is its JSON plus a text/plain copy (only up to 256 KiB, escaped at
@@ -34,7 +34,7 @@ MESSAGE_ROOM = 1 << 20  # a message's envelope: header, text/plain copy or summa
 RESULT_ROOM = 640 * 1024
 SMALL_PART = 64 * 1024  # header, parent header and metadata of every message we use fit in this
 RECEIVE_QUEUE = 8  # messages libzmq may hold for the caller: memory <= this x the largest one
-# The marker a kernel adds once when its own cap cut the output (sandbox_kernel.output).
+# The marker a kernel adds once when its own cap cut the output (sandbox_kernel.kernel.output).
 KERNEL_MARKER = re.compile(r"\n\[sandbox-kernel: output limit of [\d,]+ bytes per execution "
                            r"reached; [\d,]+ more bytes were dropped \(--max-output raises "
                            r"the limit\)\]\n\Z")

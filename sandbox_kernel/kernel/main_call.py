@@ -49,7 +49,7 @@ from typing import Any
 
 from IPython.core.magic import no_var_expand
 
-from . import jsonwire
+from .. import jsonwire
 
 DEFAULT_ENTRYPOINT = "main"
 _ASYNCIO_DIR = os.path.dirname(asyncio.__file__) + os.sep
@@ -359,5 +359,5 @@ def _render_from_user_frames(shell: Any, exc: Exception) -> None:
 
 
 def load_ipython_extension(shell: Any) -> None:
-    """Register `%main` (the kernel does this; `%load_ext sandbox_kernel.entrypoint` elsewhere)."""
+    """Register `%main` (the kernel does; elsewhere `%load_ext sandbox_kernel.kernel.main_call`)."""
     shell.register_magic_function(main_magic, "line", "main")

@@ -26,7 +26,7 @@ from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
 from traitlets.config.loader import KVArgParseConfigLoader
 
-from .confine import (
+from ..confine import (
     audit,
     denials,
     landlock,
@@ -38,9 +38,9 @@ from .confine import (
     scratch,
     seccomp,
 )
-from .confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
-from .policy import SandboxPolicy, app_aliases, app_flags
 
 # ipykernel's IOPub pipe carries output of forked children, which cannot exist in this kernel;
 # Landlock refuses the random port it would bind, and that is fine. Set here, on import, so that
@@ -59,7 +59,7 @@ class SandboxKernelApp(IPKernelApp):
 
     kernel_class = Type(SandboxKernel, klass="ipykernel.kernelbase.Kernel",  # type: ignore[assignment]
                         help="The kernel class to run.").tag(config=True)
-    outstream_class = DottedObjectName("sandbox_kernel.output.CappedOutStream",
+    outstream_class = DottedObjectName("sandbox_kernel.kernel.output.CappedOutStream",
                                        help="The stream class; it enforces the output cap.")
     policy = Instance(SandboxPolicy, help="The effective sandbox policy.")
     layers = DictTrait(help="What each sandbox layer did in this process.")

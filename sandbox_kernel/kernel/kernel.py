@@ -18,11 +18,12 @@ from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
 from traitlets import Dict
 
-from . import __version__, entrypoint, jsonwire
-from .confine import denials
+from .. import __version__, jsonwire
+from ..confine import denials
+from ..policy import SandboxPolicy
+from . import main_call
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
-from .policy import SandboxPolicy
 
 DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
                     "adapter as a subprocess, and the sandbox forbids creating processes")
@@ -68,7 +69,7 @@ class SandboxKernel(IPythonKernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        entrypoint.load_ipython_extension(self.shell)  # the %main magic
+        main_call.load_ipython_extension(self.shell)  # the %main magic
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self._skip_unshown_log_records()
         self.deadline: Deadline | None = None
@@ -115,7 +116,7 @@ class SandboxKernel(IPythonKernel):
                                execution_count: int) -> None:
         # A main() call's caller sent the code itself: echoing it back carries nothing and
         # costs every warm call an IOPub message. Notebook cells are echoed as usual.
-        if entrypoint.request_from(parent.get("metadata")) is None:
+        if main_call.request_from(parent.get("metadata")) is None:
             super()._publish_execute_input(code, parent, execution_count)
 
     def time_limit(self) -> tuple[float, str]:
@@ -141,8 +142,8 @@ class SandboxKernel(IPythonKernel):
         # ipykernel pauses before every reply so that frontends which stop reading output at
         # the reply still get all of it; a main() caller reads IOPub until the kernel is idle,
         # so for it the pause (0.5 ms asked, about 1 ms slept) is only latency.
-        main_call = entrypoint.request_from(self.get_parent().get("metadata")) is not None
-        self._execute_sleep = 0.0 if main_call else self._cell_pause
+        is_main_call = main_call.request_from(self.get_parent().get("metadata")) is not None
+        self._execute_sleep = 0.0 if is_main_call else self._cell_pause
         if _is_warm_up(self.get_parent()) and silent:
             with _no_trace(self.shell):
                 return await self._do_execute(code, silent, False, user_expressions,
@@ -156,12 +157,12 @@ class SandboxKernel(IPythonKernel):
         self.deadline = deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
         BUDGET.reset(self.policy.max_output_bytes)
         try:
-            request = entrypoint.request_from(self.get_parent().get("metadata"))
+            request = main_call.request_from(self.get_parent().get("metadata"))
             run_code = partial(super().do_execute, code, silent, store_history,
                                user_expressions, allow_stdin, **kwargs)
             with deadline.armed():
-                reply = await (run_code() if request is None  # main(): see entrypoint.py
-                               else entrypoint.execute(self, request, run_code,
+                reply = await (run_code() if request is None  # main(): see main_call.py
+                               else main_call.execute(self, request, run_code,
                                                        self.translate_error))
             if deadline.expired and reply.get("ename") == "CancelledError":
                 reply.update(ename="ExecutionTimeout", evalue=str(deadline.error()))

@@ -218,7 +218,7 @@ def test_main_raising_shows_only_the_users_frames(sandbox, code):
     frames = [line.splitlines()[0] for line in ex.error.traceback if line.startswith("Cell In")]
     assert [frame.split(", in ")[1] for frame in frames] == ["main(value)", "check(value)"]
     text = "\n".join(ex.error.traceback)
-    for internal in ("entrypoint.py", "sandbox_kernel", "asyncio", "ipykernel"):
+    for internal in ("main_call.py", "sandbox_kernel", "asyncio", "ipykernel"):
         assert internal not in text
     assert ex.error.traceback[-1] == "ValueError: bad input: -1"
 
@@ -280,7 +280,7 @@ def test_main_magic_shows_only_the_users_frames(sandbox):
     ex = sandbox.run("def main():\n    return {'ratio': 1 / 0}\n%main")
     text = "\n".join(ex.error.traceback)
     assert ex.error.name == "ZeroDivisionError"
-    assert "run_line_magic" not in text and "entrypoint.py" not in text
+    assert "run_line_magic" not in text and "main_call.py" not in text
     frames = [line.splitlines()[0] for line in ex.error.traceback if line.startswith("Cell In")]
     assert len(frames) == 1 and frames[0].endswith(", line 2, in main()")
     assert ex.error.traceback[-1] == "ZeroDivisionError: division by zero"
