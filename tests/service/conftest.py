@@ -30,6 +30,7 @@ def server(tmp_path_factory, keys_file):
 
 @pytest.fixture
 def session(server):
+    """A fresh session of key B, deleted after the test."""
     url = server.url + "/api/v1/sessions"
     created = http.post(url, headers=auth(KEY_B), json={}, timeout=60)
     assert created.status_code == 201, created.text

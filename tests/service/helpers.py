@@ -15,14 +15,12 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-
 DIFY_KEY = "test-dify-key"
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 RUN = "/v1/sandbox/run"
 # Generous: on a loaded 2-core machine a fresh kernel can take seconds to start. Tests that time
 # a response (503 at once) or need a client to give up (disconnects) set their own.
 http = httpx.Client(timeout=60)
-
 
 
 def free_port() -> int:

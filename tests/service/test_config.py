@@ -8,9 +8,7 @@ import sys
 
 import pytest
 
-from .helpers import (
-    free_port,
-)
+from .helpers import free_port
 
 
 def _settings(argv: list[str], environ: dict[str, str]):

@@ -8,13 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .helpers import (
-    DIFY_KEY,
-    KEY_A,
-    RUN,
-    auth,
-    http,
-)
+from .helpers import DIFY_KEY, KEY_A, RUN, auth, http
 from .platform_client import DEFAULT_TEMPLATE, CodeExecutionError, PlatformClient
 
 

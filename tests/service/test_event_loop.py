@@ -9,15 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import (
-    DIFY_KEY,
-    Server,
-    auth,
-    http,
-    httpx,
-    idle_as,
-    sse_events,
-)
+from .helpers import DIFY_KEY, Server, auth, http, httpx, idle_as, sse_events
 from .platform_client import CodeExecutionError, PlatformClient
 
 

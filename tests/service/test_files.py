@@ -6,11 +6,7 @@ import os
 
 import pytest
 
-from .helpers import (
-    KEY_B,
-    auth,
-    http,
-)
+from .helpers import KEY_B, auth, http
 
 
 def test_files_round_trip(server, session):

@@ -13,17 +13,7 @@ import pytest
 
 from sandbox_kernel.launch import forkserver
 
-from .helpers import (
-    DIFY_KEY,
-    RUN,
-    Server,
-    auth,
-    children,
-    fork_served,
-    http,
-    httpx,
-    running,
-)
+from .helpers import DIFY_KEY, RUN, Server, auth, children, fork_served, http, httpx, running
 
 
 @pytest.fixture

@@ -6,13 +6,7 @@ import base64
 
 import pytest
 
-from .helpers import (
-    KEY_A,
-    KEY_B,
-    auth,
-    http,
-    sse_events,
-)
+from .helpers import KEY_A, KEY_B, auth, http, sse_events
 
 # --- the native API ----------------------------------------------------------------------------
 

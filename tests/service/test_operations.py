@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from .helpers import (
-    DIFY_KEY,
-    RUN,
-    http,
-)
+from .helpers import DIFY_KEY, RUN, http
 
 
 def test_openapi_schema_documents_the_native_api(server):

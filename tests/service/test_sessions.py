@@ -7,15 +7,7 @@ import time
 
 import pytest
 
-from .helpers import (
-    KEY_A,
-    KEY_B,
-    auth,
-    http,
-    httpx,
-    idle,
-    running,
-)
+from .helpers import KEY_A, KEY_B, auth, http, httpx, idle, running
 
 
 def test_sessions_keep_state_and_keys_see_only_their_own(server):
