@@ -38,7 +38,7 @@ from ..confine import (
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import READY_VAR, REAPER_VAR, SCRATCH_VAR, ready_pipe
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
 
@@ -67,6 +67,7 @@ class SandboxKernelApp(IPKernelApp):
                            help="The grants, for explaining file errors to the user.")
     launcher_stderr = 2
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
+    ready_pipe: int | None = None  # the launcher's: told when the sockets listen, then closed
     audit_file: int | None = None
     # The command-line parser a fork server built for its kernels (see prebuild_parser).
     _prebuilt_parser: ClassVar[tuple[tuple[Any, ...], dict[str, Any]] | None] = None
@@ -181,6 +182,8 @@ class SandboxKernelApp(IPKernelApp):
         self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
+        self.ready_pipe = ready_pipe(os.environ)
+        os.environ.pop(READY_VAR, None)
         policy = self.policy
         try:
             read_grants = paths.check_grants(policy.read_paths)
@@ -320,11 +323,21 @@ class SandboxKernelApp(IPKernelApp):
         return name.removeprefix("kernel-") or str(os.getpid())
 
     def close_handovers(self) -> None:
-        """Close the channel to the reaper, the audit file and the log dup: user code is next."""
-        for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr):
+        """Close the channel to the reaper, the audit file and the log dup: user code is next.
+
+        The launcher's ready pipe hears first that every socket listens (the heartbeat's too,
+        see init_seccomp): its clients' first connections succeed, instead of waiting out
+        libzmq's 100 ms reconnect interval after connecting to a port not bound yet.
+        """
+        if self.ready_pipe is not None:
+            try:
+                os.write(self.ready_pipe, b"listening\n")
+            except OSError:
+                pass  # the launcher stopped waiting: nothing to tell
+        for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr, self.ready_pipe):
             if fd is not None and fd > 2:
                 os.close(fd)
-        self.reaper_channel = self.audit_file = None
+        self.reaper_channel = self.audit_file = self.ready_pipe = None
         self.launcher_stderr = 2
 
     def wait_for_heartbeat(self, timeout: float = 10.0) -> None:

@@ -259,8 +259,9 @@ class Server:
     def fork(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
         argv, env = list(request["argv"]), dict(request["env"])
         cwd = str(request.get("cwd") or "/")
-        if len(fds) != 3:
-            raise ForkServerError("a request carries exactly three descriptors (stdio)")
+        if len(fds) not in (3, 4):
+            raise ForkServerError("a request carries three descriptors (stdio) and, optionally, "
+                                  "a ready pipe")
         if thread_count() != 1:
             raise ForkServerError("the server is multi-threaded and cannot fork safely")
         pid = os.fork()
@@ -304,7 +305,10 @@ class Server:
 
     def become_kernel(self, argv: list[str], env: dict[str, str], stdio: list[int],
                       cwd: str = "/") -> None:
-        """In the child: exactly what a cold kernel does after its re-exec, then exit."""
+        """In the child: exactly what a cold kernel does after its re-exec, then exit.
+
+        stdio: the kernel's fds 0-2, then optionally the launcher's ready pipe.
+        """
         code = 1
         try:
             os.setsid()  # its own process group, as jupyter_client gives a cold kernel
@@ -312,9 +316,14 @@ class Server:
             # the kernel remembers it to explain a refused relative name (confine/denials.py).
             os.chdir(cwd)
             self.close_in_child()
-            for target, fd in enumerate(stdio):
+            for target, fd in enumerate(stdio[:3]):
                 os.dup2(fd, target)
-            from sandbox_kernel.confine.environment import prepare
+            from sandbox_kernel.confine.environment import READY_VAR, prepare
+
+            # Only the pipe this request brought may be named the ready pipe, never another fd.
+            env.pop(READY_VAR, None)
+            if len(stdio) == 4:
+                env[READY_VAR] = str(stdio[3])
             from sandbox_kernel.kernel.app import main
 
             kernel_env = prepare(argv, env)  # closes the remaining server descriptors
@@ -537,13 +546,15 @@ class ForkServerClient:
         self.socket_path = str(self.directory / f"{self.key}.sock")
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-              stdio: Sequence[int], cwd: str | os.PathLike[str] | None = None) -> ForkedKernel:
+              stdio: Sequence[int], cwd: str | os.PathLike[str] | None = None,
+              ready: int | None = None) -> ForkedKernel:
         """A new kernel running `python -m sandbox_kernel argv` in env, with stdio as its fds,
-        started in cwd (this process's working directory by default)."""
+        started in cwd (this process's working directory by default). ready: the write end of
+        a pipe the kernel writes a line to, and closes, once its sockets listen."""
         request = {"argv": list(argv), "env": dict(env), "cwd": os.path.abspath(cwd or ".")}
         conn = self.connect()
         try:
-            socket.send_fds(conn, [_frame(request)], list(stdio))
+            socket.send_fds(conn, [_frame(request)], [*stdio, *([] if ready is None else [ready])])
             conn.settimeout(self.start_timeout)
             reply, fds = _receive(conn)
             conn.settimeout(None)
