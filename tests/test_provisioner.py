@@ -161,3 +161,23 @@ def test_only_a_pipe_is_taken_for_the_ready_pipe(tmp_path):
         finally:
             os.close(read_end)
             os.close(write_end)
+
+
+def test_a_kernel_whose_port_is_taken_ends_instead_of_hanging(kernelspecs):
+    """Another process holds the shell port: the kernel fails to bind, says why and exits
+    (never through ipykernel's atexit close(), which can wait for ever in context.term()),
+    and start_kernel returns: the ready pipe ends with the kernel."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    manager = KernelManager(kernel_name="sandbox", cache_ports=False)
+    manager.shell_port = taken.getsockname()[1]
+    try:
+        manager.start_kernel()  # returns: the ready pipe ends with the kernel
+        process = manager.provisioner.process
+        assert manager.provisioner.fork_served
+        assert process.wait(timeout=30) == 1
+    finally:
+        taken.close()
+        if manager.has_kernel:
+            manager.shutdown_kernel(now=True)

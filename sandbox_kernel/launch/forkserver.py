@@ -346,7 +346,11 @@ class Server:
             import traceback
 
             traceback.print_exc()
-            code = 1
+            sys.stderr.flush()
+            # Not through atexit: a kernel that failed half-way (e.g. a port another process
+            # took) has sockets open, and ipykernel's atexit close() then waits for them in
+            # context.term() for ever, while its launcher waits for it to answer or end.
+            os._exit(1)
         finally:
             _exit_like_python(code)
 

@@ -4,7 +4,7 @@
 returns a started AsyncSandbox of that network policy that no one has used. `PoolSource` takes
 them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it.
 
-`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, closes them
+`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, kills them
 in the background so a response never waits for a shutdown, and at shutdown closes them all.
 """
 
@@ -163,8 +163,11 @@ class Kernels:
 
     @staticmethod
     async def _close(sandbox: AsyncSandbox) -> None:
+        # Killed, not asked to shut down: whatever it ran has answered or been given up, and
+        # its state goes with it. Its reaper still removes the scratch directory; a graceful
+        # shutdown only cost a control round trip and the kernel's own clean-up, per request.
         try:
-            await sandbox.close()
+            await sandbox.close(now=True)
         except Exception as exc:
             log.warning("closing kernel %s failed: %s", kernel_id(sandbox), exc)
 
