@@ -61,8 +61,9 @@ def with_network(base: SandboxPolicy, network: bool,
 class PoolSource:
     """Kernels from a warm pool per network policy (launch/pool.py), else started on demand.
 
-    When a pool has nothing ready (or pooling is off), the kernel is started here with the
-    pool's own options rather than waiting for its refill, so a burst of runs starts kernels
+    A run takes the pool's kernel when one is ready or already starting unclaimed (it comes
+    sooner than a new one). Otherwise the kernel is started here with the pool's own options
+    rather than waiting behind other runs for the refill, so a burst of runs starts kernels
     side by side.
     """
 
@@ -79,7 +80,7 @@ class PoolSource:
         if network not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
         pool = self.pools.get(network)
-        if pool is not None and pool.ready:
+        if pool is not None and pool.coming:
             return await pool.get()
         sandbox = AsyncSandbox(**self.options[network])
         try:
