@@ -11,7 +11,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-
 DIFY_DEFAULT_KEY = "dify-sandbox"  # dify-sandbox's and Dify's default, known to everyone
 MIN_KEY_LENGTH = 16
 

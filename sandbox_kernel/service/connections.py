@@ -22,6 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+
 class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     """uvicorn's HTTP protocol with a deadline for the first request and a cap on idle ones."""
 
