@@ -20,6 +20,8 @@ import os
 import time
 from typing import Any, Protocol
 
+from .logrelay import TokenBucket
+
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
 # u64 instruction_pointer; u64 args[6]}. struct seccomp_notif_resp: u64 id; s64 val;
 # s32 error; u32 flags. The ioctls are _IOWR('!', 0 / 1, <struct>).
@@ -118,8 +120,6 @@ class Auditor:
 
     def __init__(self, listener: int, audit_file: int | None, log: LineSink,
                  kernel_id: str, uid: int | None) -> None:
-        from .reaper import TokenBucket
-
         self.listener, self.audit_file, self.log = listener, audit_file, log
         self.kernel_id, self.uid = kernel_id, uid
         self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)
