@@ -18,7 +18,9 @@ import fcntl
 import json
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
+
+from .logrelay import LineSink, TokenBucket
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
 # u64 instruction_pointer; u64 args[6]}. struct seccomp_notif_resp: u64 id; s64 val;
@@ -47,12 +49,6 @@ class Response(ctypes.Structure):
 
 
 assert ctypes.sizeof(Notification) == _NOTIF_SIZE and ctypes.sizeof(Response) == _RESP_SIZE
-
-
-class LineSink(Protocol):
-    """Where launcher-log lines go (the reaper's LauncherLog)."""
-
-    def write(self, line: bytes) -> None: ...
 
 
 def receive(listener: int) -> Notification | None:
@@ -118,8 +114,6 @@ class Auditor:
 
     def __init__(self, listener: int, audit_file: int | None, log: LineSink,
                  kernel_id: str, uid: int | None) -> None:
-        from .reaper import TokenBucket
-
         self.listener, self.audit_file, self.log = listener, audit_file, log
         self.kernel_id, self.uid = kernel_id, uid
         self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import limits, paths, view
+from .errors import ConfinementError
 
 NOBODY = 65534
 DEFAULT_UID_RANGE = "200000-265535"
@@ -40,8 +41,10 @@ _CAP_VERSION_3 = 0x20080522
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
 
 
-class PrivilegeError(RuntimeError):
+class PrivilegeError(ConfinementError):
     """The requested user cannot be switched to or cannot run the kernel."""
+
+    layer = "privileges"  # no flag waives it: each reason names the --run-as that works
 
 
 def resolve(run_as: str) -> tuple[int, int]:

@@ -10,13 +10,16 @@ import tempfile
 from pathlib import Path
 
 from . import view
+from .errors import ConfinementError
 
 DEFAULT_SCRATCH_SIZE = 2**30
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
 
 
-class ScratchError(RuntimeError):
+class ScratchError(ConfinementError):
     """The scratch directory is missing, foreign or unsafe."""
+
+    layer = "scratch"  # no flag waives it: every kernel has one
 
 
 def root() -> Path:

@@ -18,29 +18,30 @@ import stat
 import sys
 import time
 import warnings
-from typing import Any, ClassVar, NoReturn
+from typing import Any, NoReturn
 
 import zmq
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
-from traitlets.config.loader import KVArgParseConfigLoader
 
 from ..confine import (
     audit,
     denials,
+    handover,
     landlock,
     limits,
     paths,
     privileges,
     promises,
-    reaper,
     scratch,
     seccomp,
 )
 from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.errors import ConfinementError
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
+from .parser_cache import PrebuiltParser
 
 # ipykernel's IOPub pipe carries output of forked children, which cannot exist in this kernel;
 # Landlock refuses the random port it would bind, and that is fine. Set here, on import, so that
@@ -48,7 +49,7 @@ from .kernel import SandboxKernel
 warnings.filterwarnings("ignore", message="Couldn't bind IOPub Pipe")
 
 
-class SandboxKernelApp(IPKernelApp):
+class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     """IPKernelApp that confines its own process before any user code can run."""
 
     name = "sandbox-kernel"
@@ -68,42 +69,6 @@ class SandboxKernelApp(IPKernelApp):
     launcher_stderr = 2
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
-    # The command-line parser a fork server built for its kernels (see prebuild_parser).
-    _prebuilt_parser: ClassVar[tuple[tuple[Any, ...], dict[str, Any]] | None] = None
-
-    @classmethod
-    def prebuild_parser(cls) -> None:
-        """Build the command-line parser once, in the fork server, for each kernel to take.
-
-        traitlets builds it on every start, one argument per configurable trait of every
-        class, after listing the classes that have such traits: ~2.5 ms of a fork-served
-        kernel's start, the same every time. The server builds both with a throwaway (never a
-        singleton) application; each forked kernel takes its own copy-on-write copy.
-        """
-        app = cls()
-        flags, aliases = app.flatten_flags()
-        classes = list(app._classes_with_config_traits())
-        loader = KVArgParseConfigLoader([], aliases, flags, classes=classes)
-        loader._create_parser()
-        built = {"parser": loader.parser, "argparse_traits": loader.argparse_traits}
-        cls._prebuilt_parser = ((aliases, flags, classes), built)
-
-    def _classes_with_config_traits(self, classes: Any = None) -> Any:
-        """traitlets' list of configurable classes, or the prebuilt parser's (the same list)."""
-        prebuilt = SandboxKernelApp._prebuilt_parser
-        if classes is None and prebuilt is not None:
-            return iter(prebuilt[0][2])
-        return super()._classes_with_config_traits(classes)
-
-    def _create_loader(self, argv: Any, aliases: Any, flags: Any,
-                       classes: Any) -> KVArgParseConfigLoader:
-        """traitlets' loader, given the prebuilt parser when it was built for these options."""
-        loader = super()._create_loader(argv, aliases, flags, classes)
-        # Taken once: parsing leaves state in the parser (the flags it saw).
-        prebuilt, SandboxKernelApp._prebuilt_parser = SandboxKernelApp._prebuilt_parser, None
-        if prebuilt is not None and prebuilt[0] == (aliases, flags, classes):
-            loader._create_parser = lambda: vars(loader).update(prebuilt[1])  # type: ignore[method-assign]
-        return loader
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -114,12 +79,15 @@ class SandboxKernelApp(IPKernelApp):
         # ipykernel points file descriptor 2 at the frontend; keep the log pipe to the reaper
         # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
-        super().initialize(argv)
-        if self.subapp is not None:
-            return
-        # Switching user only now: ipykernel re-reads its root-only connection file above.
-        privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
-        self.init_seccomp()
+        try:
+            super().initialize(argv)
+            if self.subapp is not None:
+                return
+            # Switching user only now: ipykernel re-reads its root-only connection file above.
+            privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+            self.init_seccomp()
+        except ConfinementError as exc:  # every layer's failure: the error names the fix
+            self.refuse_to_start(exc.refusal())
         self.close_handovers()
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
@@ -171,8 +139,8 @@ class SandboxKernelApp(IPKernelApp):
         """Scratch, limits, privileges and Landlock, while this is the only thread."""
         scratch_dir = os.environ.get(SCRATCH_VAR, "")
         if not scratch.is_own(scratch_dir):
-            self.refuse_to_start("no private scratch directory: start the kernel with "
-                                 "`python -I -m sandbox_kernel`, which creates one")
+            raise scratch.ScratchError("no private scratch directory: start the kernel with "
+                                       "`python -I -m sandbox_kernel`, which creates one")
         try:
             launch_dir = os.getcwd()
         except OSError:  # started in a directory that is gone
@@ -190,8 +158,8 @@ class SandboxKernelApp(IPKernelApp):
             self.layers["limits"] = limits.apply(
                 policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
-        except (OSError, ValueError, privileges.PrivilegeError) as exc:
-            self.refuse_to_start(str(exc))
+        except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
+            raise ConfinementError(str(exc), layer="set-up") from exc
         self.init_promises()
         read_only = paths.read_only(read_grants, self.abs_connection_file)
         read_write = paths.read_write(write_grants, scratch_dir)
@@ -213,9 +181,7 @@ class SandboxKernelApp(IPKernelApp):
             max_threads=policy.max_threads, memory_limit=policy.memory_limit,
             uid=self.layers["privileges"]["uid"])
         judged = promises.evaluate(host)
-        reason = promises.refusal(judged)
-        if reason:
-            self.refuse_to_start(reason)
+        promises.require(judged)
         self.layers["promises"] = [promise.as_dict() for promise in judged]
 
     def init_landlock(self, read_only: list[str], read_write: list[str]) -> None:
@@ -229,12 +195,7 @@ class SandboxKernelApp(IPKernelApp):
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
             connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
-        try:
-            self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
-        except landlock.LandlockError as exc:
-            self.refuse_to_start(
-                f"landlock: {exc}. To run without file-system confinement on purpose, start "
-                "the kernel with --no-landlock")
+        self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
     def init_identity(self, reachable: list[str]) -> None:
         """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
@@ -252,7 +213,7 @@ class SandboxKernelApp(IPKernelApp):
         if lock is not None:
             assert self.reaper_channel is not None
             try:
-                reaper.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
+                handover.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
             finally:
                 os.close(lock)
         self.layers["privileges"] = planned
@@ -288,15 +249,14 @@ class SandboxKernelApp(IPKernelApp):
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
         notify = self.reaper_channel is not None
-        try:
-            listener = seccomp.install(os.getpid(), self.policy.allow_network,
-                                      landlock_abi=abi, notify=notify)
-            if listener is not None:
+        listener = seccomp.install(os.getpid(), self.policy.allow_network,
+                                  landlock_abi=abi, notify=notify)
+        if listener is not None:
+            try:
                 self.hand_listener(listener)
-        except (seccomp.SeccompError, OSError) as exc:
-            self.refuse_to_start(
-                f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
-                "kernel with --no-seccomp")
+            except OSError as exc:
+                raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
+                                           ) from exc
         self.layers["seccomp"] = {"active": True,
                                   **seccomp.describe(self.policy.allow_network, notify,
                                                      landlock_abi=abi)}
@@ -307,7 +267,7 @@ class SandboxKernelApp(IPKernelApp):
         files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
         settings = {"kernel": self.kernel_id, "uid": os.getuid()}
         try:
-            reaper.hand_over(self.reaper_channel, {"audit": settings}, files)
+            handover.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:
             os.close(listener)
         self.layers["audit"] = {"recorder": "reaper", "audit_log": self.policy.audit_log or None,
