@@ -123,13 +123,17 @@ def test_fork_served_kernel_holds_no_secret(secret):
     # A preload set of its own: this launcher starts the server, with the secret around.
     client = forkserver.ForkServerClient(preload=["colorsys"])
     client.stop_server()
+    other_tenant = new_secret()  # in the first kernel's request (its argv), for it alone
     try:
-        with Sandbox(None, policy=SandboxPolicy(), preload=["colorsys"]) as sb:
+        policy = SandboxPolicy(env={"TENANT_TOKEN": other_tenant})
+        with Sandbox(None, policy=policy, preload=["colorsys"]) as sb:
             assert sb.manager.provisioner.fork_served
             assert_clean(ok(sb.run(scan_code(secret))).text, "fork-served")
-        # A second kernel of the same server: nothing of the first request either.
+        # The next kernel of the same server: nothing of the first request either (the
+        # server never reads a request; the child it forked for it does).
         with Sandbox(None, policy=SandboxPolicy(), preload=["colorsys"]) as sb:
             assert_clean(ok(sb.run(scan_code(secret))).text, "second fork-served")
+            assert_clean(ok(sb.run(scan_code(other_tenant))).text, "next tenant's")
     finally:
         client.stop_server()
 

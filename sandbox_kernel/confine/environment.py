@@ -44,6 +44,17 @@ def _option_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
     return values
 
 
+def inherited(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
+    """What a kernel takes from its launcher's environment: PASSED_THROUGH and --pass-env names.
+
+    The fork server's clients send no more than this (launch/forkserver/client.py): whatever
+    else a launcher holds (API keys, tokens) must never be in a kernel's memory, not even in
+    the request that asked for the kernel.
+    """
+    passed = list(PASSED_THROUGH) + _option_values(argv, _PASS_OPTIONS)
+    return {name: current[name] for name in passed if name in current}
+
+
 def allowed(scratch_dir: str, argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """The whole environment user code gets: the allowlist, grants from argv, the scratch."""
     env = {
@@ -56,8 +67,7 @@ def allowed(scratch_dir: str, argv: Sequence[str], current: Mapping[str, str]) -
         "XDG_CACHE_HOME": os.path.join(scratch_dir, ".cache"),
         "XDG_CONFIG_HOME": os.path.join(scratch_dir, ".config"),
     }
-    passed = list(PASSED_THROUGH) + _option_values(argv, _PASS_OPTIONS)
-    env.update({name: current[name] for name in passed if name in current})
+    env.update(inherited(argv, current))
     for item in _option_values(argv, _ENV_OPTIONS):
         name, _, value = item.partition("=")
         env[name] = value
@@ -80,7 +90,7 @@ def ensure_clean(argv: Sequence[str]) -> str:
 def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
 
-    Shared by the re-exec above and the fork server's children (launch/forkserver.py).
+    Shared by the re-exec above and the fork server's children (launch/forkserver/server.py).
     """
     scratch_dir = scratch.create()
     keep = reaper.start(scratch_dir)  # from here on fds 0-2 are no longer the launcher's
