@@ -46,12 +46,22 @@ class SandboxPolicy(Configurable):
 
     env = Dict(
         value_trait=Unicode(), key_trait=Unicode(),
-        help="Environment variables to set for user code (repeatable NAME=VALUE).",
+        help="Environment variables to set for user code (repeatable NAME=VALUE), applied once "
+        "it is confined. Names the dynamic loader or the interpreter act on (LD_*, PYTHON*, "
+        "GCONV_PATH, MALLOC_*, ...) are refused unless --allow-loader-env.",
     ).tag(config=True, flag="env", metavar="NAME=VALUE")
 
     pass_env = List(
-        Unicode(), help="Variables to pass through from the launching environment (repeatable).",
+        Unicode(), help="Variables to pass through from the launching environment (repeatable). "
+        "Names the dynamic loader or the interpreter act on are refused unless "
+        "--allow-loader-env.",
     ).tag(config=True, flag="pass-env", metavar="NAME")
+
+    allow_loader_env = Bool(
+        False, help="Accept --env and --pass-env names the dynamic loader, libc or the "
+        "interpreter act on (LD_PRELOAD, PYTHONPATH, GCONV_PATH, ...). --env values still "
+        "apply only once user code is confined.",
+    ).tag(config=True, flag="allow-loader-env")
 
     memory_limit = ByteSize(
         4 * 2**30,

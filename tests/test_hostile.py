@@ -468,6 +468,14 @@ SPECIAL = [
          "openat2, threads (tests/test_abi.py, ABI 1-7)", "os.truncate(path, 0)",
          "EPERM (ABI < 3) / EACCES (ABI >= 3)",
          "seccomp below ABI 3; Landlock truncate from ABI 3"),
+    Case("I12", "leaks", "scan all readable memory (/proc/self/mem) and every /proc/self file for "
+         "a secret of the launcher: fork-served, cold, pooled, service (dify and native API), "
+         "eg-launch (tests/test_secrets.py)", "mem.seek(start); mem.read(size)", "not found",
+         "environment filtered before it is sent; the fork server never reads a request"),
+    Case("E01", "privilege", "--env LD_PRELOAD=<a library in a shared --write-path>, so the "
+         "next kernel's unconfined start-up loads it as root (tests/test_privileges.py)",
+         "--env LD_PRELOAD=/shared/x.so", "refused to start (--allow-loader-env); with it, "
+         "set once confined, never loaded", "environment: --env applied after confinement"),
     Case("R09", "resources", "busy loop past the time limit", "while True: pass",
          "ExecutionTimeout, state kept", "deadline (SIGALRM, repeating)"),
     Case("R10", "resources", "output flood", "print('x' * 10**6) in a loop",

@@ -38,7 +38,7 @@ from ..confine import (
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
 
@@ -121,6 +121,7 @@ class SandboxKernelApp(IPKernelApp):
         privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
         self.init_seccomp()
         self.close_handovers()
+        apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
@@ -182,6 +183,9 @@ class SandboxKernelApp(IPKernelApp):
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
+        refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
+        if refusal:
+            self.refuse_to_start(refusal)
         try:
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
