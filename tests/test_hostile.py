@@ -476,6 +476,10 @@ SPECIAL = [
          "next kernel's unconfined start-up loads it as root (tests/test_privileges.py)",
          "--env LD_PRELOAD=/shared/x.so", "refused to start (--allow-loader-env); with it, "
          "set once confined, never loaded", "environment: --env applied after confinement"),
+    Case("X23", "processes", "another tenant's kernel sends {\"signum\": 9} (or 15, or shutdown) "
+         "to an eg-launch comm port (tests/test_enterprise_gateway_launcher.py)",
+         "connect(comm_port); send('{\"signum\": 9}')", "refused and logged; kernel alive",
+         "comm-port listener: only the gateway's address, only EG's signals"),
     Case("R09", "resources", "busy loop past the time limit", "while True: pass",
          "ExecutionTimeout, state kept", "deadline (SIGALRM, repeating)"),
     Case("R10", "resources", "output flood", "print('x' * 10**6) in a loop",
