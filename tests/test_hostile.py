@@ -480,6 +480,10 @@ SPECIAL = [
          "to an eg-launch comm port (tests/test_enterprise_gateway_launcher.py)",
          "connect(comm_port); send('{\"signum\": 9}')", "refused and logged; kernel alive",
          "comm-port listener: only the gateway's address, only EG's signals"),
+    Case("X24", "processes", "a kernel leaves a 0600 file in a shared --write-path (1777); the "
+         "next kernel gets its freed uid (tests/test_identity.py)",
+         "open(left), open(left, 'a'), os.unlink(left)", "PermissionError x3 (another uid)",
+         "identity: a uid stays out of use while it owns files in a write grant"),
     Case("R09", "resources", "busy loop past the time limit", "while True: pass",
          "ExecutionTimeout, state kept", "deadline (SIGALRM, repeating)"),
     Case("R10", "resources", "output flood", "print('x' * 10**6) in a loop",

@@ -190,7 +190,7 @@ class SandboxKernelApp(IPKernelApp):
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
             self.init_audit(scratch_dir, write_grants)
-            self.init_identity([scratch_dir, *read_grants, *write_grants])
+            self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
             self.layers["limits"] = limits.apply(
                 policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
@@ -240,10 +240,11 @@ class SandboxKernelApp(IPKernelApp):
                 f"landlock: {exc}. To run without file-system confinement on purpose, start "
                 "the kernel with --no-landlock")
 
-    def init_identity(self, reachable: list[str]) -> None:
+    def init_identity(self, reachable: list[str], writable: list[str]) -> None:
         """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
 
-        reachable: what user code must reach besides the interpreter (scratch and grants).
+        reachable: what user code must reach besides the interpreter (scratch and grants);
+        writable: the write grants, where a uid's files may outlive its kernel.
         """
         policy = self.policy
         if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
@@ -252,7 +253,7 @@ class SandboxKernelApp(IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file])
+                                        [self.abs_connection_file], writable)
         if lock is not None:
             assert self.reaper_channel is not None
             try:
