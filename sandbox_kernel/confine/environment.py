@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from . import reaper, scratch
-from .limits import parse_size
+from .limits import DEFAULT_MEMORY_LIMIT, parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
 REAPER_VAR = "SANDBOX_KERNEL_REAPER"  # fd of the channel to the reaper (see reaper.py)
@@ -37,6 +38,8 @@ ALLOW_LOADER_FLAG = "--allow-loader-env"
 _ALLOW_LOADER_OPTIONS = (ALLOW_LOADER_FLAG, "--SandboxPolicy.allow_loader_env")
 _PASS_OPTIONS = ("--SandboxPolicy.pass_env", "--pass-env")
 _SIZE_OPTIONS = ("--SandboxPolicy.scratch_size", "--scratch-size")
+_FILES_OPTIONS = ("--SandboxPolicy.scratch_files", "--scratch-files")
+_MEMORY_OPTIONS = ("--SandboxPolicy.memory_limit", "--memory-limit")
 
 
 def _option_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
@@ -127,6 +130,21 @@ def ensure_clean(argv: Sequence[str]) -> str:
     raise AssertionError("unreachable: execve returned")
 
 
+def scratch_bounds(argv: Sequence[str]) -> tuple[int, int]:
+    """The scratch tmpfs's size and file count the kernel's argv asks for (or their defaults)."""
+    def last(names: Sequence[str], default: int, parse: Any = parse_size) -> int:
+        values = _option_values(argv, names)
+        return int(parse(values[-1])) if values else default
+
+    memory = last(_MEMORY_OPTIONS, DEFAULT_MEMORY_LIMIT)
+    size = scratch.planned_size(last(_SIZE_OPTIONS, scratch.AUTO_SIZE, _size_or_auto), memory)
+    return size, last(_FILES_OPTIONS, scratch.DEFAULT_SCRATCH_FILES, int)
+
+
+def _size_or_auto(text: str) -> int:
+    return scratch.AUTO_SIZE if text.strip() == str(scratch.AUTO_SIZE) else parse_size(text)
+
+
 def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
 
@@ -134,9 +152,7 @@ def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """
     scratch_dir = scratch.create()
     keep = reaper.start(scratch_dir)  # from here on fds 0-2 are no longer the launcher's
-    sizes = _option_values(argv, _SIZE_OPTIONS)
-    quota = parse_size(sizes[-1]) if sizes else scratch.DEFAULT_SCRATCH_SIZE
-    scratch.mount_quota(scratch_dir, quota)
+    scratch.mount_quota(scratch_dir, *scratch_bounds(argv))
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     os.closerange(3, keep)
     os.closerange(keep + 1, 65536)

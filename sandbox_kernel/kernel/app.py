@@ -179,7 +179,8 @@ class SandboxKernelApp(IPKernelApp):
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir),
+                                  "files": scratch.file_quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
@@ -191,8 +192,9 @@ class SandboxKernelApp(IPKernelApp):
             write_grants = paths.check_grants(policy.write_paths)
             self.init_audit(scratch_dir, write_grants)
             self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
+            heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
             self.layers["limits"] = limits.apply(
-                policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
+                heap, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
         except (OSError, ValueError, privileges.PrivilegeError) as exc:
             self.refuse_to_start(str(exc))
