@@ -37,7 +37,7 @@ from ..confine import (
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
 from ..confine.errors import ConfinementError
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
@@ -89,6 +89,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
+        apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
@@ -146,17 +147,22 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir),
+                                  "files": scratch.file_quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
+        refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
+        if refusal:
+            self.refuse_to_start(refusal)
         try:
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
             self.init_audit(scratch_dir, write_grants)
-            self.init_identity([scratch_dir, *read_grants, *write_grants])
+            self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
+            heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
             self.layers["limits"] = limits.apply(
-                policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
+                heap, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
         except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
             raise ConfinementError(str(exc), layer="set-up") from exc
@@ -197,10 +203,11 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
         self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
-    def init_identity(self, reachable: list[str]) -> None:
+    def init_identity(self, reachable: list[str], writable: list[str]) -> None:
         """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
 
-        reachable: what user code must reach besides the interpreter (scratch and grants).
+        reachable: what user code must reach besides the interpreter (scratch and grants);
+        writable: the write grants, where a uid's files may outlive its kernel.
         """
         policy = self.policy
         if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
@@ -209,7 +216,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file])
+                                        [self.abs_connection_file], writable)
         if lock is not None:
             assert self.reaper_channel is not None
             try:
