@@ -27,6 +27,7 @@ import unicodedata
 from typing import Any
 
 from . import audit
+from .tally import Tally
 
 LOG_LINE_LIMIT = 2048  # bytes of one relayed log line; the rest is cut
 LOG_BURST = 64 * 1024  # bytes the kernel may log at once ...
@@ -275,9 +276,14 @@ class Reaper:
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
         listener, *files = fds
+        counted = None
+        if settings.get("tally") and files:  # the count of refused calls comes first
+            tally_fd, *files = files
+            counted = Tally(tally_fd, writable=True)
+            os.close(tally_fd)
         self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
                                      kernel_id=str(settings.get("kernel", "")),
-                                     uid=settings.get("uid"))
+                                     uid=settings.get("uid"), tally=counted)
         self.poller.register(listener, select.POLLIN)
 
 

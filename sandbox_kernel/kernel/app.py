@@ -39,6 +39,7 @@ from ..confine import (
     seccomp,
 )
 from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
 
@@ -68,6 +69,7 @@ class SandboxKernelApp(IPKernelApp):
     launcher_stderr = 2
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
+    refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
     # The command-line parser a fork server built for its kernels (see prebuild_parser).
     _prebuilt_parser: ClassVar[tuple[tuple[Any, ...], dict[str, Any]] | None] = None
 
@@ -123,6 +125,7 @@ class SandboxKernelApp(IPKernelApp):
         self.close_handovers()
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
+        self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
     def _ip_default(self) -> str:
@@ -288,24 +291,31 @@ class SandboxKernelApp(IPKernelApp):
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
         notify = self.reaper_channel is not None
+        # The reaper counts what it refuses here, for each execution's usage (see tally.py).
+        tally_fd = Tally.create() if notify else None
         try:
+            self.refusals = None if tally_fd is None else Tally(tally_fd, writable=False)
             listener = seccomp.install(os.getpid(), self.policy.allow_network,
                                       landlock_abi=abi, notify=notify)
             if listener is not None:
-                self.hand_listener(listener)
+                self.hand_listener(listener, tally_fd)
         except (seccomp.SeccompError, OSError) as exc:
             self.refuse_to_start(
                 f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
                 "kernel with --no-seccomp")
+        finally:
+            if tally_fd is not None:
+                os.close(tally_fd)
         self.layers["seccomp"] = {"active": True,
                                   **seccomp.describe(self.policy.allow_network, notify,
                                                      landlock_abi=abi)}
 
-    def hand_listener(self, listener: int) -> None:
-        """Give the reaper the seccomp listener (and the audit file); keep neither."""
+    def hand_listener(self, listener: int, tally_fd: int | None = None) -> None:
+        """Give the reaper the seccomp listener, the refusal count and the audit file."""
         assert self.reaper_channel is not None
-        files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
-        settings = {"kernel": self.kernel_id, "uid": os.getuid()}
+        counted = [] if tally_fd is None else [tally_fd]
+        files = [listener, *counted] + ([self.audit_file] if self.audit_file is not None else [])
+        settings = {"kernel": self.kernel_id, "uid": os.getuid(), "tally": bool(counted)}
         try:
             reaper.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:
