@@ -130,8 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot create {args.save_displays}: {exc.strerror or exc}") from None
     sandbox = client.Sandbox(kernel_name=None, policy=effective, cold_start=args.cold_start,
-                             preload=args.preload)
-    sandbox.timeout_source, sandbox.one_shot = timeout_source, True
+                             preload=args.preload, timeout_source=timeout_source, one_shot=True)
     try:
         execution = _run_once(sandbox, code, inputs, effective.timeout, args.json)
     except KeyboardInterrupt:
@@ -246,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
                          "(default: main() with no arguments, if FILE defines it)")
     run_cmd.add_argument("--json", action="store_true",
                          help="print the whole execution (result, stdout, stderr, displays, "
-                         "error) as one JSON object on stdout, and nothing on stderr")
+                         "error, usage) as one JSON object on stdout, and nothing on stderr")
     run_cmd.add_argument("--save-displays", metavar="DIR",
                          help="write each display (chart, HTML, ...) to DIR as display-N.EXT")
     run_cmd.add_argument("--max-saved-displays", metavar="N", type=_positive,

@@ -55,8 +55,12 @@ def test_chart_example_json_and_saved_png(tmp_path):
     assert own_lines(done.stderr) == ""
     report = json.loads(done.stdout)
     assert set(report) == {"result", "text", "logs", "displays", "error", "duration",
-                           "state_lost", "stdout", "stderr", "saved_displays"}
+                           "state_lost", "usage", "stdout", "stderr", "saved_displays"}
     assert report["result"] == CHART
+    usage = report["usage"]  # measured from outside the kernel (tests/test_usage.py has more)
+    assert usage["output_bytes"] == len(b"drawing 6 bars\n")
+    assert usage["result_bytes"] == len(json.dumps(CHART, separators=(",", ":")))
+    assert usage["source"]["cpu_user_seconds"] == "host" and usage["peak_memory_bytes"] > 0
     assert report["text"] == json.dumps(CHART, indent=2)
     assert (report["stdout"], report["stderr"]) == ("drawing 6 bars\n", "")
     assert report["logs"] == [{"name": "stdout", "text": "drawing 6 bars\n"}]

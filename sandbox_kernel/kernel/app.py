@@ -39,6 +39,7 @@ from ..confine import (
 )
 from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
 from ..confine.errors import ConfinementError
+from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
 from .parser_cache import PrebuiltParser
@@ -69,6 +70,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     launcher_stderr = 2
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
+    refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -92,6 +94,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
+        self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
     def _ip_default(self) -> str:
@@ -256,23 +259,31 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
         notify = self.reaper_channel is not None
-        listener = seccomp.install(os.getpid(), self.policy.allow_network,
-                                  landlock_abi=abi, notify=notify)
-        if listener is not None:
-            try:
-                self.hand_listener(listener)
-            except OSError as exc:
-                raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
-                                           ) from exc
+        tally_fd = None
+        try:
+            # The reaper counts what it refuses here, for each execution's usage (tally.py).
+            tally_fd = Tally.create() if notify else None
+            self.refusals = None if tally_fd is None else Tally(tally_fd, writable=False)
+            listener = seccomp.install(os.getpid(), self.policy.allow_network,
+                                      landlock_abi=abi, notify=notify)
+            if listener is not None:
+                self.hand_listener(listener, tally_fd)
+        except OSError as exc:
+            raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
+                                       ) from exc
+        finally:
+            if tally_fd is not None:
+                os.close(tally_fd)
         self.layers["seccomp"] = {"active": True,
                                   **seccomp.describe(self.policy.allow_network, notify,
                                                      landlock_abi=abi)}
 
-    def hand_listener(self, listener: int) -> None:
-        """Give the reaper the seccomp listener (and the audit file); keep neither."""
+    def hand_listener(self, listener: int, tally_fd: int | None = None) -> None:
+        """Give the reaper the seccomp listener, the refusal count and the audit file."""
         assert self.reaper_channel is not None
-        files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
-        settings = {"kernel": self.kernel_id, "uid": os.getuid()}
+        counted = [] if tally_fd is None else [tally_fd]
+        files = [listener, *counted] + ([self.audit_file] if self.audit_file is not None else [])
+        settings = {"kernel": self.kernel_id, "uid": os.getuid(), "tally": bool(counted)}
         try:
             handover.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:
