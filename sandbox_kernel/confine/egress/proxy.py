@@ -15,7 +15,6 @@ resolves names under a policy of our own before connecting.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
@@ -24,12 +23,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import h11
 
 from . import tls
-from .rules import EgressRules, IPAddress, Refusal, normal_name, parse_address
+from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
 
 HEAD_LIMIT = 64 * 1024  # bytes of a request head
 HEAD_TIMEOUT = 30.0  # seconds to send a request head, or a ClientHello into a tunnel
@@ -87,27 +86,6 @@ class Connection:
 
 
 Recorder = Callable[[Connection], None]
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """A proxy the egress proxy chains to (host, port, optional basic credentials)."""
-
-    host: str
-    port: int
-    authorization: str | None = None
-
-    @classmethod
-    def parse(cls, url: str) -> Upstream:
-        """'http://[user:pass@]host:port' as an Upstream; ValueError when it is not one."""
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"upstream proxy {url!r}: expected http://HOST:PORT")
-        authorization = None
-        if parts.username is not None:
-            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-            authorization = "Basic " + base64.b64encode(pair.encode()).decode()
-        return cls(parts.hostname, parts.port or 3128, authorization)
 
 
 class EgressProxy:

@@ -7,9 +7,11 @@ refused unless the operator granted that address with --allow-address.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import re
 from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -181,3 +183,24 @@ class EgressRules:
         return Refusal(f"{where}, a {why} address the sandbox never reaches",
                        f"grant it with --allow-address {shown}:{port} (only for a service "
                        "meant for user code)")
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A proxy the egress proxy chains to (host, port, optional basic credentials)."""
+
+    host: str
+    port: int
+    authorization: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> Upstream:
+        """'http://[user:pass@]host:port' as an Upstream; ValueError when it is not one."""
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream proxy {url!r}: expected http://HOST:PORT")
+        authorization = None
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            authorization = "Basic " + base64.b64encode(pair.encode()).decode()
+        return cls(parts.hostname, parts.port or 3128, authorization)
