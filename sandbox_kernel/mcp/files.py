@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import posixpath
+import weakref
 from typing import Any
 
 from ..client import AsyncSandbox, Execution
@@ -57,6 +58,11 @@ def {HELPER}(op, path=".", data=None, limit=0, since=0.0):
 '''
 
 
+_NOT_DEFINED = ("EntrypointNotFound", "SignatureMismatch")
+# Per kernel, the client (one per start or restart) whose kernel has the helper defined.
+_defined_for: weakref.WeakKeyDictionary[AsyncSandbox, Any] = weakref.WeakKeyDictionary()
+
+
 class FileError(Exception):
     """A file operation that failed; the message is for a model."""
 
@@ -74,8 +80,14 @@ def relative(path: str) -> str:
 
 
 async def _call(sandbox: AsyncSandbox, inputs: dict[str, Any]) -> dict[str, Any]:
-    execution: Execution = await sandbox.run(_CODE, inputs, timeout=HELPER_TIMEOUT,
-                                             entrypoint=HELPER)
+    # The helper is defined once per kernel (defining it costs the kernel more than calling
+    # it); a kernel that lost or replaced it gets it again.
+    defined = _defined_for.get(sandbox) is sandbox.client  # a restart replaces the client
+    execution: Execution = await sandbox.run("" if defined else _CODE, inputs,
+                                             timeout=HELPER_TIMEOUT, entrypoint=HELPER)
+    _defined_for[sandbox] = sandbox.client
+    if defined and execution.error is not None and execution.error.name in _NOT_DEFINED:
+        execution = await sandbox.run(_CODE, inputs, timeout=HELPER_TIMEOUT, entrypoint=HELPER)
     if execution.error is not None:
         error = execution.error
         what = {"FileNotFoundError": "there is no such file",

@@ -65,6 +65,7 @@ class Runs:
         self.source = source
         self.sessions = sessions
         self._runs: dict[str, Run] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # fresh kernels being shut down
 
     def get(self, owner: str, run_id: str) -> Run:
         run = self._runs.get(run_id)
@@ -156,9 +157,10 @@ class Runs:
             if not run.execution.state_lost:
                 await self._find_written(run, sandbox)
                 await self._keep_small_files(run, sandbox)
-        finally:
-            with contextlib.suppress(Exception):
-                await sandbox.close(now=True)
+        finally:  # the answer need not wait for the kernel's end
+            closing = asyncio.ensure_future(_close_quietly(sandbox))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     async def _find_written(self, run: Run, sandbox: AsyncSandbox) -> None:
         """The files the run wrote or changed (not worth failing the run over)."""
@@ -186,3 +188,9 @@ class Runs:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+async def _close_quietly(sandbox: AsyncSandbox) -> None:
+    with contextlib.suppress(Exception):
+        await sandbox.close(now=True)
