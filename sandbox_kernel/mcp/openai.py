@@ -17,10 +17,10 @@ from .server import build
 FORMATS = ("openai", "openai-chat", "mcp")
 
 
-def definitions(config: McpConfig, form: str = "openai") -> list[dict[str, Any]]:
+async def tool_definitions(config: McpConfig, form: str = "openai") -> list[dict[str, Any]]:
     """The tool definitions in the given form (mcp: the MCP Tool objects as JSON)."""
     server, _ = build(config)
-    listed = asyncio.run(server.list_tools())
+    listed = await server.list_tools()
     if form == "mcp":
         return [tool.model_dump(mode="json", by_alias=True, exclude_none=True)
                 for tool in listed]
@@ -31,3 +31,8 @@ def definitions(config: McpConfig, form: str = "openai") -> list[dict[str, Any]]
         tools.append({"type": "function", **function} if form == "openai"
                      else {"type": "function", "function": function})
     return tools
+
+
+def definitions(config: McpConfig, form: str = "openai") -> list[dict[str, Any]]:
+    """tool_definitions, from code that is not in an event loop."""
+    return asyncio.run(tool_definitions(config, form))
