@@ -48,6 +48,19 @@ def _refusal(error: ExecutionError) -> Said | None:
                 refused=True)
 
 
+# Without the network a name lookup fails before any socket is refused: the resolver's own
+# words ("Temporary failure in name resolution") would send a model into retrying.
+_LOOKUP_FAILED = re.compile(r"name resolution|Name or service not known|"
+                            r"No address associated with hostname|nodename nor servname")
+
+
+def _offline_lookup(error: ExecutionError) -> Said | None:
+    if not _LOOKUP_FAILED.search(error.value):
+        return None
+    said = f"{error.name}: {denials.NETWORK_OFF.for_model}"
+    return Said(error.name, said, [*error.traceback[:-1], said], refused=True)
+
+
 def _timeout(error: ExecutionError, timeout: float | None, scope: str) -> str:
     limit = f"its {timeout:g} s" if timeout else "its"
     kept = {"session": " The session's variables and imports are kept.",
@@ -59,12 +72,12 @@ def _timeout(error: ExecutionError, timeout: float | None, scope: str) -> str:
 
 
 def for_model(execution: Execution, timeout: float | None, in_session: bool,
-              memory_limit: int) -> Said | None:
+              memory_limit: int, network: bool = False) -> Said | None:
     """The execution's error as a model should read it (None: no error)."""
     error = execution.error
     if error is None:
         return None
-    said = _refusal(error)
+    said = _refusal(error) or (None if network else _offline_lookup(error))
     if said is not None:
         return said
     scope = "lost" if execution.state_lost and in_session else \
