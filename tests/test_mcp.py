@@ -275,6 +275,18 @@ def test_a_timeout_says_the_session_state_survived(mcp, session):
                     ).structured_content["value"] == "7"
 
 
+def test_a_kernel_that_dies_says_the_session_lost_its_state_and_goes_on(mcp, session):
+    mcp.tool("run_python", {"session": session, "code": "before = 1"})
+    answer = mcp.tool("run_python", {"session": session, "code":
+                                     "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"})
+    data = answer.structured_content
+    assert data["error"]["name"] == "KernelDied" and data["state"] == "lost"
+    assert "variables and imports are gone" in data["error"]["message"]
+    assert "LOST" in text(answer)
+    after = mcp.tool("run_python", {"session": session, "code": "'before' in globals()"})
+    assert after.structured_content["value"] == "False"  # a fresh kernel, same session
+
+
 def test_restart_clears_a_session(mcp, session):
     mcp.tool("run_python", {"session": session, "code": "gone = 1"})
     assert mcp.tool("restart_session", {"session": session}).structured_content["ok"]
