@@ -1,6 +1,6 @@
 """Files in a kernel's scratch directory, moved through the kernel itself.
 
-As the service's files API does (service/native.py), every operation is a small function run
+As the service's files API does (service/native/files.py), every operation is a small function run
 inside the session's own kernel with the caller's path: the scratch is the kernel's private
 mount, and a server that followed paths (and symlinks) planted there by user code would act
 with the server's rights. Inside the kernel an operation reaches only what user code could.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import posixpath
 import weakref
+from pathlib import Path
 from typing import Any
 
 from ..client import AsyncSandbox, Execution
@@ -20,42 +21,7 @@ HELPER = "__sandbox_mcp_files__"
 LIST_LIMIT = 1000  # entries list_files returns at most
 HELPER_TIMEOUT = 30.0
 
-_CODE = f'''
-def {HELPER}(op, path=".", data=None, limit=0, since=0.0):
-    import base64, os
-    home = os.path.realpath(os.path.expanduser("~"))
-    target = os.path.realpath(os.path.join(home, path))
-    if os.path.commonpath([home, target]) != home:
-        raise PermissionError(f"{{path}} leads outside the working directory")
-    if op == "write":
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as file:
-            file.write(base64.b64decode(data))
-        return {{"path": path, "size": os.path.getsize(target)}}
-    if op == "list":
-        found, more = [], False
-        for root, dirs, names in os.walk(target):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(names):
-                full = os.path.join(root, name)
-                try:
-                    info = os.stat(full)
-                except OSError:
-                    continue
-                if name.startswith(".") or info.st_mtime < since:
-                    continue
-                if len(found) >= limit:
-                    more = True
-                    break
-                found.append([os.path.relpath(full, home), info.st_size, info.st_mtime])
-        return {{"files": found, "more": more}}
-    size = os.path.getsize(target)
-    if size > limit:
-        raise ValueError(f"{{path}} is {{size}} bytes, above the {{limit}}-byte limit")
-    with open(target, "rb") as file:
-        content = file.read(limit + 1)
-    return {{"path": path, "size": len(content), "data": base64.b64encode(content).decode()}}
-'''
+_CODE = Path(__file__).with_name("files_in_kernel.py").read_text()
 
 
 _NOT_DEFINED = ("EntrypointNotFound", "SignatureMismatch")
