@@ -84,6 +84,11 @@ UNIX_DATAGRAMS = Rule(
     "the sandbox only allows stream socketpairs (socket.socketpair()): datagram sockets could "
     "send to the host's unix sockets",
     "only stream socket pairs are allowed here: call socket.socketpair() without a datagram type")
+DEBUGGER = Rule(
+    "debugging is not available in the sandbox: the debugger runs debugpy's adapter as a "
+    "subprocess, and the sandbox forbids creating processes",
+    "there is no debugger in this sandbox: add print() calls or assertions to see what the "
+    "code does")
 _F_SETOWN, _F_SETOWN_EX = 8, 15
 
 _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
@@ -205,7 +210,8 @@ NOT_IN_SCRATCH = Rule(
     "that file is not in your working directory (the sandbox's own folder): write it there "
     "first, or use the files that are there")
 RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
-         DESCRIPTOR_OWNER, UNIX_DATAGRAMS, OUTSIDE_GRANTS, READ_ONLY, HIDDEN, NOT_IN_SCRATCH)
+         DESCRIPTOR_OWNER, UNIX_DATAGRAMS, DEBUGGER, OUTSIDE_GRANTS, READ_ONLY, HIDDEN,
+         NOT_IN_SCRATCH)
 
 
 def rule_in(text: str) -> Rule | None:

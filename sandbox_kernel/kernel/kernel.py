@@ -25,8 +25,7 @@ from . import main_call
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 
-DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
-                    "adapter as a subprocess, and the sandbox forbids creating processes")
+DEBUGGER_REFUSED = denials.DEBUGGER.why
 
 
 def _timeout_source(label: Any) -> str:
