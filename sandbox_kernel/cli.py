@@ -266,6 +266,10 @@ def parser() -> argparse.ArgumentParser:
 
     serve.add_parser(sub)
 
+    from .mcp import command as mcp_command  # argparse only: the MCP SDK loads on use
+
+    mcp_command.add_parser(sub)
+
     # Parsed by launch/eg.py itself (see main()); listed here for --help.
     sub.add_parser("eg-launch", add_help=False,
                    help="start a sandboxed kernel for Jupyter Enterprise Gateway (its launcher)")

@@ -26,8 +26,7 @@ from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 from .usage import SelfUsage
 
-DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
-                    "adapter as a subprocess, and the sandbox forbids creating processes")
+DEBUGGER_REFUSED = denials.DEBUGGER.why
 
 
 def _timeout_source(label: Any) -> str:
