@@ -36,6 +36,11 @@ class SandboxPolicy(Configurable):
         help="Let user code create inet/inet6 TCP and UDP sockets. Off: no new sockets at all.",
     ).tag(config=True, flag="allow-network")
 
+    package_index = Unicode(
+        "", help="The package index `%pip install` uses (its simple-API URL); empty: pip's "
+        "default index. The network policy must let the kernel reach it.",
+    ).tag(config=True, flag="package-index", metavar="URL")
+
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
     ).tag(config=True, flag="read-path", metavar="PATH")

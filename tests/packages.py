@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.server
+import io
 import os
 import tarfile
 import threading
@@ -50,12 +51,11 @@ def make_sdist(directory: Path, name: str, version: str) -> Path:
     setup = b"from setuptools import setup\nsetup(name=%r, version=%r)\n" % (
         name.encode(), version.encode())
     pkg_info = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    source = directory / f"{dist}-src"
-    (source / dist).mkdir(parents=True)
-    (source / dist / "setup.py").write_bytes(setup)
-    (source / dist / "PKG-INFO").write_bytes(pkg_info)
     with tarfile.open(path, "w:gz") as archive:
-        archive.add(source / dist, arcname=dist)
+        for member, data in (("setup.py", setup), ("PKG-INFO", pkg_info)):
+            info = tarfile.TarInfo(f"{dist}/{member}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
     return path
 
 
