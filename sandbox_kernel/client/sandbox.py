@@ -475,18 +475,19 @@ class _PackageSpecs(KernelSpecManager):
     """Serves a kernelspec built from this package, for sandboxes started without installing."""
 
     def __init__(self, policy: SandboxPolicy, cold_start: bool = False,
-                 preload: Sequence[str] = (), **kwargs: Any) -> None:
+                 preload: Sequence[str] = (), python: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload))
+        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload,
+                                             python))
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return self.spec
 
 
 def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None, cold_start: bool,
-                    preload: Sequence[str]) -> dict[str, Any]:
+                    preload: Sequence[str], python: str | None = None) -> dict[str, Any]:
     if kernel_name is None:
-        specs = _PackageSpecs(policy or SandboxPolicy(), cold_start, preload)
+        specs = _PackageSpecs(policy or SandboxPolicy(), cold_start, preload, python)
         return {"kernel_name": "sandbox-package", "kernel_spec_manager": specs}
     if policy is not None or cold_start or preload:
         raise ValueError("give either kernel_name (an installed kernelspec, which sets policy, "
@@ -520,9 +521,10 @@ class _SandboxSettings:
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
                  grace: float = GRACE_SECONDS, max_output: int | None = None,
                  max_result: int | None = None, cold_start: bool = False,
-                 preload: Sequence[str] = ()) -> None:
+                 preload: Sequence[str] = (), python: str | None = None) -> None:
+        # python: the interpreter of a runtime to run on (runtimes/), with kernel_name None.
         self.manager = self.manager_class(
-            **_manager_kwargs(kernel_name, policy, cold_start, preload))
+            **_manager_kwargs(kernel_name, policy, cold_start, preload, python))
         jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
         recorded = policy.as_dict() if policy is not None else (
             _installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())

@@ -75,7 +75,8 @@ def create(name: str, requirements: Path, policy: SandboxPolicy | None = None, *
     """Build runtime NAME from a requirements file and install its kernelspec."""
     check_name(name)
     runtime = Runtime(name=name, base_python=base_python or sys.executable,
-                      preload=sorted(set(preload)), build=1, created=_now(), updated=_now())
+                      preload=sorted(set(preload)), build=1, created=_now(), updated=_now(),
+                      source=str(requirements.absolute()))
     if (runtime.directory / "runtime.json").exists():
         raise RuntimesError(f"runtime {name!r} exists already; `sandbox-kernel runtime update "
                             f"{name} -r FILE` changes it, `runtime remove {name}` removes it")
@@ -102,12 +103,15 @@ def create(name: str, requirements: Path, policy: SandboxPolicy | None = None, *
 
 def update(name: str, requirements: Path | None = None, *, preload: Sequence[str] | None = None,
            force: bool = False) -> Runtime:
-    """Build a new environment for NAME (from a new requirements file, or the recorded one)."""
+    """Build a new environment for NAME from a requirements file: the one given, else the
+    operator's file it was last built from (read again, as dify-sandbox reads its own)."""
     runtime = find(name)
     with _locked(runtime.directory):
         if not force and _running_kernels(runtime, runtime.build):
             raise _busy(runtime, runtime.build, "update")
-        source = requirements or runtime.requirements
+        if requirements is not None:
+            runtime.source = str(requirements.absolute())
+        source = Path(runtime.source) if runtime.source else runtime.requirements
         staged = _copy_requirements(source, runtime)
         new_preload = runtime.preload if preload is None else sorted(set(preload))
         number = max(runtime.builds(), default=0) + 1

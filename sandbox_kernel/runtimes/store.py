@@ -53,6 +53,7 @@ class Runtime:
     created: str = ""
     updated: str = ""
     installer: str = ""  # uv or pip, as used for the current build
+    source: str = ""  # the operator's requirements file, read again by an update without one
 
     @property
     def directory(self) -> Path:

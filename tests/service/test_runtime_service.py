@@ -1,0 +1,100 @@
+"""`serve --runtime NAME`: kernels on an operator's runtime built with dify-sandbox's default
+packages; the dify routes' /dependencies list it as dify-sandbox lists its requirements file,
+and Dify's Template (Jinja2) and Python nodes work through Dify's own runner scripts."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import DIFY_KEY, RUN, Server, http
+from .platform_client import PlatformClient
+
+# Dify's Jinja2 transformer: the template inside a runner script, the result between markers.
+TEMPLATE_RUNNER = """
+# declare main function
+def main(**inputs):
+    import jinja2
+    template = jinja2.Template('''{code}''')
+    return template.render(**inputs)
+
+import json
+from base64 import b64decode
+
+# decode and prepare input dict
+inputs_obj = json.loads(b64decode('{inputs}').decode('utf-8'))
+
+# execute main function
+output = main(**inputs_obj)
+
+# convert output and print
+result = f'''<<RESULT>>{{output}}<<RESULT>>'''
+print(result)
+"""
+requests = pytest.importorskip("requests")  # the [dify] extra; the runtime pins its version
+REQUIREMENTS = f"# dify-sandbox's default packages\njinja2>=3.1\nrequests=={requests.__version__}\n"
+
+
+@pytest.fixture(scope="module")
+def dify_runtime(tmp_path_factory):
+    """Runtime `dify` from a requirements file, and a server whose kernels run on it."""
+    base = tmp_path_factory.mktemp("dify-runtime")
+    requirements = base / "python-requirements.txt"
+    requirements.write_text(REQUIREMENTS)
+    environ = {**os.environ, "SANDBOX_KERNEL_RUNTIMES": str(base / "store")}
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "runtime", "create", "dify",
+                           "-r", str(requirements), "--preload", "jinja2", "--user"],
+                          env=environ, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = os.environ.get("SANDBOX_KERNEL_RUNTIMES")
+    os.environ["SANDBOX_KERNEL_RUNTIMES"] = environ["SANDBOX_KERNEL_RUNTIMES"]
+    server = Server(base, "--pool-size", "1", env={"SANDBOX_RUNTIME": "dify"})
+    yield server
+    server.stop()
+    subprocess.run([sys.executable, "-m", "sandbox_kernel", "runtime", "remove", "dify",
+                    "--force"], env=environ, capture_output=True, check=False)
+    if saved is None:
+        os.environ.pop("SANDBOX_KERNEL_RUNTIMES")
+    else:
+        os.environ["SANDBOX_KERNEL_RUNTIMES"] = saved
+
+
+def test_dependencies_lists_the_runtimes_requirements_as_dify_sandbox_does(dify_runtime):
+    listed = http.get(dify_runtime.url + "/v1/sandbox/dependencies?language=python3",
+                      headers={"X-Api-Key": DIFY_KEY})
+    assert listed.status_code == 200
+    assert listed.json() == {"code": 0, "message": "success", "data": {"dependencies": [
+        {"name": "jinja2", "version": "3.1"},
+        {"name": "requests", "version": requests.__version__}]}}
+    updated = http.post(dify_runtime.url + "/v1/sandbox/dependencies/update",
+                        headers={"X-Api-Key": DIFY_KEY}, json={"language": "python3"})
+    assert updated.content == b'{"code":0,"message":"success","data":{}}'
+
+
+def test_a_template_node_renders_through_difys_jinja2_runner(dify_runtime):
+    inputs = base64.b64encode(json.dumps({"name": "Wörld", "items": [1, 2]}).encode()).decode()
+    code = TEMPLATE_RUNNER.format(code="Hello {{ name }}{% for i in items %} {{ i }}{% endfor %}",
+                                  inputs=inputs)
+    answer = http.post(dify_runtime.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+                       json={"language": "python3", "code": code, "preload": "",
+                             "enable_network": False})
+    body = answer.json()
+    assert body["code"] == 0 and body["data"]["error"] == "", body
+    found = re.search(r"<<RESULT>>(.*?)<<RESULT>>", body["data"]["stdout"], re.DOTALL)
+    assert found and found.group(1) == "Hello Wörld 1 2"
+
+
+def test_a_python_node_imports_requests_from_the_runtime(dify_runtime):
+    client = PlatformClient(dify_runtime.url)
+    code = ("def main() -> dict:\n    import requests, sys\n"
+            "    return {'version': requests.__version__, 'prefix': sys.prefix}\n")
+    result = client.execute(code, {})
+    assert result["version"] == requests.__version__
+    assert result["prefix"].endswith("/store/dify/builds/1")
