@@ -103,3 +103,12 @@ def test_options_that_would_leave_the_sandbox_are_refused(pip_kernel):
         assert done.error.name == "PackageInstallError", line
         assert "not available in the sandbox" in done.error.value
     assert pip_kernel.run("%pip freeze").error.name == "PackageInstallError"
+
+
+def test_sandbox_install_is_pip_install_in_the_session(index):
+    with Sandbox(kernel_name=None, policy=pip_policy(index)) as sb:
+        done = sb.install("testdep==0.1")
+        assert done.error is None, done.error
+        assert sb.run("import testdep; print(testdep.X)").stdout == "1\n"
+        with pytest.raises(ValueError, match="options are not available"):
+            sb.install("--target=/tmp")

@@ -12,6 +12,7 @@ import base64
 import json
 import queue
 import re
+import shlex
 import signal
 import threading
 import time
@@ -505,6 +506,17 @@ def _installed_policy(kernel_name: str) -> dict[str, Any]:
     return policy if isinstance(policy, dict) else {}
 
 
+def install_code(packages: Sequence[str], upgrade: bool = False) -> str:
+    """The cell that installs packages (wheels) into a kernel's session: `%pip install ...`."""
+    if not packages:
+        raise ValueError("name at least one package to install")
+    for package in packages:
+        if not package or package.startswith("-") or any(c.isspace() for c in package):
+            raise ValueError(f"not a requirement: {package!r} (give names such as 'x==1.0'; "
+                             "options are not available)")
+    return "%pip install " + ("-U " if upgrade else "") + shlex.join(packages)
+
+
 class _SandboxSettings:
     """What Sandbox and AsyncSandbox are made of: a kernel manager and their limits."""
 
@@ -658,6 +670,12 @@ class Sandbox(_SandboxSettings):
                     collector.feed_frames(frames)
             self._take_reply(msg["header"]["msg_id"])
 
+    def install(self, *packages: str, upgrade: bool = False,
+                timeout: float | None = None) -> Execution:
+        """Install wheels into this kernel's session (`%pip install`), for the next run to
+        import; the error says why when the policy or the package does not allow it."""
+        return self.run(install_code(packages, upgrade), timeout=timeout)
+
     def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
             on_stdout: Callback = None, on_stderr: Callback = None, on_display: Callback = None,
             entrypoint: str = "main") -> Execution:
@@ -806,6 +824,11 @@ class AsyncSandbox(_SandboxSettings):
                 else:
                     collector.feed_frames(frames)
             await self._take_reply(msg["header"]["msg_id"])
+
+    async def install(self, *packages: str, upgrade: bool = False,
+                      timeout: float | None = None) -> Execution:
+        """Install wheels into this kernel's session (`%pip install`); see Sandbox.install."""
+        return await self.run(install_code(packages, upgrade), timeout=timeout)
 
     async def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
                   on_stdout: Callback = None, on_stderr: Callback = None,

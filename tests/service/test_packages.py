@@ -1,6 +1,7 @@
-"""`serve --runtime NAME`: kernels on an operator's runtime built with dify-sandbox's default
-packages; the dify routes' /dependencies list it as dify-sandbox lists its requirements file,
-and Dify's Template (Jinja2) and Python nodes work through Dify's own runner scripts."""
+"""Packages through the service. `serve --runtime NAME`: kernels on an operator's runtime built
+with dify-sandbox's default packages; the dify routes' /dependencies list it as dify-sandbox
+lists its requirements file, and Dify's Template (Jinja2) and Python nodes work through Dify's
+own runner scripts. A native API session installs wheels from the operator's index."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import sys
 
 import pytest
 
-from .helpers import DIFY_KEY, RUN, Server, http
+from ..packages import LocalIndex, make_wheel, write_simple_index
+from .helpers import DIFY_KEY, RUN, Server, auth, http
 from .platform_client import PlatformClient
 
 # Dify's Jinja2 transformer: the template inside a runner script, the result between markers.
@@ -98,3 +100,52 @@ def test_a_python_node_imports_requests_from_the_runtime(dify_runtime):
     result = client.execute(code, {})
     assert result["version"] == requests.__version__
     assert result["prefix"].endswith("/store/dify/builds/1")
+
+
+@pytest.fixture(scope="module")
+def index_server(tmp_path_factory):
+    """A service whose network sessions reach a local package index serving testpkg."""
+    root = tmp_path_factory.mktemp("index")
+    (root / "dist").mkdir()
+    make_wheel(root / "dist", "testpkg", "1.0", {"testpkg/__init__.py": "VALUE = 42\n"})
+    write_simple_index(root / "dist", root)
+    with LocalIndex(root) as index:
+        server = Server(root, "--enable-network", "--package-index", index.url,
+                        "--pool-size", "0", env={"API_KEY": DIFY_KEY})
+        yield server
+        server.stop()
+
+
+def test_a_session_installs_a_wheel_for_its_next_execution(index_server):
+    sessions = index_server.url + "/api/v1/sessions"
+    created = http.post(sessions, headers=auth(DIFY_KEY), json={"network": True})
+    assert created.status_code == 201, created.text
+    session = f"{sessions}/{created.json()['id']}"
+    try:
+        installed = http.post(session + "/packages", headers=auth(DIFY_KEY),
+                              json={"packages": ["testpkg==1.0"], "timeout": 60})
+        assert installed.status_code == 200, installed.text
+        assert installed.json()["error"] is None
+        assert "Installed into this session: testpkg==1.0" in installed.json()["stdout"]
+        used = http.post(session + "/execute", headers=auth(DIFY_KEY),
+                         json={"code": "import testpkg\nprint(testpkg.VALUE)"})
+        assert used.json()["stdout"] == "42\n"
+        refused = http.post(session + "/packages", headers=auth(DIFY_KEY),
+                            json={"packages": ["--index-url=http://elsewhere/"]})
+        assert refused.status_code == 422
+    finally:
+        http.delete(session, headers=auth(DIFY_KEY))
+
+
+def test_a_session_without_network_is_told_which_setting_allows_installs(index_server):
+    sessions = index_server.url + "/api/v1/sessions"
+    created = http.post(sessions, headers=auth(DIFY_KEY), json={})
+    session = f"{sessions}/{created.json()['id']}"
+    try:
+        installed = http.post(session + "/packages", headers=auth(DIFY_KEY),
+                              json={"packages": ["testpkg"]})
+        error = installed.json()["error"]
+        assert error["name"] == "PackageInstallError"
+        assert "the network is off in this sandbox" in error["value"]
+    finally:
+        http.delete(session, headers=auth(DIFY_KEY))
