@@ -37,8 +37,9 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="allow-network")
 
     package_index = Unicode(
-        "", help="The package index `%pip install` uses (its simple-API URL); empty: pip's "
-        "default index. The network policy must let the kernel reach it.",
+        "", help="The package index (its simple-API URL) that pip installs from inside a "
+        "kernel (the pip magic); empty: pip's default index. The network policy must let the "
+        "kernel reach it.",
     ).tag(config=True, flag="package-index", metavar="URL")
 
     read_paths = List(
