@@ -270,6 +270,10 @@ def parser() -> argparse.ArgumentParser:
 
     mcp_command.add_parser(sub)
 
+    from .runtimes import command as runtime_command
+
+    runtime_command.add_parser(sub)
+
     # Parsed by launch/eg.py itself (see main()); listed here for --help.
     sub.add_parser("eg-launch", add_help=False,
                    help="start a sandboxed kernel for Jupyter Enterprise Gateway (its launcher)")

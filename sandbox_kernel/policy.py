@@ -63,6 +63,12 @@ class SandboxPolicy(Configurable):
         "Dify's SSRF proxy or a corporate proxy. The egress proxy still applies the policy.",
     ).tag(config=True, flag="upstream-proxy", metavar="URL")
 
+    package_index = Unicode(
+        "", help="The package index (its simple-API URL) that pip installs from inside a "
+        "kernel (the pip magic); empty: pip's default index. The network policy must let the "
+        "kernel reach it.",
+    ).tag(config=True, flag="package-index", metavar="URL")
+
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
     ).tag(config=True, flag="read-path", metavar="PATH")

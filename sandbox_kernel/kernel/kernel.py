@@ -21,7 +21,7 @@ from traitlets import Dict
 from .. import __version__, jsonwire
 from ..confine import denials
 from ..policy import SandboxPolicy
-from . import main_call
+from . import main_call, pip
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 from .usage import SelfUsage
@@ -70,6 +70,7 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         main_call.load_ipython_extension(self.shell)  # the %main magic
+        pip.load_ipython_extension(self.shell)  # %pip, in-process, into the session
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self._skip_unshown_log_records()
         self.deadline: Deadline | None = None
