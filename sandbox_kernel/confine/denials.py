@@ -154,6 +154,11 @@ GRANT_FLAGS = ("add it to the kernelspec with `sandbox-kernel install --read-pat
                "(--write-path to write there too) and restart the kernel")
 
 
+GRANT_CWD = ("reinstall the kernelspec with `sandbox-kernel install --grant-cwd` (read-only; "
+             "--grant-cwd=rw to write there too) and restart the kernel: it then starts in "
+             "that folder")
+
+
 @dataclass(frozen=True)
 class FileAccess:
     """What the kernel knows about its files: its grants, its scratch, where it was started."""
@@ -164,6 +169,8 @@ class FileAccess:
     scratch: str = ""
     launch_dir: str = ""  # the cwd at launch: under Jupyter, the notebook's folder
     hidden: tuple[str, ...] = ()  # directories the kernel's view covers: only grants show there
+    cwd_mode: str = ""  # --grant-cwd: "", "ro" or "rw"
+    cwd_refused: str = ""  # why --grant-cwd was not honoured here
 
     @classmethod
     def granted(cls, read: Iterable[str], write: Iterable[str], scratch: str,
@@ -211,6 +218,12 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
         return _explained(exc, "the sandbox refused it: the path is outside what this kernel "
                           "was granted; to let user code read it, "
                           + GRANT_FLAGS.format(dir=_folder(path)))
+    if not _under(path, access.write) and _host_lets_write(path) and access.cwd_mode == "ro" \
+            and _under(path, [os.path.realpath(access.launch_dir)]):
+        return _explained(exc, "the sandbox refused it: this kernel was granted the folder it "
+                          "started in read-only (--grant-cwd); to let user code write there, "
+                          "install the kernelspec with `sandbox-kernel install --grant-cwd=rw` "
+                          "and restart the kernel")
     if not _under(path, access.write) and _host_lets_write(path):
         return _explained(exc, "the sandbox refused it: this kernel was granted the path "
                           "read-only; to let user code write there, add it with "
@@ -240,14 +253,15 @@ def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | No
             return hidden
         # The host keeps the kernel's uid out (a 0700 directory above it): it cannot tell.
         return _explained(exc, f"{started}, which this kernel's uid cannot look into; if "
-                          f"{name!r} is there, to read it, "
-                          + GRANT_FLAGS.format(dir=access.launch_dir)
-                          + f", then open {elsewhere!r}")
+                          f"{name!r} is there, to read it by this name, " + GRANT_CWD)
     where = f"{started}, which has {name!r}"
+    if access.cwd_refused:
+        return _explained(exc, f"{where}; --grant-cwd could not grant that folder: "
+                          f"{access.cwd_refused}: move the notebook and its data into a folder "
+                          "of their own, or open the file by an absolute path granted with "
+                          "--read-path")
     if access.landlock and not _under(os.path.realpath(elsewhere), access.read):
-        return _explained(exc, f"{where}; to read it, "
-                          + GRANT_FLAGS.format(dir=access.launch_dir)
-                          + f", then open {elsewhere!r}")
+        return _explained(exc, f"{where}; to read it by this name, " + GRANT_CWD)
     return _explained(exc, f"{where}; open {elsewhere!r}")
 
 
