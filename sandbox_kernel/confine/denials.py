@@ -20,7 +20,7 @@ import functools
 import os
 import pty
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
@@ -146,6 +146,32 @@ def install(allow_network: bool) -> None:
         for name in ("connect",):
             setattr(socket.socket, name, _explain(getattr(socket.socket, name),
                                                   f"socket.{name}()", NETWORK_OFF))
+
+
+# --- refusals libraries cope with: recorded, not shown ------------------------------------------
+
+_CLONE_THREAD = 0x10000
+_NUMA_HINT = ("a NUMA placement hint (OpenBLAS, numpy's BLAS, gives one for each buffer it "
+              "maps; the memory is used all the same)")
+_PROBED_PROCESS = ("starting a process (matplotlib's font cache runs fc-list, ctypes.util runs "
+                   "ldconfig; each falls back when refused); Python code that starts one is "
+                   "told so in its own PermissionError")
+
+
+def library_probe(syscall: str, args: Sequence[int]) -> str | None:
+    """What library habit a refused call is, when libraries cope with its refusal; else None.
+
+    The reaper records such a refusal in the audit file but does not print it to the
+    launcher's stderr, which is the user's terminal under `jupyter execute`, papermill and
+    nbclient: every `import numpy` would print lines there. A process that user code starts
+    through Python is refused with an explained PermissionError in its own output (install()).
+    """
+    if syscall in ("mbind", "set_mempolicy"):
+        return _NUMA_HINT
+    if syscall in ("fork", "vfork") or (syscall == "clone" and args
+                                        and not args[0] & _CLONE_THREAD):
+        return _PROBED_PROCESS
+    return None
 
 
 # --- files: explained when shown ------------------------------------------------------------------
