@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.machinery
 import os
+import pwd
 import sys
 import sysconfig
 from collections.abc import Iterable
@@ -145,7 +146,9 @@ def cwd_refusal(folder: str, connection_file: str, audit_log: str = "") -> str |
     if real == "/":
         return "the kernel was started in /, and granting it would grant the whole host"
     kept = {"Jupyter's runtime directory (the connection files of every kernel)":
-            os.path.dirname(os.path.realpath(connection_file))}
+            os.path.dirname(os.path.realpath(connection_file)),
+            "the home directory of the user who started it (keys, tokens, Jupyter's files)":
+            _launching_users_home()}
     if audit_log:
         kept["the audit log"] = os.path.realpath(audit_log)
     for what, path in kept.items():
@@ -154,15 +157,26 @@ def cwd_refusal(folder: str, connection_file: str, audit_log: str = "") -> str |
     return None
 
 
+def _launching_users_home() -> str:
+    """The home of the uid that started the kernel (HOME is the scratch by now)."""
+    try:
+        return os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return "/"  # no account: nothing is inside "/" but "/" itself, refused above
+
+
 def describe_grants(read: Iterable[str], write: Iterable[str], cwd: str = "",
                     cwd_mode: str = "", cwd_refused: str = "") -> list[str]:
     """What user code may reach besides the system and the interpreter, one line each."""
-    granted_cwd = bool(cwd_mode and cwd and not cwd_refused)
+    granted_cwd = bool(cwd_mode and not cwd_refused)
     lines = [f"scratch ({'' if granted_cwd else 'working directory, '}HOME and temp, removed "
              "with the kernel): read-write"]
-    if granted_cwd:
+    if granted_cwd and cwd:
         lines.append(f"{cwd} (the folder the kernel started in, its working directory: "
                      f"relative paths resolve there): {CWD_MODES[cwd_mode]}")
+    elif cwd_mode and not cwd_refused:  # said before a kernel starts (check)
+        lines.append("the folder the kernel starts in (the notebook's folder under Jupyter), "
+                     f"its working directory: {CWD_MODES[cwd_mode]}")
     elif cwd_mode:
         lines.append(f"the folder the kernel started in: NOT granted ({cwd_refused}); "
                      "relative paths resolve in the scratch")
