@@ -38,7 +38,7 @@ def _install(args: argparse.Namespace) -> int:
                            cold_start=args.cold_start, preload=args.preload,
                            enterprise_gateway=args.enterprise_gateway,
                            eg_spec=eg_kernelspec.from_arguments(args))
-    print(f"Installed kernelspec {args.name} in {path}")
+    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix))
     return 0
 
 

@@ -99,6 +99,22 @@ def _install_files(spec: dict, name: str, user: bool, prefix: str | None) -> str
                 "--sys-prefix or a writable --prefix") from exc
 
 
+def installed_message(path: str, name: str, user: bool = False, prefix: str | None = None,
+                      sys_prefix: bool = False) -> str:
+    """What `install` tells the user: where the kernelspec went, who sees it, how to undo it."""
+    flags = "--user " if user else "--sys-prefix " if sys_prefix else \
+        f"--prefix {prefix} " if prefix else ""
+    undo = f"sandbox-kernel uninstall {flags}--name {name}"
+    lines = [f"Installed kernelspec {name} in {path}"]
+    if not (user or prefix or sys_prefix):
+        lines.append(
+            "  system-wide: every user of this machine, and Jupyter in every Python environment, "
+            f"now lists it; it starts {sys.executable}. For yourself only, install with --user "
+            "(or --sys-prefix for this environment only).")
+    lines.append(f"  to remove it: {undo}")
+    return "\n".join(lines)
+
+
 def kernelspec_dir(name: str, user: bool = False, prefix: str | None = None) -> Path:
     """Where install() writes kernelspec `name` for these options (as jupyter_client does)."""
     if user:

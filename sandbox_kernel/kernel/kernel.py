@@ -94,7 +94,11 @@ class SandboxKernel(IPythonKernel):
 
     @property
     def banner(self) -> str:  # type: ignore[override]
-        return super().banner + "\nsandbox-kernel: no processes; network off unless allowed.\n"
+        network = "on" if self.policy.allow_network else "off"
+        files = self.sandbox_info.get("layers", {}).get("files", [])
+        return (super().banner + f"\nsandbox-kernel: no processes; network {network}; files "
+                "user code may reach besides the system and the interpreter:\n"
+                + "".join(f"  {line}\n" for line in files))
 
     @property
     def policy(self) -> SandboxPolicy:
