@@ -20,10 +20,9 @@ import os
 import time
 from typing import Any
 
+from .denials import library_probe
 from .logrelay import LineSink, TokenBucket
 from .tally import Tally
-
-from .denials import library_probe
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
 # u64 instruction_pointer; u64 args[6]}. struct seccomp_notif_resp: u64 id; s64 val;

@@ -297,6 +297,7 @@ class Server:
                 os.dup2(fd, target)
             from sandbox_kernel.confine.environment import prepare
             from sandbox_kernel.kernel.app import main
+            from sandbox_kernel.launch import fontcache
 
             kernel_env = prepare(argv, env)  # closes the remaining server descriptors
             fontcache.copy_into(os.environ.get("MPLCONFIGDIR", ""),
