@@ -164,9 +164,8 @@ def test_only_a_pipe_is_taken_for_the_ready_pipe(tmp_path):
 
 
 def test_a_kernel_whose_port_is_taken_ends_instead_of_hanging(kernelspecs):
-    """Another process holds the shell port: the kernel fails to bind, says why and exits
-    (never through ipykernel's atexit close(), which can wait for ever in context.term()),
-    and start_kernel returns: the ready pipe ends with the kernel."""
+    """Another process holds the shell port: the kernel refuses to start (exit status 3) and
+    start_kernel returns, since the ready pipe ends with the kernel."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
@@ -176,7 +175,7 @@ def test_a_kernel_whose_port_is_taken_ends_instead_of_hanging(kernelspecs):
         manager.start_kernel()  # returns: the ready pipe ends with the kernel
         process = manager.provisioner.process
         assert manager.provisioner.fork_served
-        assert process.wait(timeout=30) == 1
+        assert process.wait(timeout=30) == 3
     finally:
         taken.close()
         if manager.has_kernel:
