@@ -63,6 +63,12 @@ class SandboxPolicy(Configurable):
         "Dify's SSRF proxy or a corporate proxy. The egress proxy still applies the policy.",
     ).tag(config=True, flag="upstream-proxy", metavar="URL")
 
+    package_index = Unicode(
+        "", help="The package index (its simple-API URL) that pip installs from inside a "
+        "kernel (the pip magic); empty: pip's default index. The network policy must let the "
+        "kernel reach it.",
+    ).tag(config=True, flag="package-index", metavar="URL")
+
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
     ).tag(config=True, flag="read-path", metavar="PATH")
@@ -70,6 +76,19 @@ class SandboxPolicy(Configurable):
     write_paths = List(
         Unicode(), help="Extra paths user code may read and write (repeatable). Each must exist.",
     ).tag(config=True, flag="write-path", metavar="PATH")
+
+    grant_cwd = Enum(
+        ["", "ro", "rw"], "",
+        help="Grant user code the folder the kernel starts in (under Jupyter, the notebook's "
+        "folder) and make it the working directory, so that relative paths such as "
+        "'sales.csv' resolve there: 'ro' read-only, 'rw' read-write, '' not granted (the "
+        "working directory is then the scratch). HOME and the temporary directory stay the "
+        "scratch either way. A folder holding Jupyter's runtime directory, the audit log, "
+        "or / is never granted.",
+    ).tag(config=True, flag="grant-cwd", metavar="ro|rw", flag_const="ro",
+          flag_help="Grant user code the folder the kernel starts in (the notebook's folder "
+          "under Jupyter) as its working directory, so relative paths resolve there: "
+          "read-only, or read-write with `--grant-cwd rw`. HOME and temp stay the scratch.")
 
     env = Dict(
         value_trait=Unicode(), key_trait=Unicode(),
@@ -288,9 +307,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(option, dest=name, action=action, default=None, help=help_text)
         else:
             repeatable = isinstance(trait, (List, Dict))
+            # A flag with a `flag_const` may be given bare: `--grant-cwd` means `--grant-cwd ro`.
+            optional = {"nargs": "?", "const": trait.metadata["flag_const"]} \
+                if "flag_const" in trait.metadata else {}
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
-                               help=help_text)
+                               help=help_text, **optional)
 
 
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:

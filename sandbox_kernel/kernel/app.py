@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
@@ -211,9 +212,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
         if refusal:
             self.refuse_to_start(refusal)
+        cwd = self.init_cwd_grant(launch_dir)
         try:
-            read_grants = paths.check_grants(policy.read_paths)
-            write_grants = paths.check_grants(policy.write_paths)
+            granted = paths.check_grants(policy.read_paths), paths.check_grants(policy.write_paths)
+            read_grants, write_grants = granted[0] + cwd["read"], granted[1] + cwd["write"]
             self.init_audit(scratch_dir, write_grants)
             self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
             heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
@@ -227,12 +229,30 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         read_only = paths.read_only(read_grants, self.abs_connection_file)
         read_write = paths.read_write(write_grants, scratch_dir)
         self.init_landlock(read_only, read_write)
+        if cwd["path"]:  # after the view and Landlock: the path as user code will see it
+            os.chdir(cwd["path"])
         # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
         self.file_access = (
             denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir,
                                        self.layers["privileges"].get("covered", ()))
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
+        self.layers["files"] = paths.describe_grants(
+            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "")
+        self.file_access = dataclasses.replace(
+            self.file_access, cwd_mode=self.policy.grant_cwd,
+            cwd_refused=self.layers["cwd"]["refused"] or "")
+
+    def init_cwd_grant(self, launch_dir: str) -> dict[str, Any]:
+        """The folder the kernel started in, granted as --grant-cwd asks (unless unsafe)."""
+        mode = self.policy.grant_cwd
+        refused = paths.cwd_refusal(launch_dir, self.abs_connection_file,
+                                    self.policy.audit_log) if mode else None
+        path = os.path.realpath(launch_dir) if mode and not refused else ""
+        self.layers["cwd"] = {"mode": mode, "path": path or None, "started_in": launch_dir,
+                              "refused": refused}
+        return {"path": path, "read": [path] if path and mode == "ro" else [],
+                "write": [path] if path and mode == "rw" else []}
 
     def init_network(self) -> None:
         """Bind the channels here, then move into a network namespace of the kernel's own.
