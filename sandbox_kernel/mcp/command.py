@@ -127,5 +127,6 @@ def main(args: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
         return 2
-    server.run_http(config, *args.http, keys)
+    host, port = args.http
+    server.run_http(config, host, port, keys)
     return 0

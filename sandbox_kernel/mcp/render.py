@@ -7,7 +7,7 @@ import base64
 import dataclasses
 import json
 import mimetypes
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 from mcp.types import (
@@ -59,9 +59,9 @@ def _output(chunks: list[dict[str, str]], limit: int) -> list[Chunk]:
         else:
             merged.append(Chunk(stream=chunk["stream"], text=chunk["text"]))  # type: ignore[arg-type]
     total = sum(len(c.text) for c in merged) or 1
-    for chunk in merged:
-        chunk.text = messages.cut(messages.plain_output(chunk.text),
-                                  max(200, limit * len(chunk.text) // total))
+    for part in merged:
+        part.text = messages.cut(messages.plain_output(part.text),
+                                 max(200, limit * len(part.text) // total))
     return merged
 
 
@@ -82,7 +82,8 @@ def _display(bundle: dict[str, Any], limit: int) -> tuple[Display, ContentBlock 
 
 
 def _files(run: Run, config: McpConfig) -> tuple[list[FileInfo], list[ContentBlock]]:
-    infos, blocks = [], []
+    infos: list[FileInfo] = []
+    blocks: list[ContentBlock] = []
     for path, size, _ in run.written:
         mime = mime_of(path)
         if run.session is not None:
@@ -105,7 +106,7 @@ def _files(run: Run, config: McpConfig) -> tuple[list[FileInfo], list[ContentBlo
     return infos, blocks
 
 
-def _state(run: Run) -> str:
+def _state(run: Run) -> Literal["kept", "lost", "fresh"]:
     if run.session is None:
         return "fresh"
     return "lost" if run.execution is not None and run.execution.state_lost else "kept"

@@ -16,8 +16,8 @@ class Display(BaseModel):
     """One rich output (a chart, a table); images also come back as image content."""
 
     mime_type: str = Field(description="Its richest form, e.g. image/png, text/html.")
-    text: str | None = Field(None, description="Its text form (SVG, HTML, JSON, plain text), "
-                             "cut to the server's size cap; None for images.")
+    text: str | None = Field(default=None, description="Its text form (SVG, HTML, JSON, plain "
+                             "text), cut to the server's size cap; None for images.")
 
 
 class ErrorInfo(BaseModel):
@@ -30,8 +30,8 @@ class ErrorInfo(BaseModel):
 class FileInfo(BaseModel):
     path: str = Field(description="Relative to the working directory.")
     size: int
-    uri: str | None = Field(None, description="A resource to read it by (sessions only).")
-    embedded: bool = Field(False, description="Its content is in this result.")
+    uri: str | None = Field(default=None, description="A resource to read it by (sessions only).")
+    embedded: bool = Field(default=False, description="Its content is in this result.")
 
 
 class RunResult(BaseModel):
@@ -40,14 +40,15 @@ class RunResult(BaseModel):
     status: Literal["ok", "error", "running"] = Field(
         description="running: not finished yet; call wait_run with `run` for the rest.")
     run: str = Field(description="The run's id, for wait_run and interrupt.")
-    session: str | None = Field(None, description="The session it ran in; None: a fresh "
+    session: str | None = Field(default=None, description="The session it ran in; None: a fresh "
                                 "sandbox that is gone now.")
     output: list[Chunk] = Field(description="stdout and stderr in the order written (new "
                                 "since the last answer about this run).")
     stdout: str
     stderr: str
-    result: dict[str, Any] | None = Field(None, description="main(**inputs)'s returned dict.")
-    value: str | None = Field(None, description="The last expression's value, as text.")
+    result: dict[str, Any] | None = Field(default=None,
+                                          description="main(**inputs)'s returned dict.")
+    value: str | None = Field(default=None, description="The last expression's value, as text.")
     displays: list[Display] = Field(default_factory=list)
     error: ErrorInfo | None = None
     timed_out: bool = False
@@ -56,16 +57,17 @@ class RunResult(BaseModel):
         "restarted and its variables are gone; fresh: the run had a sandbox of its own.")
     files: list[FileInfo] = Field(default_factory=list,
                                   description="Files the run wrote or changed.")
-    usage: dict[str, Any] | None = Field(None, description="What the run cost: wall and CPU "
-                                         "seconds, peak memory, output bytes, refusals.")
-    duration: float | None = Field(None, description="Seconds the run took.")
+    usage: dict[str, Any] | None = Field(default=None, description="What the run cost: wall "
+                                         "and CPU seconds, peak memory, output bytes, "
+                                         "refusals.")
+    duration: float | None = Field(default=None, description="Seconds the run took.")
 
 
 class SessionInfo(BaseModel):
     session: str
     network: bool = Field(description="Whether code in it may use the network.")
     busy: bool
-    running: str | None = Field(None, description="The id of the run in progress.")
+    running: str | None = Field(default=None, description="The id of the run in progress.")
     created: float = Field(description="Unix time it was created.")
     idle_seconds: float
 
@@ -94,7 +96,7 @@ class FileContent(BaseModel):
     path: str
     size: int
     encoding: Literal["text", "base64"]
-    content: str | None = Field(None, description="The text, or base64 for binary files "
+    content: str | None = Field(default=None, description="The text, or base64 for binary files "
                                 "(images come back as image content instead).")
     mime_type: str
 

@@ -154,7 +154,8 @@ def register(server: MCPServer, state: State) -> None:
             if held.run_id is None:
                 return Done(ok=False, message=f"session {held.id} is not running anything")
             run = held.run_id
-        found = _check(lambda: state.runs.get(owner, run))
+        wanted: str = run  # type: ignore[assignment]  # one of the two is given
+        found = _check(lambda: state.runs.get(owner, wanted))
         if found.done:
             return Done(ok=False, message=f"run {found.id} has already finished: collect it "
                         "with wait_run")
@@ -205,14 +206,17 @@ def register(server: MCPServer, state: State) -> None:
         relative = files.relative(path)
         return FileWritten(path=relative, size=size, uri=render.file_uri(held.id, relative))
 
-    hint = {"openWorldHint": config.policy.allow_network}
     server.add_tool(run_python, description=RUN_PYTHON.format(
         network=network, patience=config.patience), title="Run Python in a sandbox",
-        annotations=ToolAnnotations(destructive_hint=False, **hint))
+        annotations=ToolAnnotations(destructive_hint=False,
+                                    open_world_hint=config.policy.allow_network))
     server.add_tool(wait_run, annotations=ToolAnnotations(read_only_hint=True))
-    for tool in (create_session, close_session, restart_session, interrupt, write_file):
+    changing: tuple[Any, ...] = (create_session, close_session, restart_session, interrupt,
+                                 write_file)
+    for tool in changing:
         server.add_tool(tool, annotations=ToolAnnotations(open_world_hint=False))
-    for tool in (list_sessions, list_files, read_file):
+    reading: tuple[Any, ...] = (list_sessions, list_files, read_file)
+    for tool in reading:
         server.add_tool(tool, annotations=ToolAnnotations(read_only_hint=True,
                                                           open_world_hint=False))
 
