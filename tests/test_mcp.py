@@ -152,7 +152,7 @@ def test_an_error_has_its_name_message_and_the_users_line(mcp):
     answer = mcp.tool("run_python", {"code": "x = 1\n\ndef f():\n    return undefined_name\nf()"})
     error = answer.structured_content["error"]
     assert answer.is_error and error["name"] == "NameError" and not error["refused"]
-    assert "undefined_name" in error["message"]
+    assert "undefined_name" in error["value"]
     assert any("return undefined_name" in line for line in error["traceback"])
 
 
@@ -187,7 +187,7 @@ def test_a_refused_call_is_explained_for_a_model_without_operator_flags(mcp, std
                                                                         code, said):
     answer = mcp.tool("run_python", {"code": code})
     error = answer.structured_content["error"]
-    assert answer.is_error and error["refused"] and said in error["message"]
+    assert answer.is_error and error["refused"] and said in error["value"]
     shown = text(answer) + json.dumps(answer.structured_content)
     assert not FLAGS_SEEN.search(shown), shown
     if mcp.transport == "stdio":  # the operator's wording (with its fix) is in the log
@@ -266,7 +266,7 @@ def test_a_long_run_returns_early_and_can_be_interrupted(mcp, session):
     assert stopped["ok"], stopped
     rest = mcp.tool("wait_run", {"run": data["run"]}).structured_content
     assert rest["status"] == "error" and rest["error"]["name"] == "KeyboardInterrupt"
-    assert "variables are kept" in rest["error"]["message"] and rest["state"] == "kept"
+    assert "variables are kept" in rest["error"]["value"] and rest["state"] == "kept"
     assert not rest["stdout"].startswith("0\n")  # only what the first answer did not carry
     after = mcp.tool("run_python", {"session": session, "code": "kept"})
     assert after.structured_content["value"] == "'yes'"
@@ -279,7 +279,7 @@ def test_a_timeout_says_the_session_state_survived(mcp, session):
     data = answer.structured_content
     assert data["timed_out"] and data["error"]["name"] == "ExecutionTimeout"
     assert data["state"] == "kept" and "variables and imports are kept" in \
-        data["error"]["message"]
+        data["error"]["value"]
     assert "--timeout" not in text(answer)
     assert mcp.tool("run_python", {"session": session, "code": "x"}
                     ).structured_content["value"] == "7"
@@ -291,7 +291,7 @@ def test_a_kernel_that_dies_says_the_session_lost_its_state_and_goes_on(mcp, ses
                                      "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"})
     data = answer.structured_content
     assert data["error"]["name"] == "KernelDied" and data["state"] == "lost"
-    assert "variables and imports are gone" in data["error"]["message"]
+    assert "variables and imports are gone" in data["error"]["value"]
     assert "LOST" in text(answer)
     after = mcp.tool("run_python", {"session": session, "code": "'before' in globals()"})
     assert after.structured_content["value"] == "False"  # a fresh kernel, same session

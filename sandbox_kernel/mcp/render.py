@@ -135,7 +135,7 @@ def result(run: Run, config: McpConfig) -> CallToolResult:
         elif shape.value is not None:
             shape.value = messages.cut(shape.value, config.max_text)
         if said is not None:
-            shape.error = ErrorInfo(name=said.name, message=said.message,
+            shape.error = ErrorInfo(name=said.name, value=said.message,
                                     traceback=said.traceback, refused=said.refused)
             shape.timed_out = said.name == "ExecutionTimeout"
         shape.files, file_blocks = _files(run, config)
@@ -159,7 +159,7 @@ def summary(shape: RunResult) -> str:
         lines.append(f"[display {number}: {display.mime_type}]" + (
             "" if display.text is None else f"\n{display.text}"))
     if shape.error is not None:
-        lines.append(f"[error] {shape.error.name}: {shape.error.message}")
+        lines.append(f"[error] {shape.error.name}: {shape.error.value}")
         if not shape.error.refused and shape.error.traceback:
             lines.append("\n".join(shape.error.traceback[-12:]))
     for file in shape.files:

@@ -22,7 +22,7 @@ class Display(BaseModel):
 
 class ErrorInfo(BaseModel):
     name: str = Field(description="The exception's name, e.g. NameError, ExecutionTimeout.")
-    message: str = Field(description="What happened and what the code can do instead.")
+    value: str = Field(description="What happened and what the code can do instead.")
     traceback: list[str] = Field(description="Where it happened, ending at the code's line.")
     refused: bool = Field(description="The sandbox refused something the code tried.")
 
