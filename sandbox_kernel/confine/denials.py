@@ -23,7 +23,7 @@ import functools
 import os
 import pty
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
@@ -192,6 +192,32 @@ def install(allow_network: bool) -> None:
                                                   f"socket.{name}()", NETWORK_OFF))
 
 
+# --- refusals libraries cope with: recorded, not shown ------------------------------------------
+
+_CLONE_THREAD = 0x10000
+_NUMA_HINT = ("a NUMA placement hint (OpenBLAS, numpy's BLAS, gives one for each buffer it "
+              "maps; the memory is used all the same)")
+_PROBED_PROCESS = ("starting a process (matplotlib's font cache runs fc-list, ctypes.util runs "
+                   "ldconfig; each falls back when refused); Python code that starts one is "
+                   "told so in its own PermissionError")
+
+
+def library_probe(syscall: str, args: Sequence[int]) -> str | None:
+    """What library habit a refused call is, when libraries cope with its refusal; else None.
+
+    The reaper records such a refusal in the audit file but does not print it to the
+    launcher's stderr, which is the user's terminal under `jupyter execute`, papermill and
+    nbclient: every `import numpy` would print lines there. A process that user code starts
+    through Python is refused with an explained PermissionError in its own output (install()).
+    """
+    if syscall in ("mbind", "set_mempolicy"):
+        return _NUMA_HINT
+    if syscall in ("fork", "vfork") or (syscall == "clone" and args
+                                        and not args[0] & _CLONE_THREAD):
+        return _PROBED_PROCESS
+    return None
+
+
 # --- files: explained when shown ------------------------------------------------------------------
 
 # The file refusals' texts are built per path; each begins with its rule's `why`.
@@ -223,6 +249,11 @@ GRANT_FLAGS = ("add it to the kernelspec with `sandbox-kernel install --read-pat
                "(--write-path to write there too) and restart the kernel")
 
 
+GRANT_CWD = ("reinstall the kernelspec with `sandbox-kernel install --grant-cwd` (read-only; "
+             "--grant-cwd=rw to write there too) and restart the kernel: it then starts in "
+             "that folder")
+
+
 @dataclass(frozen=True)
 class FileAccess:
     """What the kernel knows about its files: its grants, its scratch, where it was started."""
@@ -233,6 +264,8 @@ class FileAccess:
     scratch: str = ""
     launch_dir: str = ""  # the cwd at launch: under Jupyter, the notebook's folder
     hidden: tuple[str, ...] = ()  # directories the kernel's view covers: only grants show there
+    cwd_mode: str = ""  # --grant-cwd: "", "ro" or "rw"
+    cwd_refused: str = ""  # why --grant-cwd was not honoured here
 
     @classmethod
     def granted(cls, read: Iterable[str], write: Iterable[str], scratch: str,
@@ -279,6 +312,12 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
     if not _under(path, access.read):
         return _explained(exc, f"{OUTSIDE_GRANTS.why}; to let user code read it, "
                           + GRANT_FLAGS.format(dir=_folder(path)))
+    if not _under(path, access.write) and _host_lets_write(path) and access.cwd_mode == "ro" \
+            and _under(path, [os.path.realpath(access.launch_dir)]):
+        return _explained(exc, "the sandbox refused it: this kernel was granted the folder it "
+                          "started in read-only (--grant-cwd); to let user code write there, "
+                          "install the kernelspec with `sandbox-kernel install --grant-cwd=rw` "
+                          "and restart the kernel")
     if not _under(path, access.write) and _host_lets_write(path):
         return _explained(exc, f"{READ_ONLY.why}; to let user code write there, add it with "
                           f"`sandbox-kernel install --write-path {_folder(path)}` and restart "
@@ -307,14 +346,15 @@ def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | No
             return hidden
         # The host keeps the kernel's uid out (a 0700 directory above it): it cannot tell.
         return _explained(exc, f"{started}, which this kernel's uid cannot look into; if "
-                          f"{name!r} is there, to read it, "
-                          + GRANT_FLAGS.format(dir=access.launch_dir)
-                          + f", then open {elsewhere!r}")
+                          f"{name!r} is there, to read it by this name, " + GRANT_CWD)
     where = f"{started}, which has {name!r}"
+    if access.cwd_refused:
+        return _explained(exc, f"{where}; --grant-cwd could not grant that folder: "
+                          f"{access.cwd_refused}: move the notebook and its data into a folder "
+                          "of their own, or open the file by an absolute path granted with "
+                          "--read-path")
     if access.landlock and not _under(os.path.realpath(elsewhere), access.read):
-        return _explained(exc, f"{where}; to read it, "
-                          + GRANT_FLAGS.format(dir=access.launch_dir)
-                          + f", then open {elsewhere!r}")
+        return _explained(exc, f"{where}; to read it by this name, " + GRANT_CWD)
     return _explained(exc, f"{where}; open {elsewhere!r}")
 
 
