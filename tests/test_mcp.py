@@ -175,6 +175,35 @@ def test_huge_output_is_capped_with_a_marker_for_a_model(mcp):
     assert "--max-output" not in text(answer) and "sandbox-kernel client" not in text(answer)
 
 
+# --- what each run cost ---------------------------------------------------------------------
+
+MiB = 2**20
+BUSY = ("import time\nstart = time.process_time()\n"
+        "while time.process_time() - start < 0.4:\n    for _ in range(10**5): pass")
+HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
+        "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
+        "refused_syscalls": "kernel"}
+
+
+def test_usage_reports_cpu_memory_and_refusals_as_the_client_measures_them(mcp, session):
+    def usage(code):
+        return mcp.tool("run_python", {"code": code, "session": session}
+                        ).structured_content["usage"]
+
+    baseline = usage("pass")["peak_memory_bytes"]
+    busy = usage(BUSY)
+    assert busy["source"] == HOST
+    cpu = busy["cpu_user_seconds"] + busy["cpu_system_seconds"]
+    assert 0.4 - 0.02 <= cpu <= 0.4 + 0.15 and cpu <= busy["wall_seconds"] + 0.02
+    big = usage("x = b'1' * (200 * 2**20)\ndel x")
+    assert big["peak_memory_bytes"] >= 200 * MiB + baseline // 2
+    assert usage("y = 1 + 1")["peak_memory_bytes"] < baseline + 20 * MiB  # reset per run
+    refused = mcp.tool("run_python", {"session": session, "code": "import os\nos.fork()"})
+    assert refused.structured_content["usage"]["refused_syscalls"] == 1
+    assert "[usage] wall" in text(refused)
+    assert usage("print('ab')")["output_bytes"] == 3
+
+
 # --- what the sandbox refuses, said for a model --------------------------------------------
 
 @pytest.mark.parametrize(("code", "said"), [

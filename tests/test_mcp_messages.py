@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from sandbox_kernel.client import Execution, ExecutionError
+from sandbox_kernel.client import ErrorInfo, Execution
 from sandbox_kernel.confine import denials
 from sandbox_kernel.mcp import messages
 
@@ -21,7 +21,7 @@ OPERATOR_WORDS = ("--", "kernelspec", "install", "policy flag")
 
 def said(name: str, value: str, in_session: bool = False, state_lost: bool = False,
          timeout: float | None = 5.0, network: bool = False) -> messages.Said:
-    error = ExecutionError(name, value, ["Cell In[1], line 1", f"{name}: {value}"])
+    error = ErrorInfo(name, value, ["Cell In[1], line 1", f"{name}: {value}"])
     found = messages.for_model(Execution(error=error, state_lost=state_lost), timeout,
                                in_session, 2**30, network)
     assert found is not None

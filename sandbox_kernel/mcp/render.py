@@ -21,10 +21,11 @@ from mcp.types import (
     TextResourceContents,
 )
 
+from ..client import Execution
 from . import messages
 from .config import McpConfig
 from .runs import Run
-from .shapes import Chunk, Display, ErrorInfo, FileInfo, RunResult
+from .shapes import Chunk, Display, ErrorInfo, FileInfo, RunResult, Usage
 
 IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 TEXT_DISPLAYS = ("image/svg+xml", "text/html", "text/markdown", "text/latex", "application/json",
@@ -40,14 +41,21 @@ def mime_of(path: str) -> str:
     return mimetypes.guess_type(path)[0] or "application/octet-stream"
 
 
-def usage_of(execution: Any) -> dict[str, Any] | None:
-    """The execution's usage as JSON values, where the client measured one."""
-    usage = getattr(execution, "usage", None)
-    if usage is None:
-        return None
-    if dataclasses.is_dataclass(usage):
-        return dataclasses.asdict(usage)  # type: ignore[arg-type]
-    return dict(usage) if isinstance(usage, dict) else None
+def usage_of(execution: Execution) -> Usage:
+    """The execution's usage, as the client measured it."""
+    return Usage(**dataclasses.asdict(execution.usage))
+
+
+def _usage_line(usage: Usage) -> str:
+    parts = [f"wall {usage.wall_seconds:.3f} s"]
+    if usage.cpu_user_seconds is not None and usage.cpu_system_seconds is not None:
+        parts.append(f"cpu {usage.cpu_user_seconds + usage.cpu_system_seconds:.2f} s")
+    if usage.peak_memory_bytes is not None:
+        parts.append(f"peak memory {usage.peak_memory_bytes / 2**20:.1f} MiB")
+    parts.append(f"output {usage.output_bytes:,} B")
+    if usage.refused_syscalls:
+        parts.append(f"refused calls {usage.refused_syscalls}")
+    return "[usage] " + ", ".join(parts)
 
 
 def _output(chunks: list[dict[str, str]], limit: int) -> list[Chunk]:
@@ -166,6 +174,8 @@ def summary(shape: RunResult) -> str:
         where = file.uri or ("content below" if file.embedded else
                              "too large to return: run in a session to keep it")
         lines.append(f"[file] {file.path} ({file.size:,} bytes): {where}")
+    if shape.usage is not None:
+        lines.append(_usage_line(shape.usage))
     if shape.status == "running":
         lines.append(f"[running] run {shape.run} is still going: call wait_run with run="
                      f"{shape.run!r} for the rest, or interrupt to stop it")

@@ -34,6 +34,22 @@ class FileInfo(BaseModel):
     embedded: bool = Field(default=False, description="Its content is in this result.")
 
 
+class Usage(BaseModel):
+    """What one run cost (the client's `Execution.usage`); None where nobody could measure."""
+
+    wall_seconds: float
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
+    peak_memory_bytes: int | None = Field(default=None, description="The kernel's peak "
+                                          "memory during this run.")
+    output_bytes: int = Field(description="Bytes of stdout and stderr.")
+    result_bytes: int = Field(description="Bytes of the result (its JSON, or its text).")
+    refused_syscalls: int | None = Field(default=None, description="System calls the sandbox "
+                                         "refused during this run.")
+    source: dict[str, str] = Field(description="Who measured each figure: host, sampled, "
+                                   "kernel or caller.")
+
+
 class RunResult(BaseModel):
     """What one run_python call produced (or, while it runs, produced so far)."""
 
@@ -57,9 +73,8 @@ class RunResult(BaseModel):
         "restarted and its variables are gone; fresh: the run had a sandbox of its own.")
     files: list[FileInfo] = Field(default_factory=list,
                                   description="Files the run wrote or changed.")
-    usage: dict[str, Any] | None = Field(default=None, description="What the run cost: wall "
-                                         "and CPU seconds, peak memory, output bytes, "
-                                         "refusals.")
+    usage: Usage | None = Field(default=None, description="What the run cost: wall and CPU "
+                                "seconds, peak memory, output and result bytes, refusals.")
     duration: float | None = Field(default=None, description="Seconds the run took.")
 
 
