@@ -73,6 +73,7 @@ def test_a_timeout_says_whether_state_survived(in_session, lost, expected):
     ("MemoryError", "ran out of memory (this sandbox allows 1,024 MiB)"),
     ("KernelDied", "The session was restarted"),
     ("ResultTooLarge", "write the data to a file"),
+    ("PackageInstallError", "use the packages that are installed"),
     ("KeyboardInterrupt", "interrupted. The session's variables are kept."),
 ])
 def test_limits_are_said_with_what_to_do(name, expected):
@@ -130,6 +131,7 @@ def test_print_tools_gives_openai_function_definitions(form):
     (["--keys", "k.json"], "--keys is for --http"),
     (["--http", "127.0.0.1:1", "--keys", "/nonexistent/keys.json"], "cannot read the API keys"),
     (["--http", "nonsense"], "expected HOST:PORT"),
+    (["--runtime", "no-such-runtime"], "no runtime named 'no-such-runtime'"),
 ])
 def test_bad_command_lines_are_refused_saying_why(args, says):
     done = _mcp(*args)

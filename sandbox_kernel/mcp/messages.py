@@ -93,6 +93,9 @@ def for_model(execution: Execution, timeout: float | None, in_session: bool,
             "of memory or crashed)." + (" The session was restarted: its variables and imports "
                                         "are gone, so run your set-up code again."
                                         if in_session else ""),
+        "PackageInstallError": lambda: "the package could not be installed in this "
+            "sandbox: use the packages that are installed (the sandbox://policy resource lists "
+            "them).",
         "ResultTooLarge": lambda: "the result was too large to return: return a summary, or "
             "write the data to a file and read the part you need.",
         "MessageTooLarge": lambda: "the code produced a message too large to return (a huge "
