@@ -90,7 +90,8 @@ def _sdk_missing() -> str | None:
     try:
         import mcp.server.mcpserver  # noqa: F401
     except ImportError:
-        return ("the MCP SDK is not installed: pip install 'sandbox-kernel[mcp]'")
+        return ("the MCP SDK is not installed: install this package with its [mcp] extra "
+                "(pip install -e '.[mcp]' in the checkout)")
     return None
 
 
