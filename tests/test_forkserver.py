@@ -88,9 +88,12 @@ def test_a_kernel_carries_nothing_of_an_earlier_kernels_code():
             state = evaluate(second, textwrap.dedent("""
                 import json, random, builtins, sys, tempfile, os
                 (hasattr(json, 'PLANTED'), hasattr(builtins, 'PLANTED'), 'planted' in sys.modules,
-                 tempfile.gettempdir() == os.getcwd(), os.listdir('.'), random.random())
+                 tempfile.gettempdir() == os.getcwd(), sorted(os.listdir('.')), random.random(),
+                 os.listdir('.config/matplotlib'))
                 """))
-    assert state[:5] == (False, False, False, True, ['.ipython'])  # IPython's own, new
+    # IPython's own, new; matplotlib's font list, copied from the fork server (launch/fontcache)
+    assert state[:5] == (False, False, False, True, ['.config', '.ipython'])
+    assert [name.startswith("fontlist-v") and name.endswith(".json") for name in state[6]] == [True]
     assert state[5] != seeded  # not the sequence the earlier kernel seeded
 
 
