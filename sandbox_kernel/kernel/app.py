@@ -238,7 +238,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
         self.layers["files"] = paths.describe_grants(
-            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "")
+            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "") \
+            if self.layers["landlock"]["active"] else [
+                "everything this kernel's uid may reach: no file-system confinement "
+                f"({self.layers['landlock'].get('reason', 'Landlock is off')})"]
         self.file_access = dataclasses.replace(
             self.file_access, cwd_mode=self.policy.grant_cwd,
             cwd_refused=self.layers["cwd"]["refused"] or "")
