@@ -12,16 +12,18 @@ from typing import Any
 from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode
 from traitlets.config import Configurable
 
-from .confine.limits import parse_size
+from .confine.limits import DEFAULT_MEMORY_LIMIT, parse_size
 from .confine.paths import check_grants
 from .confine.privileges import DEFAULT_UID_RANGE
-from .confine.scratch import DEFAULT_SCRATCH_SIZE
+from .confine.scratch import AUTO_SIZE, DEFAULT_SCRATCH_FILES, DEFAULT_SCRATCH_SIZE
 
 
 class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
+        if s.strip() == "-1" and self.default_value == -1:  # "choose for me", where it may
+            return -1
         try:
             return parse_size(s)
         except ValueError as exc:
@@ -46,17 +48,28 @@ class SandboxPolicy(Configurable):
 
     env = Dict(
         value_trait=Unicode(), key_trait=Unicode(),
-        help="Environment variables to set for user code (repeatable NAME=VALUE).",
+        help="Environment variables to set for user code (repeatable NAME=VALUE), applied once "
+        "it is confined. Names the dynamic loader or the interpreter act on (LD_*, PYTHON*, "
+        "GCONV_PATH, MALLOC_*, ...) are refused unless --allow-loader-env.",
     ).tag(config=True, flag="env", metavar="NAME=VALUE")
 
     pass_env = List(
-        Unicode(), help="Variables to pass through from the launching environment (repeatable).",
+        Unicode(), help="Variables to pass through from the launching environment (repeatable). "
+        "Names the dynamic loader or the interpreter act on are refused unless "
+        "--allow-loader-env.",
     ).tag(config=True, flag="pass-env", metavar="NAME")
 
+    allow_loader_env = Bool(
+        False, help="Accept --env and --pass-env names the dynamic loader, libc or the "
+        "interpreter act on (LD_PRELOAD, PYTHONPATH, GCONV_PATH, ...). --env values still "
+        "apply only once user code is confined.",
+    ).tag(config=True, flag="allow-loader-env")
+
     memory_limit = ByteSize(
-        4 * 2**30,
-        help="Most memory user code may allocate (RLIMIT_DATA, plus no shared anonymous "
-        "memory); 0 for no limit. Accepts 512M, 2G.",
+        DEFAULT_MEMORY_LIMIT,
+        help="Most memory the kernel may hold, its scratch tmpfs included: the scratch takes "
+        "--scratch-size out of it and the heap (RLIMIT_DATA, plus no shared anonymous memory) "
+        "gets the rest; 0 for no limit. Accepts 512M, 2G.",
     ).tag(config=True, flag="memory-limit", metavar="SIZE")
 
     cpu_limit = Int(
@@ -68,10 +81,18 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="file-size-limit", metavar="SIZE")
 
     scratch_size = ByteSize(
-        DEFAULT_SCRATCH_SIZE,
+        AUTO_SIZE,
         help="Most bytes all files in the scratch directory may hold, as a private tmpfs "
-        "(needs root; elsewhere only --file-size-limit bounds each file). 0: no tmpfs.",
+        "(needs root; elsewhere only --file-size-limit bounds each file), taken out of "
+        f"--memory-limit. -1 (default): a quarter of the memory limit, at most "
+        f"{DEFAULT_SCRATCH_SIZE // 2**30} GiB. 0: no tmpfs.",
     ).tag(config=True, flag="scratch-size", metavar="SIZE")
+
+    scratch_files = Int(
+        DEFAULT_SCRATCH_FILES,
+        help="Most files and directories the scratch tmpfs may hold (its inodes cost the host "
+        "kernel memory outside every limit, ~1 KiB each).",
+    ).tag(config=True, flag="scratch-files", metavar="N")
 
     open_files_limit = Int(
         1024, help="Most file descriptors open at once (RLIMIT_NOFILE).",

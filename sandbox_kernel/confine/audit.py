@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from .logrelay import LineSink, TokenBucket
+from .tally import Tally
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
 # u64 instruction_pointer; u64 args[6]}. struct seccomp_notif_resp: u64 id; s64 val;
@@ -113,8 +114,9 @@ class Auditor:
     """Answers the kernel's refused calls and records each one, rate-limited."""
 
     def __init__(self, listener: int, audit_file: int | None, log: LineSink,
-                 kernel_id: str, uid: int | None) -> None:
+                 kernel_id: str, uid: int | None, tally: Tally | None = None) -> None:
         self.listener, self.audit_file, self.log = listener, audit_file, log
+        self.tally = tally  # the kernel reads it for each execution's usage
         self.kernel_id, self.uid = kernel_id, uid
         self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)
         self.suppressed = 0
@@ -124,6 +126,8 @@ class Auditor:
         notification = receive(self.listener)
         if notification is None:
             return
+        if self.tally is not None:  # before the answer: counted by the time the call returns
+            self.tally.add()
         refuse(self.listener, notification)
         if not self.budget.take():
             self.suppressed += 1

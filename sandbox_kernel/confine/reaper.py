@@ -26,6 +26,7 @@ from typing import Any
 
 from . import audit, handover
 from .logrelay import LauncherLog, LogRelay
+from .tally import Tally
 
 
 def start(scratch_dir: str) -> int:
@@ -154,8 +155,13 @@ class Reaper:
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
         listener, *files = fds
+        counted = None
+        if settings.get("tally") and files:  # the count of refused calls comes first
+            tally_fd, *files = files
+            counted = Tally(tally_fd, writable=True)
+            os.close(tally_fd)
         self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
                                      kernel_id=str(settings.get("kernel", "")),
-                                     uid=settings.get("uid"))
+                                     uid=settings.get("uid"), tally=counted)
         self.poller.register(listener, select.POLLIN)
 

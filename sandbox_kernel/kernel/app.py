@@ -37,8 +37,9 @@ from ..confine import (
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
 from ..confine.errors import ConfinementError
+from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
 from .parser_cache import PrebuiltParser
@@ -69,6 +70,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     launcher_stderr = 2
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
+    refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -89,8 +91,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
+        apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
+        self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
     def _ip_default(self) -> str:
@@ -146,17 +150,22 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir),
+                                  "files": scratch.file_quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
+        refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
+        if refusal:
+            self.refuse_to_start(refusal)
         try:
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
             self.init_audit(scratch_dir, write_grants)
-            self.init_identity([scratch_dir, *read_grants, *write_grants])
+            self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
+            heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
             self.layers["limits"] = limits.apply(
-                policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
+                heap, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
         except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
             raise ConfinementError(str(exc), layer="set-up") from exc
@@ -197,10 +206,11 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
         self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
-    def init_identity(self, reachable: list[str]) -> None:
+    def init_identity(self, reachable: list[str], writable: list[str]) -> None:
         """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
 
-        reachable: what user code must reach besides the interpreter (scratch and grants).
+        reachable: what user code must reach besides the interpreter (scratch and grants);
+        writable: the write grants, where a uid's files may outlive its kernel.
         """
         policy = self.policy
         if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
@@ -209,7 +219,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file])
+                                        [self.abs_connection_file], writable)
         if lock is not None:
             assert self.reaper_channel is not None
             try:
@@ -249,23 +259,31 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
         notify = self.reaper_channel is not None
-        listener = seccomp.install(os.getpid(), self.policy.allow_network,
-                                  landlock_abi=abi, notify=notify)
-        if listener is not None:
-            try:
-                self.hand_listener(listener)
-            except OSError as exc:
-                raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
-                                           ) from exc
+        tally_fd = None
+        try:
+            # The reaper counts what it refuses here, for each execution's usage (tally.py).
+            tally_fd = Tally.create() if notify else None
+            self.refusals = None if tally_fd is None else Tally(tally_fd, writable=False)
+            listener = seccomp.install(os.getpid(), self.policy.allow_network,
+                                      landlock_abi=abi, notify=notify)
+            if listener is not None:
+                self.hand_listener(listener, tally_fd)
+        except OSError as exc:
+            raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
+                                       ) from exc
+        finally:
+            if tally_fd is not None:
+                os.close(tally_fd)
         self.layers["seccomp"] = {"active": True,
                                   **seccomp.describe(self.policy.allow_network, notify,
                                                      landlock_abi=abi)}
 
-    def hand_listener(self, listener: int) -> None:
-        """Give the reaper the seccomp listener (and the audit file); keep neither."""
+    def hand_listener(self, listener: int, tally_fd: int | None = None) -> None:
+        """Give the reaper the seccomp listener, the refusal count and the audit file."""
         assert self.reaper_channel is not None
-        files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
-        settings = {"kernel": self.kernel_id, "uid": os.getuid()}
+        counted = [] if tally_fd is None else [tally_fd]
+        files = [listener, *counted] + ([self.audit_file] if self.audit_file is not None else [])
+        settings = {"kernel": self.kernel_id, "uid": os.getuid(), "tally": bool(counted)}
         try:
             handover.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:

@@ -11,7 +11,7 @@ from .. import __version__
 from ..client import Execution
 from ..policy import SandboxPolicy
 from .access import json_line
-from .auth import ApiKey, BearerKeys, load_keys, same
+from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, network_env
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
@@ -38,8 +38,9 @@ class Service:
         self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
                              config.max_output_total)
         self.sessions = Sessions(self.kernels, config.max_sessions)
+        self.dify_key = dify_key(config.api_key, config.api_keys_file)
         keys = (load_keys(config.api_keys_file) if config.api_keys_file
-                else [ApiKey("default", config.api_key)])
+                else [ApiKey("default", self.dify_key or "")])
         self.bearer_keys = BearerKeys(keys)
         self.metrics = Metrics()
         self.metrics.bind(lambda: len(self.kernels.live), self.kernels.source.ready,
@@ -60,7 +61,7 @@ class Service:
         return task
 
     def dify_key_ok(self, given: str | None) -> bool:
-        return same(given, self.config.api_key)
+        return same(given, self.dify_key)
 
     def count_run(self, api: str, execution: Execution) -> None:
         error = execution.error

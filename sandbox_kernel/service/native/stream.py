@@ -15,7 +15,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.responses import JSONResponse, Response
 
-from ...client import Execution, ExecutionError
+from ...client import ErrorInfo, Execution
 from ..kernels import KernelUnavailable
 from ..sessions import SessionError
 
@@ -93,6 +93,6 @@ def _outcome(work: asyncio.Task[Execution]) -> Execution:
     try:
         return work.result()
     except KernelUnavailable as exc:
-        return Execution(error=ExecutionError("KernelUnavailable", str(exc)))
+        return Execution(error=ErrorInfo("KernelUnavailable", str(exc)))
     except SessionError as exc:
-        return Execution(error=ExecutionError("SessionGone", str(exc)), state_lost=True)
+        return Execution(error=ErrorInfo("SessionGone", str(exc)), state_lost=True)
