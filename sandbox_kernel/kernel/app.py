@@ -156,8 +156,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
         refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
-        if refusal:
-            self.refuse_to_start(refusal)
+        if refusal:  # the reason names the flag that allows these variables
+            raise ConfinementError(refusal, layer="environment")
         try:
             read_grants = paths.check_grants(policy.read_paths)
             write_grants = paths.check_grants(policy.write_paths)
@@ -268,9 +268,9 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                                       landlock_abi=abi, notify=notify)
             if listener is not None:
                 self.hand_listener(listener, tally_fd)
-        except OSError as exc:
-            raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
-                                       ) from exc
+        except OSError as exc:  # the count's memfd, or the handover to the reaper
+            raise seccomp.SeccompError("preparing the reaper's answers to refused calls "
+                                       f"failed: {exc}") from exc
         finally:
             if tally_fd is not None:
                 os.close(tally_fd)
