@@ -7,7 +7,7 @@ import pwd
 import resource
 from typing import Any
 
-from .confine import landlock, privileges, promises, seccomp
+from .confine import landlock, paths, privileges, promises, seccomp
 from .policy import SandboxPolicy
 
 
@@ -108,6 +108,10 @@ def summary(report: dict[str, Any]) -> str:
         f"  user code runs as: uid {uid} ({_user_name(uid)})" if report["uid"] != 0
         or report["policy"].get("run_as") != "auto" else
         f"  user code runs as: a uid of its own per kernel from {report['policy']['uid_range']}",
+        "files user code may reach besides the system and the interpreter:",
+        *(f"  {line}" for line in paths.describe_grants(
+            report["policy"]["read_paths"], report["policy"]["write_paths"],
+            cwd_mode=report["policy"]["grant_cwd"])),
         "promises of this policy, and what keeps them:",
     ]
     for item in report["promises"]:

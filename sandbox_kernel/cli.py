@@ -38,7 +38,7 @@ def _install(args: argparse.Namespace) -> int:
                            cold_start=args.cold_start, preload=args.preload,
                            enterprise_gateway=args.enterprise_gateway,
                            eg_spec=eg_kernelspec.from_arguments(args))
-    print(f"Installed kernelspec {args.name} in {path}")
+    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix))
     return 0
 
 
@@ -265,6 +265,14 @@ def parser() -> argparse.ArgumentParser:
     from .service import serve  # argparse and traitlets only: the server extra loads on use
 
     serve.add_parser(sub)
+
+    from .mcp import command as mcp_command  # argparse only: the MCP SDK loads on use
+
+    mcp_command.add_parser(sub)
+
+    from .runtimes import command as runtime_command
+
+    runtime_command.add_parser(sub)
 
     # Parsed by launch/eg.py itself (see main()); listed here for --help.
     sub.add_parser("eg-launch", add_help=False,

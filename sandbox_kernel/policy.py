@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode
+from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, observe, validate
 from traitlets.config import Configurable
 
 from .confine.limits import DEFAULT_MEMORY_LIMIT, parse_size
@@ -33,10 +33,41 @@ class ByteSize(Int):  # type: ignore[type-arg]
 class SandboxPolicy(Configurable):
     """What untrusted code in one kernel may do."""
 
+    network = Enum(
+        ["off", "hosts", "on"], "off",
+        help="User code's network, always in a namespace of the kernel's own and only through "
+        "the egress proxy outside the sandbox: 'off' (no sockets at all), 'hosts' (only the "
+        "names of --allow-host), 'on' (any public address). Loopback, private, link-local and "
+        "metadata addresses are refused whatever the setting, unless --allow-address grants "
+        "one.",
+    ).tag(config=True, flag="network", metavar="off|hosts|on")
+
     allow_network = Bool(
-        False,
-        help="Let user code create inet/inet6 TCP and UDP sockets. Off: no new sockets at all.",
+        False, help="The same as --network on (kept for existing kernelspecs and callers).",
     ).tag(config=True, flag="allow-network")
+
+    allow_hosts = List(
+        Unicode(), help="With --network hosts: a name user code may reach through the proxy "
+        "(repeatable): api.example.com, *.example.com (any name below it), optionally :PORT; "
+        "or an address or CIDR (203.0.113.0/24) for the few who need them.",
+    ).tag(config=True, flag="allow-host", metavar="NAME[:PORT]")
+
+    allow_addresses = List(
+        Unicode(), help="A loopback, private or link-local address (or CIDR), optionally "
+        ":PORT, the egress proxy may connect to after all (repeatable): only for a service "
+        "meant for user code, e.g. 10.0.0.5:5432.",
+    ).tag(config=True, flag="allow-address", metavar="CIDR[:PORT]")
+
+    upstream_proxy = Unicode(
+        "", help="Send all egress through this HTTP proxy (http://[user:pass@]HOST:PORT), e.g. "
+        "Dify's SSRF proxy or a corporate proxy. The egress proxy still applies the policy.",
+    ).tag(config=True, flag="upstream-proxy", metavar="URL")
+
+    package_index = Unicode(
+        "", help="The package index (its simple-API URL) that pip installs from inside a "
+        "kernel (the pip magic); empty: pip's default index. The network policy must let the "
+        "kernel reach it.",
+    ).tag(config=True, flag="package-index", metavar="URL")
 
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
@@ -45,6 +76,19 @@ class SandboxPolicy(Configurable):
     write_paths = List(
         Unicode(), help="Extra paths user code may read and write (repeatable). Each must exist.",
     ).tag(config=True, flag="write-path", metavar="PATH")
+
+    grant_cwd = Enum(
+        ["", "ro", "rw"], "",
+        help="Grant user code the folder the kernel starts in (under Jupyter, the notebook's "
+        "folder) and make it the working directory, so that relative paths such as "
+        "'sales.csv' resolve there: 'ro' read-only, 'rw' read-write, '' not granted (the "
+        "working directory is then the scratch). HOME and the temporary directory stay the "
+        "scratch either way. A folder holding Jupyter's runtime directory, the audit log, "
+        "or / is never granted.",
+    ).tag(config=True, flag="grant-cwd", metavar="ro|rw", flag_const="ro",
+          flag_help="Grant user code the folder the kernel starts in (the notebook's folder "
+          "under Jupyter) as its working directory, so relative paths resolve there: "
+          "read-only, or read-write with `--grant-cwd rw`. HOME and temp stay the scratch.")
 
     env = Dict(
         value_trait=Unicode(), key_trait=Unicode(),
@@ -166,6 +210,36 @@ class SandboxPolicy(Configurable):
           "processes, open sockets and make any system call. Only for hosts that cannot load "
           "a filter.")
 
+    @observe("allow_network")
+    def _allow_network_is_network_on(self, change: dict[str, Any]) -> None:
+        if change["new"] and self.network == "off":
+            self.network = "on"
+        elif not change["new"]:
+            self.network = "off"
+
+    @observe("network")
+    def _network_allows_sockets(self, change: dict[str, Any]) -> None:
+        self.allow_network = change["new"] != "off"
+
+    @validate("allow_hosts")
+    def _valid_hosts(self, proposal: dict[str, Any]) -> list[str]:
+        return _checked(proposal["value"], "parse_host_entry", "--allow-host")
+
+    @validate("allow_addresses")
+    def _valid_addresses(self, proposal: dict[str, Any]) -> list[str]:
+        return _checked(proposal["value"], "parse_net", "--allow-address")
+
+    @validate("upstream_proxy")
+    def _valid_upstream(self, proposal: dict[str, Any]) -> str:
+        if proposal["value"]:
+            from .confine.egress.rules import Upstream  # ipaddress: only when it is set
+
+            try:
+                Upstream.parse(proposal["value"])
+            except ValueError as exc:
+                raise TraitError(f"--upstream-proxy: {exc}") from None
+        return str(proposal["value"])
+
     def as_dict(self) -> dict[str, Any]:
         """The effective policy as plain JSON-able values."""
         return {name: getattr(self, name) for name in self.trait_names(config=True)}
@@ -184,6 +258,20 @@ class SandboxPolicy(Configurable):
             else:
                 argv.append(f"--SandboxPolicy.{name}={value}")
         return argv
+
+
+def _checked(entries: list[str], parser: str, flag: str) -> list[str]:
+    """entries, each checked by the egress rules' parser (imported only when there are any)."""
+    if not entries:
+        return entries
+    from .confine.egress import rules
+
+    for entry in entries:
+        try:
+            getattr(rules, parser)(entry)
+        except rules.RuleError as exc:
+            raise TraitError(f"{flag}: {exc}") from None
+    return entries
 
 
 def _flagged() -> list[tuple[str, Any]]:
@@ -219,9 +307,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(option, dest=name, action=action, default=None, help=help_text)
         else:
             repeatable = isinstance(trait, (List, Dict))
+            # A flag with a `flag_const` may be given bare: `--grant-cwd` means `--grant-cwd ro`.
+            optional = {"nargs": "?", "const": trait.metadata["flag_const"]} \
+                if "flag_const" in trait.metadata else {}
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
-                               help=help_text)
+                               help=help_text, **optional)
 
 
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:

@@ -159,3 +159,13 @@ def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     env = allowed(scratch_dir, argv, current)
     env[REAPER_VAR] = str(keep)
     return env
+
+
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                   "all_proxy", "PIP_PROXY")
+
+
+def proxy_variables(url: str) -> dict[str, str]:
+    """What points HTTP clients at the egress proxy (requests, httpx, urllib, pip, aiohttp with
+    trust_env, curl), and no bypass list: nothing else is reachable from the namespace."""
+    return {**dict.fromkeys(PROXY_VARIABLES, url), "NO_PROXY": "", "no_proxy": ""}

@@ -22,6 +22,7 @@ import os
 import select
 import shutil
 import socket
+import threading
 from typing import Any
 
 from . import audit, handover
@@ -149,9 +150,17 @@ class Reaper:
             self.held += fds
         elif "audit" in request and fds:
             self._start_audit(request["audit"], fds)
+        elif "egress" in request and fds:
+            self._start_egress(request["egress"], fds)
         else:
             for fd in fds:
                 os.close(fd)
+
+    def _start_egress(self, settings: dict[str, Any], fds: list[int]) -> None:
+        listener, *files = fds
+        threading.Thread(target=_serve_egress, daemon=True, name="egress",
+                         args=(settings, listener, files[0] if files else None,
+                               self.out)).start()
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
         listener, *files = fds
@@ -165,4 +174,26 @@ class Reaper:
                                      kernel_id=str(settings.get("kernel", "")),
                                      uid=settings.get("uid"), tally=counted)
         self.poller.register(listener, select.POLLIN)
+
+
+def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | None,
+                  out: LauncherLog) -> None:
+    """Serve the kernel's egress listener under its rules until the reaper ends (a thread)."""
+    import asyncio
+
+    from .egress.proxy import AuditSink, EgressProxy
+    from .egress.rules import EgressRules, Upstream
+
+    try:
+        rules = EgressRules.parse(settings["mode"], settings["allow_hosts"],
+                                  settings["allow_addresses"])
+        upstream = Upstream.parse(settings["upstream_proxy"]) \
+            if settings.get("upstream_proxy") else None
+    except (KeyError, TypeError, ValueError) as exc:
+        out.write(f"sandbox-kernel: egress proxy not started: {exc}\n".encode())
+        os.close(listener)
+        return
+    proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
+                        AuditSink(audit_file, out), upstream)
+    asyncio.run(proxy.serve(socket.socket(fileno=listener)))
 

@@ -4,23 +4,31 @@
    run by __main__ before the heavy imports)
 2. scratch as cwd, rlimits, audit file, identity       } in init_sockets, while exactly one
    (a uid of its own; a view of the interpreter)      } thread exists
+   the channels' listening sockets bound, then a       }
+   network namespace of its own (netns.py) and the     }
+   egress listener in it, handed to the reaper         }
 3. Landlock                                            }
-4. IPKernelApp binds the ZMQ sockets and starts its threads; the uid is switched
+4. IPKernelApp hands the bound listeners to libzmq and starts its threads (all of them in the
+   private namespace); the uid is switched
 5. seccomp with TSYNC, into every thread; its listener (and the audit file) go to the reaper
 6. start(): user code runs only from here on
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
 import sys
+import threading
 import time
 import warnings
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import zmq
+from ipykernel import kernelapp
+from ipykernel.heartbeat import Heartbeat
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
@@ -28,9 +36,11 @@ from traitlets import DottedObjectName, Instance, Type, default
 from ..confine import (
     audit,
     denials,
+    environment,
     handover,
     landlock,
     limits,
+    netns,
     paths,
     privileges,
     promises,
@@ -48,6 +58,31 @@ from .parser_cache import PrebuiltParser
 # Landlock refuses the random port it would bind, and that is fine. Set here, on import, so that
 # a fork server's kernels find the filter (and its compiled pattern) ready.
 warnings.filterwarnings("ignore", message="Couldn't bind IOPub Pipe")
+
+EGRESS_PORT = 3128  # the egress proxy, on the loopback of the kernel's own namespace
+
+
+class SandboxHeartbeat(Heartbeat):
+    """ipykernel's heartbeat, bound to the listener made before the namespace move."""
+
+    prebound: ClassVar[dict[int, socket.socket]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bound = threading.Event()
+
+    def _try_bind_socket(self) -> Any:
+        _use_prebound(self.socket, self.prebound, self.port)
+        result = super()._try_bind_socket()
+        self.bound.set()
+        return result
+
+
+def _use_prebound(sock: zmq.Socket[Any], prebound: dict[int, socket.socket], port: int) -> None:
+    """Let libzmq take the listener already bound to port (in the launcher's namespace)."""
+    listener = prebound.pop(port, None)
+    if listener is not None:
+        sock.setsockopt(zmq.USE_FD, listener.detach())
 
 
 class SandboxKernelApp(PrebuiltParser, IPKernelApp):
@@ -68,6 +103,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     file_access = Instance(denials.FileAccess, allow_none=True,
                            help="The grants, for explaining file errors to the user.")
     launcher_stderr = 2
+    prebound: ClassVar[dict[int, socket.socket]] = {}  # port -> listener, until libzmq takes it
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
     refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
@@ -139,6 +175,24 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.debug_shell_socket.close(linger=0)
         self.debug_shell_socket = context.socket(zmq.DEALER)  # never connected
 
+    def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> Any:
+        """ipykernel's bind, on the listener bound before the namespace move when there is one."""
+        _use_prebound(s, self.prebound, port)
+        return super()._try_bind_socket(s, port)
+
+    def init_heartbeat(self) -> None:
+        """Start ipykernel's heartbeat, as SandboxHeartbeat: it binds the prebound listener.
+
+        ipykernel names its Heartbeat class in its module and has no setting for it; the swap
+        is made for this call only.
+        """
+        SandboxHeartbeat.prebound = self.prebound
+        kernelapp.Heartbeat = SandboxHeartbeat  # type: ignore[misc]
+        try:
+            super().init_heartbeat()
+        finally:
+            kernelapp.Heartbeat = Heartbeat  # type: ignore[misc]
+
     def init_confinement(self) -> None:
         """Scratch, limits, privileges and Landlock, while this is the only thread."""
         scratch_dir = os.environ.get(SCRATCH_VAR, "")
@@ -158,9 +212,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
         if refusal:  # the reason names the flag that allows these variables
             raise ConfinementError(refusal, layer="environment")
+        cwd = self.init_cwd_grant(launch_dir)
         try:
-            read_grants = paths.check_grants(policy.read_paths)
-            write_grants = paths.check_grants(policy.write_paths)
+            granted = paths.check_grants(policy.read_paths), paths.check_grants(policy.write_paths)
+            read_grants, write_grants = granted[0] + cwd["read"], granted[1] + cwd["write"]
             self.init_audit(scratch_dir, write_grants)
             self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
             heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
@@ -169,16 +224,101 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
         except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
             raise ConfinementError(str(exc), layer="set-up") from exc
+        self.init_network()
         self.init_promises()
         read_only = paths.read_only(read_grants, self.abs_connection_file)
         read_write = paths.read_write(write_grants, scratch_dir)
         self.init_landlock(read_only, read_write)
+        if cwd["path"]:  # after the view and Landlock: the path as user code will see it
+            os.chdir(cwd["path"])
         # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
         self.file_access = (
             denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir,
                                        self.layers["privileges"].get("covered", ()))
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
+        self.layers["files"] = paths.describe_grants(
+            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "")
+        self.file_access = dataclasses.replace(
+            self.file_access, cwd_mode=self.policy.grant_cwd,
+            cwd_refused=self.layers["cwd"]["refused"] or "")
+
+    def init_cwd_grant(self, launch_dir: str) -> dict[str, Any]:
+        """The folder the kernel started in, granted as --grant-cwd asks (unless unsafe)."""
+        mode = self.policy.grant_cwd
+        refused = paths.cwd_refusal(launch_dir, self.abs_connection_file,
+                                    self.policy.audit_log) if mode else None
+        path = os.path.realpath(launch_dir) if mode and not refused else ""
+        self.layers["cwd"] = {"mode": mode, "path": path or None, "started_in": launch_dir,
+                              "refused": refused}
+        return {"path": path, "read": [path] if path and mode == "ro" else [],
+                "write": [path] if path and mode == "rw" else []}
+
+    def init_network(self) -> None:
+        """Bind the channels here, then move into a network namespace of the kernel's own.
+
+        Every thread made from here on (ipykernel's, libzmq's, user code's) is born in the
+        private namespace; the channels' listeners stay in the launcher's (see netns.py).
+        """
+        policy = self.policy
+        if self.transport == "tcp":
+            channels = {"shell": self.shell_port, "iopub": self.iopub_port,
+                        "stdin": self.stdin_port, "control": self.control_port,
+                        "hb": self.hb_port}
+            try:
+                listeners = netns.prebind(self.ip, channels)
+            except netns.NamespaceError as exc:
+                raise ConfinementError(str(exc), layer="network") from exc
+            for name, listener in listeners.items():
+                setattr(self, f"{name}_port", listener.getsockname()[1])
+            self.prebound.update({lsn.getsockname()[1]: lsn for lsn in listeners.values()})
+        try:
+            layer = netns.enter()
+        except netns.NamespaceError as exc:
+            if policy.network != "off":
+                raise ConfinementError(
+                    f"network {policy.network}: {exc.strerror}. Without a namespace of its own "
+                    "user code could reach the host's loopback and other kernels: run the "
+                    "kernel as root or where unprivileged user namespaces are enabled, or use "
+                    "--network off", layer="network") from exc
+            self.layers["network"] = {"active": False, "mode": "off", "reason": exc.strerror}
+            return
+        layer["mode"] = policy.network
+        if policy.network != "off":
+            layer["egress"] = self.init_egress()
+        if layer["owner"] != "root":
+            netns.drop_capabilities()
+        self.layers["network"] = layer
+
+    def init_egress(self) -> dict[str, Any]:
+        """The egress listener on the namespace's loopback, served by the reaper from outside."""
+        policy = self.policy
+        if self.reaper_channel is None:
+            raise ConfinementError(f"network {policy.network} needs the reaper to serve the "
+                                   "egress proxy: start the kernel with `python -I -m "
+                                   "sandbox_kernel`", layer="network")
+        try:
+            netns.loopback_up()
+            listener = netns.egress_listener(EGRESS_PORT)
+        except OSError as exc:
+            raise ConfinementError(f"network {policy.network}: cannot set up the egress "
+                                   f"listener: {exc}", layer="network") from exc
+        settings = {"kernel": self.kernel_id, "mode": policy.network,
+                    "allow_hosts": policy.allow_hosts,
+                    "allow_addresses": policy.allow_addresses,
+                    "upstream_proxy": policy.upstream_proxy}
+        files = [listener.fileno()]
+        if self.audit_file is not None:
+            files.append(self.audit_file)
+        try:
+            handover.hand_over(self.reaper_channel, {"egress": settings}, files)
+        finally:
+            listener.close()
+        url = f"http://127.0.0.1:{EGRESS_PORT}"
+        os.environ.update(environment.proxy_variables(url))
+        return {"proxy": url, "allow_hosts": policy.allow_hosts,
+                "allow_addresses": policy.allow_addresses,
+                "upstream_proxy": bool(policy.upstream_proxy)}
 
     def init_promises(self) -> None:
         """Refuse to start unless every promise of the policy is kept by some layer here."""
@@ -309,6 +449,12 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         """Wait until the heartbeat thread has bound its socket: the filter refuses bind()."""
         # ipykernel binds every other socket in this thread before it returns; the heartbeat
         # binds in its own thread, which may not have run yet.
+        heartbeat = self.heartbeat
+        if isinstance(heartbeat, SandboxHeartbeat):
+            if not heartbeat.bound.wait(timeout):
+                self.refuse_to_start(f"the heartbeat did not bind port {self.hb_port} within "
+                                     f"{timeout:g} s")
+            return
         deadline = time.monotonic() + timeout
         while not _listening(self.transport, self.ip, self.hb_port):
             if time.monotonic() > deadline:

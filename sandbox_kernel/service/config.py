@@ -58,6 +58,11 @@ class ServiceConfig(Configurable):
         "native API's default execution timeout.",
     ).tag(config=True, flag="worker-timeout", env="WORKER_TIMEOUT", metavar="SECONDS")
 
+    runtime = Unicode(
+        "", help="The runtime (`sandbox-kernel runtime create NAME`) kernels run on; its "
+        "packages are what the dify routes' /dependencies list. Empty: this interpreter's.",
+    ).tag(config=True, flag="runtime", env="SANDBOX_RUNTIME", metavar="NAME")
+
     max_timeout = Float(
         300.0, help="The longest timeout a native API request may ask for.",
     ).tag(config=True, flag="max-timeout", env="SANDBOX_MAX_TIMEOUT", metavar="SECONDS")

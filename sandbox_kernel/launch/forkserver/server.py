@@ -105,8 +105,10 @@ class Server:
         # (a preloaded module may extend sys.path).
         from sandbox_kernel.confine import paths, privileges, seccomp
         from sandbox_kernel.kernel.app import SandboxKernelApp
+        from sandbox_kernel.launch import fontcache
 
         paths.interpreter_paths()
+        fontcache.build(os.environ.get("MPLCONFIGDIR", ""))  # for every kernel to copy
         privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
@@ -295,8 +297,11 @@ class Server:
                 os.dup2(fd, target)
             from sandbox_kernel.confine.environment import prepare
             from sandbox_kernel.kernel.app import main
+            from sandbox_kernel.launch import fontcache
 
             kernel_env = prepare(argv, env)  # closes the remaining server descriptors
+            fontcache.copy_into(os.environ.get("MPLCONFIGDIR", ""),
+                                kernel_env.get("MPLCONFIGDIR", ""))
             os.environ.clear()
             os.environ.update(kernel_env)
             _forget_environment()
