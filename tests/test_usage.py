@@ -29,7 +29,8 @@ def test_a_busy_loop_costs_its_cpu_time_measured_by_the_host(sandbox):
     assert usage.source == HOST
     assert 0.5 - 2 * TICK <= cpu(usage) <= 0.5 + 0.15
     assert cpu(usage) <= usage.wall_seconds + 2 * TICK  # one thread: CPU never exceeds wall
-    assert usage.cpu_user_seconds >= 0.4  # a Python loop runs in user space
+    # A Python loop runs in user space (the split is sampled at each tick: not exact).
+    assert usage.cpu_user_seconds > usage.cpu_system_seconds
     idle = ok(sandbox.run("pass")).usage
     assert cpu(idle) <= 0.05
 
