@@ -4,7 +4,7 @@ import asyncio
 import json
 import os
 
-from sandbox_kernel.client import AsyncSandbox
+from sandbox_kernel.client import AsyncSandbox, Sandbox
 from sandbox_kernel.client.meter import KernelProcess
 from tests.helpers import evaluate, ok
 
@@ -99,3 +99,28 @@ def test_the_async_sandbox_measures_the_same_way(kernelspecs):
     usage = asyncio.run(scenario())
     assert usage.source == HOST
     assert 0.2 - 2 * TICK <= cpu(usage) <= 0.2 + 0.15
+
+
+def test_a_timed_out_run_still_reports_what_it_cost(sandbox):
+    execution = sandbox.run("while True: pass", timeout=0.3)
+    assert (execution.error.name, execution.state_lost) == ("ExecutionTimeout", False)
+    assert execution.usage.source == HOST
+    # Stopped by wall time: on a busy machine it got less CPU than that, never more.
+    assert 0 < cpu(execution.usage) <= execution.usage.wall_seconds + 2 * TICK
+
+
+def test_a_lost_kernel_is_measured_before_it_is_replaced(kernelspecs):
+    # Ignores the time limit and the interrupt: only a restart ends it.
+    unstoppable = ("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                   "sum(range(10**18))")
+    with Sandbox("sandbox", grace=0.3) as sandbox:
+        first_pid = sandbox.manager.provisioner.pid
+        execution = sandbox.run(unstoppable, timeout=0.3)
+        assert (execution.error.name, execution.state_lost) == ("ExecutionTimeout", True)
+        assert sandbox.manager.provisioner.pid != first_pid
+        usage = execution.usage
+        assert usage.source["cpu_user_seconds"] == "host"  # read before the restart
+        assert 0 < cpu(usage) <= usage.wall_seconds + 2 * TICK
+        assert "refused_syscalls" not in usage.source and usage.refused_syscalls is None
+        after = ok(sandbox.run("pass")).usage  # the new kernel's process is the one measured
+        assert after.source == HOST and cpu(after) <= 0.05

@@ -372,8 +372,8 @@ class _SandboxCore:
         yield from self._take_reply(msg["header"]["msg_id"])
 
     def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
-             on_stdout: Callback = None, on_stderr: Callback = None,
-             on_display: Callback = None, entrypoint: str = "main") -> Steps[Execution]:
+                   on_stdout: Callback = None, on_stderr: Callback = None,
+                   on_display: Callback = None, entrypoint: str = "main") -> Steps[Execution]:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
         watchdog = Watchdog(timeout, self.grace, self.one_shot)
         msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
@@ -389,6 +389,7 @@ class _SandboxCore:
                     continue
             meter.sample()
             lost = yield from watchdog.verdict(self.manager, inbox)
+        meter.stop()
         execution = self._finish(watchdog, collector, lost)
         jsonwire.thaw()
         reply = None
