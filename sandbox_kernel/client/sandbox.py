@@ -172,7 +172,8 @@ def _blocking(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Ca
     @functools.wraps(operation)
     def method(self: Sandbox, *args: Any, **kwargs: Any) -> T:
         with self._lock if locked else _NO_LOCK:
-            steps, outcome = operation(self, *args, **kwargs), (None, None)
+            steps = operation(self, *args, **kwargs)
+            outcome: tuple[Any, Exception | None] = (None, None)
             while (call := _advance(steps, *outcome))[0] is not _DONE:
                 outcome = _blocking_answer(call)
             return call[1]  # type: ignore[no-any-return]
@@ -186,7 +187,8 @@ def _awaiting(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Ca
     @functools.wraps(operation)
     async def method(self: AsyncSandbox, *args: Any, **kwargs: Any) -> T:
         async with self._lock if locked else _NO_ASYNC_LOCK:
-            steps, outcome = operation(self, *args, **kwargs), (None, None)
+            steps = operation(self, *args, **kwargs)
+            outcome: tuple[Any, Exception | None] = (None, None)
             while (call := _advance(steps, *outcome))[0] is not _DONE:
                 outcome = await _awaited_answer(call)
             return call[1]  # type: ignore[no-any-return]
@@ -211,7 +213,8 @@ class _Operation:
         cls = cls or type(sandbox)
         method = self.methods.get(cls)
         if method is None:  # made once per class
-            method = self.methods[cls] = cls._driver(self.steps, self.locked, self.name)
+            driver = getattr(cls, "_driver")  # noqa: B009  (each sandbox class has its own)
+            method = self.methods[cls] = driver(self.steps, self.locked, self.name)
         return method if sandbox is None else method.__get__(sandbox, cls)
 
 
@@ -412,6 +415,8 @@ class _SandboxCore:
                 reply = queued_reply(self.client, (yield (
                     functools.partial(socket.recv_multipart, flags=zmq.NOBLOCK, copy=False),)))
             except zmq.Again:
+                reply = None
+            if reply is None:
                 try:
                     reply = yield (self.client.get_shell_msg, left)
                 except queue.Empty:
