@@ -124,3 +124,40 @@ def test_a_lost_kernel_is_measured_before_it_is_replaced(kernelspecs):
         assert "refused_syscalls" not in usage.source and usage.refused_syscalls is None
         after = ok(sandbox.run("pass")).usage  # the new kernel's process is the one measured
         assert after.source == HOST and cpu(after) <= 0.05
+
+
+# Makes the kernel's read-only view of the refusal count writable and fills it with ones.
+TAMPER = """
+import ctypes, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+line = next(l for l in open('/proc/self/maps') if 'sandbox-kernel-refusals' in l)
+start = int(line.split('-')[0], 16)
+assert libc.mprotect(start, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+ctypes.memmove(start, b'\\xff' * 8, 8)
+"""
+
+
+def test_a_forged_refusal_count_reaches_only_the_kernels_own_report(fresh_sandbox):
+    ok(fresh_sandbox.run(TAMPER))
+    code = ("import errno, os\ntry:\n    os.fork()\nexcept PermissionError as exc:\n"
+            "    print(exc.errno == errno.EPERM)")
+    # The reaper counts on its own (it never reads the page), answers EPERM and lives on. The
+    # first report is 1 - (2**64 - 1), negative: the client drops it; the next is right again.
+    for count in (None, 1):
+        execution = ok(fresh_sandbox.run(code))
+        assert execution.stdout == "True\n"
+        assert execution.usage.refused_syscalls == count
+    assert evaluate(fresh_sandbox, "1 + 1") == 2
+
+
+def test_a_process_name_cannot_fake_the_peak_memory(sandbox):
+    # The status file's first line is the name user code chooses (prctl PR_SET_NAME).
+    rename = ("import ctypes\nctypes.CDLL(None).prctl(15, b'VmHWM: 1 kB', 0, 0, 0)\n"
+              "open('/proc/self/comm').read()")
+    assert evaluate(sandbox, rename) == "VmHWM: 1 kB\n"
+    try:
+        usage = ok(sandbox.run("x = b'1' * (50 * 2**20)\ndel x")).usage
+        assert usage.peak_memory_bytes >= 50 * MiB
+    finally:
+        ok(sandbox.run("import ctypes\nctypes.CDLL(None).prctl(15, b'python', 0, 0, 0)"))

@@ -44,7 +44,8 @@ class KernelProcess:
     def memory(self, key: bytes) -> int:
         """A Vm* line of the status file (VmHWM, VmRSS) in bytes."""
         status = os.pread(self.status, 8192, 0)
-        start = status.index(key) + len(key) + 1
+        # At a line's start: the first line is the process's name, which user code chooses.
+        start = status.index(b"\n" + key + b":") + len(key) + 2
         return int(status[start:status.index(b"kB", start)]) * 1024
 
     def reset_peak(self) -> bool:

@@ -10,11 +10,13 @@ which it can do anyway: a figure the kernel reports is labelled as the kernel's.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
 
 _COUNT = struct.Struct("=Q")
+_MAX = 2**64 - 1
 
 
 class Tally:
@@ -23,17 +25,24 @@ class Tally:
     def __init__(self, fd: int, writable: bool) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self.map = mmap.mmap(fd, _COUNT.size, flags=mmap.MAP_SHARED, prot=prot)
+        # The writer keeps its own count and never reads the page: whatever user code writes
+        # there (it can make its read-only view writable) reaches only the kernel's report.
+        self.count = 0
 
     @staticmethod
     def create() -> int:
-        """A new zeroed count's descriptor (close-on-exec), for Tally and the reaper."""
-        fd = os.memfd_create("sandbox-kernel-refusals", os.MFD_CLOEXEC)
+        """A new zeroed count's descriptor (close-on-exec, its size sealed), for Tally and
+        the reaper: no one can shrink it under the reaper's mapping (a SIGBUS there)."""
+        fd = os.memfd_create("sandbox-kernel-refusals", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, _COUNT.size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         return fd
 
     def add(self) -> None:
         """Count one refused call (the reaper's side)."""
-        _COUNT.pack_into(self.map, 0, _COUNT.unpack_from(self.map)[0] + 1)
+        self.count += 1
+        _COUNT.pack_into(self.map, 0, self.count & _MAX)
 
     def value(self) -> int:
         """How many calls were refused so far."""
