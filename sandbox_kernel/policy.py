@@ -9,19 +9,21 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from traitlets import Bool, Dict, Float, Int, List, TraitError, Unicode
+from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, observe, validate
 from traitlets.config import Configurable
 
-from .confine.limits import parse_size
+from .confine.limits import DEFAULT_MEMORY_LIMIT, parse_size
 from .confine.paths import check_grants
 from .confine.privileges import DEFAULT_UID_RANGE
-from .confine.scratch import DEFAULT_SCRATCH_SIZE
+from .confine.scratch import AUTO_SIZE, DEFAULT_SCRATCH_FILES, DEFAULT_SCRATCH_SIZE
 
 
 class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
+        if s.strip() == "-1" and self.default_value == -1:  # "choose for me", where it may
+            return -1
         try:
             return parse_size(s)
         except ValueError as exc:
@@ -31,10 +33,41 @@ class ByteSize(Int):  # type: ignore[type-arg]
 class SandboxPolicy(Configurable):
     """What untrusted code in one kernel may do."""
 
+    network = Enum(
+        ["off", "hosts", "on"], "off",
+        help="User code's network, always in a namespace of the kernel's own and only through "
+        "the egress proxy outside the sandbox: 'off' (no sockets at all), 'hosts' (only the "
+        "names of --allow-host), 'on' (any public address). Loopback, private, link-local and "
+        "metadata addresses are refused whatever the setting, unless --allow-address grants "
+        "one.",
+    ).tag(config=True, flag="network", metavar="off|hosts|on")
+
     allow_network = Bool(
-        False,
-        help="Let user code create inet/inet6 TCP and UDP sockets. Off: no new sockets at all.",
+        False, help="The same as --network on (kept for existing kernelspecs and callers).",
     ).tag(config=True, flag="allow-network")
+
+    allow_hosts = List(
+        Unicode(), help="With --network hosts: a name user code may reach through the proxy "
+        "(repeatable): api.example.com, *.example.com (any name below it), optionally :PORT; "
+        "or an address or CIDR (203.0.113.0/24) for the few who need them.",
+    ).tag(config=True, flag="allow-host", metavar="NAME[:PORT]")
+
+    allow_addresses = List(
+        Unicode(), help="A loopback, private or link-local address (or CIDR), optionally "
+        ":PORT, the egress proxy may connect to after all (repeatable): only for a service "
+        "meant for user code, e.g. 10.0.0.5:5432.",
+    ).tag(config=True, flag="allow-address", metavar="CIDR[:PORT]")
+
+    upstream_proxy = Unicode(
+        "", help="Send all egress through this HTTP proxy (http://[user:pass@]HOST:PORT), e.g. "
+        "Dify's SSRF proxy or a corporate proxy. The egress proxy still applies the policy.",
+    ).tag(config=True, flag="upstream-proxy", metavar="URL")
+
+    package_index = Unicode(
+        "", help="The package index (its simple-API URL) that pip installs from inside a "
+        "kernel (the pip magic); empty: pip's default index. The network policy must let the "
+        "kernel reach it.",
+    ).tag(config=True, flag="package-index", metavar="URL")
 
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
@@ -44,19 +77,43 @@ class SandboxPolicy(Configurable):
         Unicode(), help="Extra paths user code may read and write (repeatable). Each must exist.",
     ).tag(config=True, flag="write-path", metavar="PATH")
 
+    grant_cwd = Enum(
+        ["", "ro", "rw"], "",
+        help="Grant user code the folder the kernel starts in (under Jupyter, the notebook's "
+        "folder) and make it the working directory, so that relative paths such as "
+        "'sales.csv' resolve there: 'ro' read-only, 'rw' read-write, '' not granted (the "
+        "working directory is then the scratch). HOME and the temporary directory stay the "
+        "scratch either way. A folder holding Jupyter's runtime directory, the audit log, "
+        "or / is never granted.",
+    ).tag(config=True, flag="grant-cwd", metavar="ro|rw", flag_const="ro",
+          flag_help="Grant user code the folder the kernel starts in (the notebook's folder "
+          "under Jupyter) as its working directory, so relative paths resolve there: "
+          "read-only, or read-write with `--grant-cwd rw`. HOME and temp stay the scratch.")
+
     env = Dict(
         value_trait=Unicode(), key_trait=Unicode(),
-        help="Environment variables to set for user code (repeatable NAME=VALUE).",
+        help="Environment variables to set for user code (repeatable NAME=VALUE), applied once "
+        "it is confined. Names the dynamic loader or the interpreter act on (LD_*, PYTHON*, "
+        "GCONV_PATH, MALLOC_*, ...) are refused unless --allow-loader-env.",
     ).tag(config=True, flag="env", metavar="NAME=VALUE")
 
     pass_env = List(
-        Unicode(), help="Variables to pass through from the launching environment (repeatable).",
+        Unicode(), help="Variables to pass through from the launching environment (repeatable). "
+        "Names the dynamic loader or the interpreter act on are refused unless "
+        "--allow-loader-env.",
     ).tag(config=True, flag="pass-env", metavar="NAME")
 
+    allow_loader_env = Bool(
+        False, help="Accept --env and --pass-env names the dynamic loader, libc or the "
+        "interpreter act on (LD_PRELOAD, PYTHONPATH, GCONV_PATH, ...). --env values still "
+        "apply only once user code is confined.",
+    ).tag(config=True, flag="allow-loader-env")
+
     memory_limit = ByteSize(
-        4 * 2**30,
-        help="Most memory user code may allocate (RLIMIT_DATA, plus no shared anonymous "
-        "memory); 0 for no limit. Accepts 512M, 2G.",
+        DEFAULT_MEMORY_LIMIT,
+        help="Most memory the kernel may hold, its scratch tmpfs included: the scratch takes "
+        "--scratch-size out of it and the heap (RLIMIT_DATA, plus no shared anonymous memory) "
+        "gets the rest; 0 for no limit. Accepts 512M, 2G.",
     ).tag(config=True, flag="memory-limit", metavar="SIZE")
 
     cpu_limit = Int(
@@ -68,10 +125,18 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="file-size-limit", metavar="SIZE")
 
     scratch_size = ByteSize(
-        DEFAULT_SCRATCH_SIZE,
+        AUTO_SIZE,
         help="Most bytes all files in the scratch directory may hold, as a private tmpfs "
-        "(needs root; elsewhere only --file-size-limit bounds each file). 0: no tmpfs.",
+        "(needs root; elsewhere only --file-size-limit bounds each file), taken out of "
+        f"--memory-limit. -1 (default): a quarter of the memory limit, at most "
+        f"{DEFAULT_SCRATCH_SIZE // 2**30} GiB. 0: no tmpfs.",
     ).tag(config=True, flag="scratch-size", metavar="SIZE")
+
+    scratch_files = Int(
+        DEFAULT_SCRATCH_FILES,
+        help="Most files and directories the scratch tmpfs may hold (its inodes cost the host "
+        "kernel memory outside every limit, ~1 KiB each).",
+    ).tag(config=True, flag="scratch-files", metavar="N")
 
     open_files_limit = Int(
         1024, help="Most file descriptors open at once (RLIMIT_NOFILE).",
@@ -145,6 +210,36 @@ class SandboxPolicy(Configurable):
           "processes, open sockets and make any system call. Only for hosts that cannot load "
           "a filter.")
 
+    @observe("allow_network")
+    def _allow_network_is_network_on(self, change: dict[str, Any]) -> None:
+        if change["new"] and self.network == "off":
+            self.network = "on"
+        elif not change["new"]:
+            self.network = "off"
+
+    @observe("network")
+    def _network_allows_sockets(self, change: dict[str, Any]) -> None:
+        self.allow_network = change["new"] != "off"
+
+    @validate("allow_hosts")
+    def _valid_hosts(self, proposal: dict[str, Any]) -> list[str]:
+        return _checked(proposal["value"], "parse_host_entry", "--allow-host")
+
+    @validate("allow_addresses")
+    def _valid_addresses(self, proposal: dict[str, Any]) -> list[str]:
+        return _checked(proposal["value"], "parse_net", "--allow-address")
+
+    @validate("upstream_proxy")
+    def _valid_upstream(self, proposal: dict[str, Any]) -> str:
+        if proposal["value"]:
+            from .confine.egress.rules import Upstream  # ipaddress: only when it is set
+
+            try:
+                Upstream.parse(proposal["value"])
+            except ValueError as exc:
+                raise TraitError(f"--upstream-proxy: {exc}") from None
+        return str(proposal["value"])
+
     def as_dict(self) -> dict[str, Any]:
         """The effective policy as plain JSON-able values."""
         return {name: getattr(self, name) for name in self.trait_names(config=True)}
@@ -163,6 +258,20 @@ class SandboxPolicy(Configurable):
             else:
                 argv.append(f"--SandboxPolicy.{name}={value}")
         return argv
+
+
+def _checked(entries: list[str], parser: str, flag: str) -> list[str]:
+    """entries, each checked by the egress rules' parser (imported only when there are any)."""
+    if not entries:
+        return entries
+    from .confine.egress import rules
+
+    for entry in entries:
+        try:
+            getattr(rules, parser)(entry)
+        except rules.RuleError as exc:
+            raise TraitError(f"{flag}: {exc}") from None
+    return entries
 
 
 def _flagged() -> list[tuple[str, Any]]:
@@ -198,9 +307,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(option, dest=name, action=action, default=None, help=help_text)
         else:
             repeatable = isinstance(trait, (List, Dict))
+            # A flag with a `flag_const` may be given bare: `--grant-cwd` means `--grant-cwd ro`.
+            optional = {"nargs": "?", "const": trait.metadata["flag_const"]} \
+                if "flag_const" in trait.metadata else {}
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
-                               help=help_text)
+                               help=help_text, **optional)
 
 
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:

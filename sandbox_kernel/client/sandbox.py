@@ -19,6 +19,7 @@ import asyncio
 import functools
 import inspect
 import queue
+import shlex
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -240,6 +241,17 @@ _NO_LOCK = _NO_ASYNC_LOCK = _NoLock()
 # --- the one body --------------------------------------------------------------------------------
 
 
+def install_code(packages: Sequence[str], upgrade: bool = False) -> str:
+    """The cell that installs packages (wheels) into a kernel's session: `%pip install ...`."""
+    if not packages:
+        raise ValueError("name at least one package to install")
+    for package in packages:
+        if not package or package.startswith("-") or any(c.isspace() for c in package):
+            raise ValueError(f"not a requirement: {package!r} (give names such as 'x==1.0'; "
+                             "options are not available)")
+    return "%pip install " + ("-U " if upgrade else "") + shlex.join(packages)
+
+
 class _SandboxCore:
     """What Sandbox and AsyncSandbox are made of: a kernel manager, limits, and the steps."""
 
@@ -254,12 +266,13 @@ class _SandboxCore:
                  grace: float = GRACE_SECONDS, max_output: int | None = None,
                  max_result: int | None = None, cold_start: bool = False,
                  preload: Sequence[str] = (), timeout_source: str = "Sandbox.run(timeout=)",
-                 one_shot: bool = False) -> None:
+                 one_shot: bool = False, python: str | None = None) -> None:
         """kernel_name: an installed kernelspec, or None for this package's own with `policy`,
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
-        limit. one_shot: the kernel ends after one run (a timeout then keeps no state)."""
+        limit. one_shot: the kernel ends after one run (a timeout then keeps no state).
+        python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/)."""
         self.manager = self.manager_class(
-            **manager_kwargs(kernel_name, policy, cold_start, preload))
+            **manager_kwargs(kernel_name, policy, cold_start, preload, python))
         jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
         recorded = policy.as_dict() if policy is not None else (
             installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
@@ -374,6 +387,12 @@ class _SandboxCore:
                 collector.feed_frames(frames)
         yield from self._take_reply(msg["header"]["msg_id"])
 
+    def _install_steps(self, *packages: str, upgrade: bool = False,
+                       timeout: float | None = None) -> Steps[Execution]:
+        """Install wheels into this kernel's session (`%pip install`) for later runs to import;
+        the execution's error (PackageInstallError) says why when that is not allowed."""
+        return (yield from self._run_steps(install_code(packages, upgrade), timeout=timeout))
+
     def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
                    on_stdout: Callback = None, on_stderr: Callback = None,
                    on_display: Callback = None, entrypoint: str = "main") -> Steps[Execution]:
@@ -470,6 +489,7 @@ class _SandboxCore:
     kernel_info = _Operation(_kernel_info_steps, locked=True)
     warm_up = _Operation(_warm_up_steps, locked=True)
     run = _Operation(_run_steps, locked=True)
+    install = _Operation(_install_steps, locked=True)
     _connect = _Operation(_connect_steps)
 
 

@@ -15,9 +15,10 @@ class PackageSpecs(KernelSpecManager):
     """Serves a kernelspec built from this package, for sandboxes started without installing."""
 
     def __init__(self, policy: SandboxPolicy, cold_start: bool = False,
-                 preload: Sequence[str] = (), **kwargs: Any) -> None:
+                 preload: Sequence[str] = (), python: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload))
+        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload,
+                                             python))
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         """The package's kernelspec, whatever the name."""
@@ -25,10 +26,11 @@ class PackageSpecs(KernelSpecManager):
 
 
 def manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None, cold_start: bool,
-                   preload: Sequence[str]) -> dict[str, Any]:
-    """The kernel manager's arguments: an installed kernelspec's name, or the package's spec."""
+                   preload: Sequence[str], python: str | None = None) -> dict[str, Any]:
+    """The kernel manager's arguments: an installed kernelspec's name, or the package's spec
+    (on python, a runtime's interpreter, when given)."""
     if kernel_name is None:
-        specs = PackageSpecs(policy or SandboxPolicy(), cold_start, preload)
+        specs = PackageSpecs(policy or SandboxPolicy(), cold_start, preload, python)
         return {"kernel_name": "sandbox-package", "kernel_spec_manager": specs}
     if policy is not None or cold_start or preload:
         raise ValueError("give either kernel_name (an installed kernelspec, which sets policy, "

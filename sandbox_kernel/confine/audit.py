@@ -18,8 +18,10 @@ import fcntl
 import json
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
 
+from .denials import library_probe
+from .logrelay import LineSink, TokenBucket
 from .tally import Tally
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
@@ -49,12 +51,6 @@ class Response(ctypes.Structure):
 
 
 assert ctypes.sizeof(Notification) == _NOTIF_SIZE and ctypes.sizeof(Response) == _RESP_SIZE
-
-
-class LineSink(Protocol):
-    """Where launcher-log lines go (the reaper's LauncherLog)."""
-
-    def write(self, line: bytes) -> None: ...
 
 
 def receive(listener: int) -> Notification | None:
@@ -120,8 +116,6 @@ class Auditor:
 
     def __init__(self, listener: int, audit_file: int | None, log: LineSink,
                  kernel_id: str, uid: int | None, tally: Tally | None = None) -> None:
-        from .reaper import TokenBucket
-
         self.listener, self.audit_file, self.log = listener, audit_file, log
         self.tally = tally  # the kernel reads it for each execution's usage
         self.kernel_id, self.uid = kernel_id, uid
@@ -141,8 +135,11 @@ class Auditor:
             return
         self.report_suppressed()
         entry = record(notification, self.kernel_id, self.uid)
+        probe = library_probe(entry["syscall"], list(notification.args))
+        if probe is not None:  # in the audit file only: not on the user's terminal
+            entry["probe"] = probe
         self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
-                           f"thread {entry['pid']} ({entry['thread']})")
+                           f"thread {entry['pid']} ({entry['thread']})", shown=probe is None)
 
     def report_suppressed(self) -> None:
         """Record how many denials the rate limit left out since the last record."""
@@ -152,9 +149,10 @@ class Auditor:
                         f"{self.suppressed} more denials not recorded (rate limit)")
             self.suppressed = 0
 
-    def _write(self, entry: dict[str, Any], summary: str) -> None:
-        self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"
-                       .encode())
+    def _write(self, entry: dict[str, Any], summary: str, shown: bool = True) -> None:
+        if shown:
+            self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"
+                           .encode())
         if self.audit_file is not None:
             try:  # one write per line: O_APPEND keeps concurrent kernels' lines whole
                 os.write(self.audit_file, json.dumps(entry).encode() + b"\n")

@@ -4,52 +4,88 @@
    run by __main__ before the heavy imports)
 2. scratch as cwd, rlimits, audit file, identity       } in init_sockets, while exactly one
    (a uid of its own; a view of the interpreter)      } thread exists
+   the channels' listening sockets bound, then a       }
+   network namespace of its own (netns.py) and the     }
+   egress listener in it, handed to the reaper         }
 3. Landlock                                            }
-4. IPKernelApp binds the ZMQ sockets and starts its threads; the uid is switched
+4. IPKernelApp hands the bound listeners to libzmq and starts its threads (all of them in the
+   private namespace); the uid is switched
 5. seccomp with TSYNC, into every thread; its listener (and the audit file) go to the reaper
 6. start(): user code runs only from here on
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
 import sys
+import threading
 import time
 import warnings
 from typing import Any, ClassVar, NoReturn
 
 import zmq
+from ipykernel import kernelapp
+from ipykernel.heartbeat import Heartbeat
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
-from traitlets.config.loader import KVArgParseConfigLoader
 
 from ..confine import (
     audit,
     denials,
+    environment,
+    handover,
     landlock,
     limits,
+    netns,
     paths,
     privileges,
     promises,
-    reaper,
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
+from ..confine.errors import ConfinementError
 from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
+from .parser_cache import PrebuiltParser
 
 # ipykernel's IOPub pipe carries output of forked children, which cannot exist in this kernel;
 # Landlock refuses the random port it would bind, and that is fine. Set here, on import, so that
 # a fork server's kernels find the filter (and its compiled pattern) ready.
 warnings.filterwarnings("ignore", message="Couldn't bind IOPub Pipe")
 
+EGRESS_PORT = 3128  # the egress proxy, on the loopback of the kernel's own namespace
 
-class SandboxKernelApp(IPKernelApp):
+
+class SandboxHeartbeat(Heartbeat):
+    """ipykernel's heartbeat, bound to the listener made before the namespace move."""
+
+    prebound: ClassVar[dict[int, socket.socket]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bound = threading.Event()
+
+    def _try_bind_socket(self) -> Any:
+        _use_prebound(self.socket, self.prebound, self.port)
+        result = super()._try_bind_socket()
+        self.bound.set()
+        return result
+
+
+def _use_prebound(sock: zmq.Socket[Any], prebound: dict[int, socket.socket], port: int) -> None:
+    """Let libzmq take the listener already bound to port (in the launcher's namespace)."""
+    listener = prebound.pop(port, None)
+    if listener is not None:
+        sock.setsockopt(zmq.USE_FD, listener.detach())
+
+
+class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     """IPKernelApp that confines its own process before any user code can run."""
 
     name = "sandbox-kernel"
@@ -67,45 +103,10 @@ class SandboxKernelApp(IPKernelApp):
     file_access = Instance(denials.FileAccess, allow_none=True,
                            help="The grants, for explaining file errors to the user.")
     launcher_stderr = 2
+    prebound: ClassVar[dict[int, socket.socket]] = {}  # port -> listener, until libzmq takes it
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
     refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
-    # The command-line parser a fork server built for its kernels (see prebuild_parser).
-    _prebuilt_parser: ClassVar[tuple[tuple[Any, ...], dict[str, Any]] | None] = None
-
-    @classmethod
-    def prebuild_parser(cls) -> None:
-        """Build the command-line parser once, in the fork server, for each kernel to take.
-
-        traitlets builds it on every start, one argument per configurable trait of every
-        class, after listing the classes that have such traits: ~2.5 ms of a fork-served
-        kernel's start, the same every time. The server builds both with a throwaway (never a
-        singleton) application; each forked kernel takes its own copy-on-write copy.
-        """
-        app = cls()
-        flags, aliases = app.flatten_flags()
-        classes = list(app._classes_with_config_traits())
-        loader = KVArgParseConfigLoader([], aliases, flags, classes=classes)
-        loader._create_parser()
-        built = {"parser": loader.parser, "argparse_traits": loader.argparse_traits}
-        cls._prebuilt_parser = ((aliases, flags, classes), built)
-
-    def _classes_with_config_traits(self, classes: Any = None) -> Any:
-        """traitlets' list of configurable classes, or the prebuilt parser's (the same list)."""
-        prebuilt = SandboxKernelApp._prebuilt_parser
-        if classes is None and prebuilt is not None:
-            return iter(prebuilt[0][2])
-        return super()._classes_with_config_traits(classes)
-
-    def _create_loader(self, argv: Any, aliases: Any, flags: Any,
-                       classes: Any) -> KVArgParseConfigLoader:
-        """traitlets' loader, given the prebuilt parser when it was built for these options."""
-        loader = super()._create_loader(argv, aliases, flags, classes)
-        # Taken once: parsing leaves state in the parser (the flags it saw).
-        prebuilt, SandboxKernelApp._prebuilt_parser = SandboxKernelApp._prebuilt_parser, None
-        if prebuilt is not None and prebuilt[0] == (aliases, flags, classes):
-            loader._create_parser = lambda: vars(loader).update(prebuilt[1])  # type: ignore[method-assign]
-        return loader
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -116,13 +117,17 @@ class SandboxKernelApp(IPKernelApp):
         # ipykernel points file descriptor 2 at the frontend; keep the log pipe to the reaper
         # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
-        super().initialize(argv)
-        if self.subapp is not None:
-            return
-        # Switching user only now: ipykernel re-reads its root-only connection file above.
-        privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
-        self.init_seccomp()
+        try:
+            super().initialize(argv)
+            if self.subapp is not None:
+                return
+            # Switching user only now: ipykernel re-reads its root-only connection file above.
+            privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+            self.init_seccomp()
+        except ConfinementError as exc:  # every layer's failure: the error names the fix
+            self.refuse_to_start(exc.refusal())
         self.close_handovers()
+        apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
@@ -170,41 +175,150 @@ class SandboxKernelApp(IPKernelApp):
         self.debug_shell_socket.close(linger=0)
         self.debug_shell_socket = context.socket(zmq.DEALER)  # never connected
 
+    def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> Any:
+        """ipykernel's bind, on the listener bound before the namespace move when there is one."""
+        _use_prebound(s, self.prebound, port)
+        return super()._try_bind_socket(s, port)
+
+    def init_heartbeat(self) -> None:
+        """Start ipykernel's heartbeat, as SandboxHeartbeat: it binds the prebound listener.
+
+        ipykernel names its Heartbeat class in its module and has no setting for it; the swap
+        is made for this call only.
+        """
+        SandboxHeartbeat.prebound = self.prebound
+        kernelapp.Heartbeat = SandboxHeartbeat  # type: ignore[misc]
+        try:
+            super().init_heartbeat()
+        finally:
+            kernelapp.Heartbeat = Heartbeat  # type: ignore[misc]
+
     def init_confinement(self) -> None:
         """Scratch, limits, privileges and Landlock, while this is the only thread."""
         scratch_dir = os.environ.get(SCRATCH_VAR, "")
         if not scratch.is_own(scratch_dir):
-            self.refuse_to_start("no private scratch directory: start the kernel with "
-                                 "`python -I -m sandbox_kernel`, which creates one")
+            raise scratch.ScratchError("no private scratch directory: start the kernel with "
+                                       "`python -I -m sandbox_kernel`, which creates one")
         try:
             launch_dir = os.getcwd()
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir),
+                                  "files": scratch.file_quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
+        refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
+        if refusal:
+            self.refuse_to_start(refusal)
+        cwd = self.init_cwd_grant(launch_dir)
         try:
-            read_grants = paths.check_grants(policy.read_paths)
-            write_grants = paths.check_grants(policy.write_paths)
+            granted = paths.check_grants(policy.read_paths), paths.check_grants(policy.write_paths)
+            read_grants, write_grants = granted[0] + cwd["read"], granted[1] + cwd["write"]
             self.init_audit(scratch_dir, write_grants)
-            self.init_identity([scratch_dir, *read_grants, *write_grants])
+            self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
+            heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
             self.layers["limits"] = limits.apply(
-                policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
+                heap, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
-        except (OSError, ValueError, privileges.PrivilegeError) as exc:
-            self.refuse_to_start(str(exc))
+        except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
+            raise ConfinementError(str(exc), layer="set-up") from exc
+        self.init_network()
         self.init_promises()
         read_only = paths.read_only(read_grants, self.abs_connection_file)
         read_write = paths.read_write(write_grants, scratch_dir)
         self.init_landlock(read_only, read_write)
+        if cwd["path"]:  # after the view and Landlock: the path as user code will see it
+            os.chdir(cwd["path"])
         # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
         self.file_access = (
             denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir,
                                        self.layers["privileges"].get("covered", ()))
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
+        self.layers["files"] = paths.describe_grants(
+            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "")
+        self.file_access = dataclasses.replace(
+            self.file_access, cwd_mode=self.policy.grant_cwd,
+            cwd_refused=self.layers["cwd"]["refused"] or "")
+
+    def init_cwd_grant(self, launch_dir: str) -> dict[str, Any]:
+        """The folder the kernel started in, granted as --grant-cwd asks (unless unsafe)."""
+        mode = self.policy.grant_cwd
+        refused = paths.cwd_refusal(launch_dir, self.abs_connection_file,
+                                    self.policy.audit_log) if mode else None
+        path = os.path.realpath(launch_dir) if mode and not refused else ""
+        self.layers["cwd"] = {"mode": mode, "path": path or None, "started_in": launch_dir,
+                              "refused": refused}
+        return {"path": path, "read": [path] if path and mode == "ro" else [],
+                "write": [path] if path and mode == "rw" else []}
+
+    def init_network(self) -> None:
+        """Bind the channels here, then move into a network namespace of the kernel's own.
+
+        Every thread made from here on (ipykernel's, libzmq's, user code's) is born in the
+        private namespace; the channels' listeners stay in the launcher's (see netns.py).
+        """
+        policy = self.policy
+        if self.transport == "tcp":
+            channels = {"shell": self.shell_port, "iopub": self.iopub_port,
+                        "stdin": self.stdin_port, "control": self.control_port,
+                        "hb": self.hb_port}
+            try:
+                listeners = netns.prebind(self.ip, channels)
+            except netns.NamespaceError as exc:
+                self.refuse_to_start(str(exc))
+            for name, listener in listeners.items():
+                setattr(self, f"{name}_port", listener.getsockname()[1])
+            self.prebound.update({lsn.getsockname()[1]: lsn for lsn in listeners.values()})
+        try:
+            layer = netns.enter()
+        except netns.NamespaceError as exc:
+            if policy.network != "off":
+                self.refuse_to_start(
+                    f"network {policy.network}: {exc.strerror}. Without a namespace of its own "
+                    "user code could reach the host's loopback and other kernels: run the "
+                    "kernel as root or where unprivileged user namespaces are enabled, or use "
+                    "--network off")
+            self.layers["network"] = {"active": False, "mode": "off", "reason": exc.strerror}
+            return
+        layer["mode"] = policy.network
+        if policy.network != "off":
+            layer["egress"] = self.init_egress()
+        if layer["owner"] != "root":
+            netns.drop_capabilities()
+        self.layers["network"] = layer
+
+    def init_egress(self) -> dict[str, Any]:
+        """The egress listener on the namespace's loopback, served by the reaper from outside."""
+        policy = self.policy
+        if self.reaper_channel is None:
+            self.refuse_to_start(f"network {policy.network} needs the reaper to serve the "
+                                 "egress proxy: start the kernel with `python -I -m "
+                                 "sandbox_kernel`")
+        try:
+            netns.loopback_up()
+            listener = netns.egress_listener(EGRESS_PORT)
+        except OSError as exc:
+            self.refuse_to_start(f"network {policy.network}: cannot set up the egress "
+                                 f"listener: {exc}")
+        settings = {"kernel": self.kernel_id, "mode": policy.network,
+                    "allow_hosts": policy.allow_hosts,
+                    "allow_addresses": policy.allow_addresses,
+                    "upstream_proxy": policy.upstream_proxy}
+        files = [listener.fileno()]
+        if self.audit_file is not None:
+            files.append(self.audit_file)
+        try:
+            handover.hand_over(self.reaper_channel, {"egress": settings}, files)
+        finally:
+            listener.close()
+        url = f"http://127.0.0.1:{EGRESS_PORT}"
+        os.environ.update(environment.proxy_variables(url))
+        return {"proxy": url, "allow_hosts": policy.allow_hosts,
+                "allow_addresses": policy.allow_addresses,
+                "upstream_proxy": bool(policy.upstream_proxy)}
 
     def init_promises(self) -> None:
         """Refuse to start unless every promise of the policy is kept by some layer here."""
@@ -216,9 +330,7 @@ class SandboxKernelApp(IPKernelApp):
             max_threads=policy.max_threads, memory_limit=policy.memory_limit,
             uid=self.layers["privileges"]["uid"])
         judged = promises.evaluate(host)
-        reason = promises.refusal(judged)
-        if reason:
-            self.refuse_to_start(reason)
+        promises.require(judged)
         self.layers["promises"] = [promise.as_dict() for promise in judged]
 
     def init_landlock(self, read_only: list[str], read_write: list[str]) -> None:
@@ -232,17 +344,13 @@ class SandboxKernelApp(IPKernelApp):
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
             connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
-        try:
-            self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
-        except landlock.LandlockError as exc:
-            self.refuse_to_start(
-                f"landlock: {exc}. To run without file-system confinement on purpose, start "
-                "the kernel with --no-landlock")
+        self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
-    def init_identity(self, reachable: list[str]) -> None:
+    def init_identity(self, reachable: list[str], writable: list[str]) -> None:
         """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
 
-        reachable: what user code must reach besides the interpreter (scratch and grants).
+        reachable: what user code must reach besides the interpreter (scratch and grants);
+        writable: the write grants, where a uid's files may outlive its kernel.
         """
         policy = self.policy
         if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
@@ -251,11 +359,11 @@ class SandboxKernelApp(IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file])
+                                        [self.abs_connection_file], writable)
         if lock is not None:
             assert self.reaper_channel is not None
             try:
-                reaper.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
+                handover.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
             finally:
                 os.close(lock)
         self.layers["privileges"] = planned
@@ -291,18 +399,18 @@ class SandboxKernelApp(IPKernelApp):
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
         notify = self.reaper_channel is not None
-        # The reaper counts what it refuses here, for each execution's usage (see tally.py).
-        tally_fd = Tally.create() if notify else None
+        tally_fd = None
         try:
+            # The reaper counts what it refuses here, for each execution's usage (tally.py).
+            tally_fd = Tally.create() if notify else None
             self.refusals = None if tally_fd is None else Tally(tally_fd, writable=False)
             listener = seccomp.install(os.getpid(), self.policy.allow_network,
                                       landlock_abi=abi, notify=notify)
             if listener is not None:
                 self.hand_listener(listener, tally_fd)
-        except (seccomp.SeccompError, OSError) as exc:
-            self.refuse_to_start(
-                f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
-                "kernel with --no-seccomp")
+        except OSError as exc:
+            raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
+                                       ) from exc
         finally:
             if tally_fd is not None:
                 os.close(tally_fd)
@@ -317,7 +425,7 @@ class SandboxKernelApp(IPKernelApp):
         files = [listener, *counted] + ([self.audit_file] if self.audit_file is not None else [])
         settings = {"kernel": self.kernel_id, "uid": os.getuid(), "tally": bool(counted)}
         try:
-            reaper.hand_over(self.reaper_channel, {"audit": settings}, files)
+            handover.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:
             os.close(listener)
         self.layers["audit"] = {"recorder": "reaper", "audit_log": self.policy.audit_log or None,
@@ -341,6 +449,12 @@ class SandboxKernelApp(IPKernelApp):
         """Wait until the heartbeat thread has bound its socket: the filter refuses bind()."""
         # ipykernel binds every other socket in this thread before it returns; the heartbeat
         # binds in its own thread, which may not have run yet.
+        heartbeat = self.heartbeat
+        if isinstance(heartbeat, SandboxHeartbeat):
+            if not heartbeat.bound.wait(timeout):
+                self.refuse_to_start(f"the heartbeat did not bind port {self.hb_port} within "
+                                     f"{timeout:g} s")
+            return
         deadline = time.monotonic() + timeout
         while not _listening(self.transport, self.ip, self.hb_port):
             if time.monotonic() > deadline:

@@ -21,13 +21,12 @@ from traitlets import Dict
 from .. import __version__, jsonwire
 from ..confine import denials
 from ..policy import SandboxPolicy
-from . import main_call
+from . import main_call, pip
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 from .usage import SelfUsage
 
-DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
-                    "adapter as a subprocess, and the sandbox forbids creating processes")
+DEBUGGER_REFUSED = denials.DEBUGGER.why
 
 
 def _timeout_source(label: Any) -> str:
@@ -71,6 +70,7 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         main_call.load_ipython_extension(self.shell)  # the %main magic
+        pip.load_ipython_extension(self.shell)  # %pip, in-process, into the session
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self._skip_unshown_log_records()
         self.deadline: Deadline | None = None
@@ -94,7 +94,11 @@ class SandboxKernel(IPythonKernel):
 
     @property
     def banner(self) -> str:  # type: ignore[override]
-        return super().banner + "\nsandbox-kernel: no processes; network off unless allowed.\n"
+        network = "on" if self.policy.allow_network else "off"
+        files = self.sandbox_info.get("layers", {}).get("files", [])
+        return (super().banner + f"\nsandbox-kernel: no processes; network {network}; files "
+                "user code may reach besides the system and the interpreter:\n"
+                + "".join(f"  {line}\n" for line in files))
 
     @property
     def policy(self) -> SandboxPolicy:

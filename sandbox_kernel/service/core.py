@@ -11,7 +11,7 @@ from .. import __version__
 from ..client import Execution
 from ..policy import SandboxPolicy
 from .access import json_line
-from .auth import ApiKey, BearerKeys, load_keys, same
+from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, network_env
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
@@ -31,24 +31,36 @@ class Service:
     def __init__(self, config: ServiceConfig, policy: SandboxPolicy,
                  source: KernelSource | None = None) -> None:
         self.config, self.policy = config, policy
-        networks = (False, True) if config.enable_network else (False,)
-        self.kernels = Kernels(source or make_source(
-            policy, networks, config.pool_size, config.kernel_grace, network_env(config)))
+        self.kernels = Kernels(source or self.make_source())
         self.admission = Admission(config.max_requests, config.max_workers)
         self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
                              config.max_output_total)
         self.sessions = Sessions(self.kernels, config.max_sessions)
+        self.dify_key = dify_key(config.api_key, config.api_keys_file)
         keys = (load_keys(config.api_keys_file) if config.api_keys_file
-                else [ApiKey("default", config.api_key)])
+                else [ApiKey("default", self.dify_key or "")])
         self.bearer_keys = BearerKeys(keys)
         self.metrics = Metrics()
-        self.metrics.bind(lambda: len(self.kernels.live), self.kernels.source.ready,
+        self.metrics.bind(lambda: len(self.kernels.live), lambda: self.kernels.source.ready(),
                           lambda: len(self.sessions), lambda: self.admission.in_flight)
         self.started = False
         self.stopping = False
         self._kernels_proven = False
         self._culler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[Any]] = set()
+
+    def make_source(self) -> KernelSource:
+        """Where kernels come from: this interpreter's, or the runtime's current build."""
+        config = self.config
+        networks = (False, True) if config.enable_network else (False,)
+        return make_source(self.policy, networks, config.pool_size, config.kernel_grace,
+                           network_env(config), config.runtime)
+
+    async def use_current_runtime(self) -> None:
+        """New kernels from the runtime's current build (after an update); old ones drain."""
+        old, self.kernels.source = self.kernels.source, self.make_source()
+        await self.kernels.source.start()
+        self.background(old.close())
 
     def background(self, work: Any) -> asyncio.Future[Any]:
         """Run a coroutine on its own, keeping a reference until it is done (an exception no
@@ -60,7 +72,7 @@ class Service:
         return task
 
     def dify_key_ok(self, given: str | None) -> bool:
-        return same(given, self.config.api_key)
+        return same(given, self.dify_key)
 
     def count_run(self, api: str, execution: Execution) -> None:
         error = execution.error

@@ -15,7 +15,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 
-DIFY_KEY = "test-dify-key"
+DIFY_KEY = "test-dify-key-0123456789"
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 RUN = "/v1/sandbox/run"
 # Generous: on a loaded 2-core machine a fresh kernel can take seconds to start. Tests that time
@@ -56,12 +56,15 @@ class Server:
     """`python -m sandbox_kernel serve` in a subprocess, stopped with SIGTERM."""
 
     def __init__(self, tmp: Path, *flags: str, env: dict[str, str] | None = None,
-                 launcher: tuple[str, ...] = ("-m", "sandbox_kernel")) -> None:
+                 launcher: tuple[str, ...] = ("-m", "sandbox_kernel"),
+                 unset: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
         environ = {**os.environ, "API_KEY": DIFY_KEY, "SANDBOX_PORT": str(self.port),
                    **(env or {})}
+        for name in unset:
+            environ.pop(name, None)
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, *launcher, "serve", "--host", "127.0.0.1", *flags],

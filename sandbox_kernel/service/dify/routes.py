@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from importlib import metadata
@@ -10,11 +11,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from ... import runtimes
 from ..access import json_line
 from ..core import Service
 from ..deps import ServiceDep
 from ..kernels import KernelUnavailable
 from ..runs import Busy, RunRecord, unless_disconnected
+from . import dependencies
 from .answers import run_data
 from .gin import GoJSON, bind, error_answer, success
 
@@ -87,7 +90,7 @@ async def _run_admitted(request: Request, service: Service) -> Response:
 
 
 @functools.lru_cache(maxsize=1)
-def _dependencies() -> list[dict[str, str]]:
+def _installed() -> list[dict[str, str]]:
     """Every distribution the kernel's interpreter (this one: kernels run sys.executable) has."""
     found: dict[str, str] = {}
     for dist in metadata.distributions():
@@ -95,6 +98,14 @@ def _dependencies() -> list[dict[str, str]]:
         if name and name not in found:
             found[name] = dist.version
     return [{"name": name, "version": found[name]} for name in sorted(found, key=str.lower)]
+
+
+def _dependencies(service: Service) -> list[dict[str, str]]:
+    """What dify-sandbox lists: its requirements file's lines, here the runtime's."""
+    if not service.config.runtime:
+        return _installed()
+    runtime = runtimes.find(service.config.runtime)
+    return dependencies.listed(runtime.requirements.read_text())
 
 
 async def _dependency_route(request: Request, service: Service, data: Any) -> Response:
@@ -106,23 +117,40 @@ async def _dependency_route(request: Request, service: Service, data: Any) -> Re
     assert values is not None
     if values["language"] != "python3":
         return error_answer(400, -400, "unsupported language")
-    return success(data() if callable(data) else data)
+    try:
+        return success(await data())
+    except runtimes.RuntimesError as exc:  # dify-sandbox answers a failed install so, too
+        log.error(json_line(event="runtime_failed", error=str(exc)))
+        return error_answer(200, -500, str(exc))
 
 
 @router.get("/v1/sandbox/dependencies")
-async def dependencies(request: Request, service: ServiceDep) -> Response:
-    return await _dependency_route(request, service, lambda: {"dependencies": _dependencies()})
+async def list_dependencies(request: Request, service: ServiceDep) -> Response:
+    async def listed() -> dict[str, Any]:
+        return {"dependencies": _dependencies(service)}
+    return await _dependency_route(request, service, listed)
 
 
 @router.post("/v1/sandbox/dependencies/update")
 async def update_dependencies(request: Request, service: ServiceDep) -> Response:
-    # Nothing to install: packages come with the service's image, not at run time.
-    return await _dependency_route(request, service, {})
+    """dify-sandbox prepares its environment again; here new kernels take the runtime's
+    current build (one `sandbox-kernel runtime update` made since the service started)."""
+    async def switched() -> dict[str, Any]:
+        if service.config.runtime:
+            await service.use_current_runtime()
+        return {}
+    return await _dependency_route(request, service, switched)
 
 
 @router.get("/v1/sandbox/dependencies/refresh")
 async def refresh_dependencies(request: Request, service: ServiceDep) -> Response:
-    def fresh() -> dict[str, Any]:
-        _dependencies.cache_clear()
-        return {"dependencies": _dependencies()}
-    return await _dependency_route(request, service, fresh)
+    """dify-sandbox installs its requirements file again; here the runtime is rebuilt from the
+    operator's file (running kernels keep theirs) and new kernels take the new build."""
+    async def rebuilt() -> dict[str, Any]:
+        if service.config.runtime:
+            await asyncio.to_thread(runtimes.update, service.config.runtime, force=True)
+            await service.use_current_runtime()
+        else:
+            _installed.cache_clear()
+        return {"dependencies": _dependencies(service)}
+    return await _dependency_route(request, service, rebuilt)

@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Request
 from starlette.responses import Response
 
 from ...client import AsyncSandbox, Execution
+from ...client.sandbox import install_code
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
 from ..runs import (
@@ -25,7 +26,7 @@ from ..runs import (
     unless_disconnected,
 )
 from ..sessions import Session, SessionError
-from .schemas import ExecuteRequest, ExecutionShape, OneShotRequest
+from .schemas import ExecuteRequest, ExecutionShape, InstallRequest, OneShotRequest
 from .stream import SSE, EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
@@ -151,3 +152,16 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
         left(task)
         return Response(status_code=499)
     return ExecutionJSON(task.result().to_dict())
+
+
+@router.post("/sessions/{session_id}/packages", response_model=ExecutionShape,
+             summary="Install packages (wheels) into the session's kernel, for its next "
+             "executions to import",
+             responses={409: {"description": "session busy"},
+                        410: {"description": "the session's kernel died"}})
+async def install_in_session(session_id: str, body: InstallRequest, request: Request,
+                             key: Key, service: ServiceDep) -> Response:
+    """`%pip install` in the session: its error (PackageInstallError) says why it failed."""
+    code = install_code(body.packages, body.upgrade)
+    return await execute_in_session(session_id, ExecuteRequest(code=code, timeout=body.timeout),
+                                    request, key, service)

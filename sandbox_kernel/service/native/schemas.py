@@ -24,6 +24,17 @@ class OneShotRequest(ExecuteRequest):
     network: bool = Field(False, description="Run on a kernel that may open network sockets.")
 
 
+class InstallRequest(BaseModel):
+    """Packages to install into a session's kernel (wheels only, from the operator's index)."""
+
+    packages: list[Annotated[str, Field(pattern=r"^[^\s-][^\s]*$", max_length=200)]] = Field(
+        min_length=1, max_length=50, description="Requirements such as 'x' or 'x==1.0'.")
+    upgrade: bool = Field(False, description="Upgrade packages the session has already.")
+    timeout: float | None = Field(
+        None, gt=0, description="Seconds the install may take (default: the service's "
+        "--worker-timeout; at most --max-timeout).")
+
+
 class SessionRequest(BaseModel):
     network: bool = Field(False, description="Let the session's kernel open network sockets.")
     idle_timeout: float | None = Field(
