@@ -23,7 +23,7 @@ from sandbox_kernel.policy import SandboxPolicy
 
 PLAIN = "plain"
 SANDBOX = "sandbox"  # started cold: a new interpreter that re-executes itself clean
-FORK = "fork"  # the same kernel, forked from the fork server (launch/forkserver.py)
+FORK = "fork"  # the same kernel, forked from the fork server (launch/forkserver/)
 KINDS = (PLAIN, SANDBOX)
 START_KINDS = (PLAIN, SANDBOX, FORK)
 READY_TIMEOUT = 60.0

@@ -10,7 +10,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench import payload
+from bench import payload, runtime_import
 from bench.stats import Sample
 from bench.suite import Results
 from bench.targets import TARGET_BY_ROW, TARGETS, verdict
@@ -47,6 +47,9 @@ ROWS = (  # (row id, what it measures), in table order
     ("pandas.process", "9. Code node importing pandas, process per request"),
     ("pandas.rate.fork", "9. pandas code node requests/s, 2 at a time, fork-served"),
     ("pandas.rate.process", "9. pandas code node requests/s, 2 at a time, process per request"),
+    ("mcp.fresh", "10. MCP `run_python` round trip over stdio, fresh kernel (pool of 2)"),
+    ("mcp.session", "10. MCP `run_python` round trip over stdio, in a session (cf. `main.small`)"),
+    *runtime_import.ROWS,
     *payload.ROWS,
 )
 PACKAGES = ("sandbox-kernel", "ipykernel", "ipython", "jupyter_client", "pyzmq", "tornado",
@@ -79,6 +82,8 @@ def _compared(results: Results, row: str) -> str:
     if latency:
         return (f"latency median {_value(latency.median, 's')}, p90 {_value(latency.p90, 's')}; "
                 "MB counted in + out")
+    if row == "runtime.fork" and row in samples and "runtime.cold" in samples:
+        return f"{samples[row].median / samples['runtime.cold'].median:.3f}x `runtime.cold`"
     if row.startswith("concurrency.") and row != "concurrency.1" and row in samples:
         single = samples.get("concurrency.1")
         if single:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bench import calls, fresh, payload
+from bench import calls, fresh, mcp, payload, runtime_import
 from bench.kernels import FORK, KINDS, SANDBOX, START_KINDS, Kernel
 from bench.stats import Sample
 from sandbox_kernel.client import Sandbox
@@ -42,16 +42,20 @@ class Plan:
     fresh_each: int = 2  # requests in one such round
     pandas: int = 0  # pandas code-node requests per kind (and rounds of its rates); 0 skips
     pss_kernels: int = 2  # kernels alive at once when PSS is read (shared pages are split)
+    mcp: int = 5  # run_python round trips through the MCP server, fresh and in a session
+    runtime: int = 0  # first imports of a runtime's preloaded package per kind; 0 skips
 
 
 FULL = Plan(starts=30, executes=1000, calls=100, mb_calls=20, ten_mb_calls=6,
             concurrency=(1, 2, 4), rounds=7, calls_each=50, warmups=2,
-            fresh=15, fresh_rounds=3, fresh_each=12, pandas=6, pss_kernels=4)
+            fresh=15, fresh_rounds=3, fresh_each=12, pandas=6, pss_kernels=4, mcp=40,
+            runtime=5)
 QUICK = Plan(starts=1, executes=20, calls=5, mb_calls=2, ten_mb_calls=0,
              concurrency=(1, 2), rounds=2, calls_each=5, cpu_calls=50, cpu_rounds=1,
              pss_kernels=1)
 RATE_ROWS = ("fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process")
 FRESH_ROWS = ("fresh.cold", "fresh.fork", "pool.first", *RATE_ROWS)
+MCP_ROWS = ("mcp.fresh", "mcp.session")
 PANDAS_ROWS = ("pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process")
 
 
@@ -321,6 +325,25 @@ def measure_pandas(results: Results) -> None:
                 fresh.requests_per_second(request, plan.pandas))
 
 
+def measure_mcp(results: Results) -> None:
+    """10: MCP run_python round trips (fresh kernel and session) beside Sandbox.run."""
+    for row, timings in mcp.round_trips(results.plan.mcp).items():
+        for seconds in timings:
+            results.sample(row, "s").add(seconds)
+
+
+def measure_runtime(results: Results) -> None:
+    """11: the first import of a runtime's preloaded package, fork-served against cold."""
+    rows = [row for row, _ in runtime_import.ROWS]
+    if not results.plan.runtime:
+        for row in rows:
+            results.skipped[row] = SKIPPED_BY_QUICK
+        return
+    for row, values in runtime_import.measure(results.plan.runtime).items():
+        for seconds in values:
+            results.sample(row, "s").add(seconds)
+
+
 def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
         progress: Callable[[str], None] = print) -> Results:
     """Every measurement, then `explain` for the targets that were missed."""
@@ -344,6 +367,12 @@ def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
             measure_fresh(results)
         with recording_failure(results, *PANDAS_ROWS):
             measure_pandas(results)
+        progress("10: MCP run_python round trips, fresh and in a session")
+        with recording_failure(results, *MCP_ROWS):
+            measure_mcp(results)
+        progress("11: first import of a runtime's preloaded package (builds a runtime)")
+        with recording_failure(results, *(row for row, _ in runtime_import.ROWS)):
+            measure_runtime(results)
         progress("profiling the targets that were missed")
         explain(results, kernels)
     finally:

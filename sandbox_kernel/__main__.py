@@ -4,7 +4,7 @@ import sys
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("install", "uninstall", "run", "check", "serve",
-                                             "eg-launch"):
+                                             "runtime", "eg-launch", "mcp"):
         from sandbox_kernel.cli import main as cli_main
 
         sys.exit(cli_main())

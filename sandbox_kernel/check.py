@@ -7,7 +7,7 @@ import pwd
 import resource
 from typing import Any
 
-from .confine import landlock, privileges, promises, seccomp
+from .confine import landlock, paths, privileges, promises, seccomp
 from .policy import SandboxPolicy
 
 
@@ -61,8 +61,13 @@ def host_report(policy: SandboxPolicy) -> dict[str, Any]:
         seccomp_reason=seccomp_reason, seccomp_on=policy.require_seccomp,
         allow_network=policy.allow_network, max_threads=policy.max_threads,
         memory_limit=policy.memory_limit, uid=uid))
+    # The rules this policy's kernel would load (read from the rules, as in kernel_info_reply);
+    # a kernel started as `python -I -m sandbox_kernel` has a reaper to record denials.
+    rules = seccomp.describe(policy.allow_network, notify=True,
+                             landlock_abi=lock["abi"] if policy.require_landlock else 0)
     return {
-        "seccomp": {"available": seccomp_reason is None, "reason": seccomp_reason},
+        "seccomp": {"available": seccomp_reason is None, "reason": seccomp_reason,
+                    "rules": rules if policy.require_seccomp else None},
         "landlock": lock,
         "rlimits": _rlimits(),
         "uid": os.geteuid(),
@@ -80,6 +85,14 @@ def _user_name(uid: int) -> str:
         return "no account"
 
 
+def _filter_lines(rules: dict[str, Any] | None) -> list[str]:
+    """What the filter would allow, one line a setting (its never-list is in `check --json`)."""
+    if not rules:
+        return []
+    return [f"    {name.replace('_', ' ')}: {value}" for name, value in rules.items()
+            if name != "never"]
+
+
 def summary(report: dict[str, Any]) -> str:
     """The report as a few lines a person reads: layers, then each promise and its keeper."""
     lock, filt = report["landlock"], report["seccomp"]
@@ -89,11 +102,16 @@ def summary(report: dict[str, Any]) -> str:
     lines = [
         "layers on this host:",
         f"  seccomp:  {'available' if filt['available'] else 'NOT available: ' + filt['reason']}",
+        *_filter_lines(filt.get("rules")),
         f"  Landlock: ABI {lock['abi']}{capped}" if lock["abi"] else
         f"  Landlock: NOT available{capped}",
         f"  user code runs as: uid {uid} ({_user_name(uid)})" if report["uid"] != 0
         or report["policy"].get("run_as") != "auto" else
         f"  user code runs as: a uid of its own per kernel from {report['policy']['uid_range']}",
+        "files user code may reach besides the system and the interpreter:",
+        *(f"  {line}" for line in paths.describe_grants(
+            report["policy"]["read_paths"], report["policy"]["write_paths"],
+            cwd_mode=report["policy"]["grant_cwd"])),
         "promises of this policy, and what keeps them:",
     ]
     for item in report["promises"]:

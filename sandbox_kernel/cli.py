@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import signal
 import sys
@@ -19,6 +20,7 @@ USAGE_ERROR = 2
 KERNEL_FAILED = 3  # run: the kernel did not start (e.g. the host lacks a layer the policy needs)
 INTERRUPTED = 130  # run: Ctrl-C, what a shell reports for SIGINT
 RUN_TIMEOUT = 60.0  # run: seconds the code may run unless --timeout says otherwise (0: none)
+MAX_SAVED_DISPLAYS = 100  # run --save-displays: files written at most (user code picks the count)
 
 
 class UsageError(Exception):
@@ -36,7 +38,7 @@ def _install(args: argparse.Namespace) -> int:
                            cold_start=args.cold_start, preload=args.preload,
                            enterprise_gateway=args.enterprise_gateway,
                            eg_spec=eg_kernelspec.from_arguments(args))
-    print(f"Installed kernelspec {args.name} in {path}")
+    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix))
     return 0
 
 
@@ -128,8 +130,7 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot create {args.save_displays}: {exc.strerror or exc}") from None
     sandbox = client.Sandbox(kernel_name=None, policy=effective, cold_start=args.cold_start,
-                             preload=args.preload)
-    sandbox.timeout_source, sandbox.one_shot = timeout_source, True
+                             preload=args.preload, timeout_source=timeout_source, one_shot=True)
     try:
         execution = _run_once(sandbox, code, inputs, effective.timeout, args.json)
     except KeyboardInterrupt:
@@ -138,9 +139,24 @@ def _run(args: argparse.Namespace) -> int:
     except _NotStarted as exc:  # the kernel's own reason is already on stderr
         print(f"sandbox-kernel run: the kernel did not start: {exc}", file=sys.stderr)
         return KERNEL_FAILED
-    saved = execution.save_displays(args.save_displays) if args.save_displays else []
+    saved, unsaved = _save_displays(execution, args.save_displays, args.max_saved_displays)
     _report(execution, saved, as_json=args.json)
+    if unsaved:
+        print(f"sandbox-kernel run: the code made {len(execution.displays):,} displays; "
+              f"--save-displays wrote the first {args.max_saved_displays:,} and not the other "
+              f"{unsaved:,} (raise --max-saved-displays to keep more)", file=sys.stderr)
+        return CODE_FAILED
     return CODE_FAILED if execution.error else 0
+
+
+def _save_displays(execution: client.Execution, directory: str | None,
+                   limit: int) -> tuple[list[str], int]:
+    """Write at most limit displays (one file each) to directory; the paths, and how many were
+    left unwritten: user code chooses how many displays it makes, the operator how many files."""
+    if not directory:
+        return [], 0
+    kept = dataclasses.replace(execution, displays=execution.displays[:limit])
+    return kept.save_displays(directory), len(execution.displays) - len(kept.displays)
 
 
 def _run_once(sandbox: client.Sandbox, code: str, inputs: dict | None, timeout: float,
@@ -170,6 +186,13 @@ def _add_location(command: argparse.ArgumentParser) -> None:
                        help="this Python environment's share/jupyter (for virtualenvs and conda)")
     where.add_argument("--prefix", metavar="P", help="P/share/jupyter")
     command.add_argument("--name", default=install.DEFAULT_NAME, help="kernelspec name")
+
+
+def _positive(text: str) -> int:
+    """A whole number of at least 1, for argparse."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return int(text)
 
 
 def _module_list(text: str) -> list[str]:
@@ -222,9 +245,13 @@ def parser() -> argparse.ArgumentParser:
                          "(default: main() with no arguments, if FILE defines it)")
     run_cmd.add_argument("--json", action="store_true",
                          help="print the whole execution (result, stdout, stderr, displays, "
-                         "error) as one JSON object on stdout, and nothing on stderr")
+                         "error, usage) as one JSON object on stdout, and nothing on stderr")
     run_cmd.add_argument("--save-displays", metavar="DIR",
                          help="write each display (chart, HTML, ...) to DIR as display-N.EXT")
+    run_cmd.add_argument("--max-saved-displays", metavar="N", type=_positive,
+                         default=MAX_SAVED_DISPLAYS,
+                         help="most files --save-displays writes; past it the run fails, saying "
+                         f"so (default {MAX_SAVED_DISPLAYS})")
     add_launch_arguments(run_cmd)
     policy.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
     run_cmd.set_defaults(handler=_run)
@@ -238,6 +265,14 @@ def parser() -> argparse.ArgumentParser:
     from .service import serve  # argparse and traitlets only: the server extra loads on use
 
     serve.add_parser(sub)
+
+    from .mcp import command as mcp_command  # argparse only: the MCP SDK loads on use
+
+    mcp_command.add_parser(sub)
+
+    from .runtimes import command as runtime_command
+
+    runtime_command.add_parser(sub)
 
     # Parsed by launch/eg.py itself (see main()); listed here for --help.
     sub.add_parser("eg-launch", add_help=False,

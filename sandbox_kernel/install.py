@@ -40,14 +40,19 @@ def provisioner(cold_start: bool = False, preload: Sequence[str] = ()) -> dict:
 
 
 def kernel_json(policy: SandboxPolicy, display_name: str, cold_start: bool = False,
-                preload: Sequence[str] = ()) -> dict:
-    """kernel.json for this interpreter, with the policy both in argv and in the metadata."""
+                preload: Sequence[str] = (), python: str | None = None,
+                runtime: str | None = None) -> dict:
+    """kernel.json for this interpreter (or python, a runtime's), with the policy both in argv
+    and in the metadata."""
     spec = json.loads((template_dir() / "kernel.json").read_text())
-    argv = [sys.executable if arg == "{python}" else arg for arg in spec["argv"]]
+    python = python or sys.executable
+    argv = [python if arg == "{python}" else arg for arg in spec["argv"]]
     spec["argv"] = argv + policy.to_argv()
     spec["display_name"] = display_name
     spec["metadata"]["sandbox_kernel"]["policy"] = policy.as_dict()
     spec["metadata"]["kernel_provisioner"] = provisioner(cold_start, preload)
+    if runtime:
+        spec["metadata"]["sandbox_kernel"]["runtime"] = runtime
     return spec
 
 
@@ -55,8 +60,11 @@ def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
             display_name: str = DEFAULT_DISPLAY_NAME, user: bool = False,
             prefix: str | None = None, enterprise_gateway: str | None = None,
             eg_spec: eg_kernelspec.EnterpriseGatewaySpec | None = None,
-            cold_start: bool = False, preload: Sequence[str] = ()) -> str:
+            cold_start: bool = False, preload: Sequence[str] = (), python: str | None = None,
+            runtime: str | None = None) -> str:
     """Install the kernelspec `name`(replacing one of that name); return its directory.
+
+    python and runtime: the interpreter of a runtime (runtimes/) and its name.
 
     With enterprise_gateway (kubernetes, docker, distributed) the kernelspec is one for
     Jupyter Enterprise Gateway's process proxy of that name (see launch/eg_kernelspec.py).
@@ -67,19 +75,18 @@ def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
             eg_kernelspec.check(enterprise_gateway, eg_spec)
         except ValueError as exc:
             raise InstallError(str(exc)) from exc
-    path = _install_files(policy, name, display_name, user, prefix, cold_start, preload)
+    spec = kernel_json(policy, display_name, cold_start, preload, python, runtime)
+    path = _install_files(spec, name, user, prefix)
     if enterprise_gateway:
         eg_kernelspec.write(Path(path), enterprise_gateway, policy, display_name, eg_spec, path)
     return path
 
 
-def _install_files(policy: SandboxPolicy, name: str, display_name: str, user: bool,
-                   prefix: str | None, cold_start: bool, preload: Sequence[str]) -> str:
+def _install_files(spec: dict, name: str, user: bool, prefix: str | None) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for logo in template_dir().glob("logo-*"):
             shutil.copy(logo, tmp)
-        Path(tmp, "kernel.json").write_text(json.dumps(
-            kernel_json(policy, display_name, cold_start, preload), indent=2))
+        Path(tmp, "kernel.json").write_text(json.dumps(spec, indent=2))
         try:
             return KernelSpecManager().install_kernel_spec(
                 tmp, kernel_name=name, user=user, prefix=prefix)
@@ -90,6 +97,22 @@ def _install_files(policy: SandboxPolicy, name: str, display_name: str, user: bo
             raise InstallError(
                 f"cannot write the kernelspec to {where}: {exc.strerror or exc}; choose --user, "
                 "--sys-prefix or a writable --prefix") from exc
+
+
+def installed_message(path: str, name: str, user: bool = False, prefix: str | None = None,
+                      sys_prefix: bool = False) -> str:
+    """What `install` tells the user: where the kernelspec went, who sees it, how to undo it."""
+    flags = "--user " if user else "--sys-prefix " if sys_prefix else \
+        f"--prefix {prefix} " if prefix else ""
+    undo = f"sandbox-kernel uninstall {flags}--name {name}"
+    lines = [f"Installed kernelspec {name} in {path}"]
+    if not (user or prefix or sys_prefix):
+        lines.append(
+            "  system-wide: every user of this machine, and Jupyter in every Python environment, "
+            f"now lists it; it starts {sys.executable}. For yourself only, install with --user "
+            "(or --sys-prefix for this environment only).")
+    lines.append(f"  to remove it: {undo}")
+    return "\n".join(lines)
 
 
 def kernelspec_dir(name: str, user: bool = False, prefix: str | None = None) -> Path:

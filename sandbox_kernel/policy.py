@@ -12,16 +12,18 @@ from typing import Any
 from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, observe, validate
 from traitlets.config import Configurable
 
-from .confine.limits import parse_size
+from .confine.limits import DEFAULT_MEMORY_LIMIT, parse_size
 from .confine.paths import check_grants
 from .confine.privileges import DEFAULT_UID_RANGE
-from .confine.scratch import DEFAULT_SCRATCH_SIZE
+from .confine.scratch import AUTO_SIZE, DEFAULT_SCRATCH_FILES, DEFAULT_SCRATCH_SIZE
 
 
 class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
+        if s.strip() == "-1" and self.default_value == -1:  # "choose for me", where it may
+            return -1
         try:
             return parse_size(s)
         except ValueError as exc:
@@ -61,6 +63,12 @@ class SandboxPolicy(Configurable):
         "Dify's SSRF proxy or a corporate proxy. The egress proxy still applies the policy.",
     ).tag(config=True, flag="upstream-proxy", metavar="URL")
 
+    package_index = Unicode(
+        "", help="The package index (its simple-API URL) that pip installs from inside a "
+        "kernel (the pip magic); empty: pip's default index. The network policy must let the "
+        "kernel reach it.",
+    ).tag(config=True, flag="package-index", metavar="URL")
+
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
     ).tag(config=True, flag="read-path", metavar="PATH")
@@ -69,19 +77,43 @@ class SandboxPolicy(Configurable):
         Unicode(), help="Extra paths user code may read and write (repeatable). Each must exist.",
     ).tag(config=True, flag="write-path", metavar="PATH")
 
+    grant_cwd = Enum(
+        ["", "ro", "rw"], "",
+        help="Grant user code the folder the kernel starts in (under Jupyter, the notebook's "
+        "folder) and make it the working directory, so that relative paths such as "
+        "'sales.csv' resolve there: 'ro' read-only, 'rw' read-write, '' not granted (the "
+        "working directory is then the scratch). HOME and the temporary directory stay the "
+        "scratch either way. A folder holding Jupyter's runtime directory, the audit log, "
+        "or / is never granted.",
+    ).tag(config=True, flag="grant-cwd", metavar="ro|rw", flag_const="ro",
+          flag_help="Grant user code the folder the kernel starts in (the notebook's folder "
+          "under Jupyter) as its working directory, so relative paths resolve there: "
+          "read-only, or read-write with `--grant-cwd rw`. HOME and temp stay the scratch.")
+
     env = Dict(
         value_trait=Unicode(), key_trait=Unicode(),
-        help="Environment variables to set for user code (repeatable NAME=VALUE).",
+        help="Environment variables to set for user code (repeatable NAME=VALUE), applied once "
+        "it is confined. Names the dynamic loader or the interpreter act on (LD_*, PYTHON*, "
+        "GCONV_PATH, MALLOC_*, ...) are refused unless --allow-loader-env.",
     ).tag(config=True, flag="env", metavar="NAME=VALUE")
 
     pass_env = List(
-        Unicode(), help="Variables to pass through from the launching environment (repeatable).",
+        Unicode(), help="Variables to pass through from the launching environment (repeatable). "
+        "Names the dynamic loader or the interpreter act on are refused unless "
+        "--allow-loader-env.",
     ).tag(config=True, flag="pass-env", metavar="NAME")
 
+    allow_loader_env = Bool(
+        False, help="Accept --env and --pass-env names the dynamic loader, libc or the "
+        "interpreter act on (LD_PRELOAD, PYTHONPATH, GCONV_PATH, ...). --env values still "
+        "apply only once user code is confined.",
+    ).tag(config=True, flag="allow-loader-env")
+
     memory_limit = ByteSize(
-        4 * 2**30,
-        help="Most memory user code may allocate (RLIMIT_DATA, plus no shared anonymous "
-        "memory); 0 for no limit. Accepts 512M, 2G.",
+        DEFAULT_MEMORY_LIMIT,
+        help="Most memory the kernel may hold, its scratch tmpfs included: the scratch takes "
+        "--scratch-size out of it and the heap (RLIMIT_DATA, plus no shared anonymous memory) "
+        "gets the rest; 0 for no limit. Accepts 512M, 2G.",
     ).tag(config=True, flag="memory-limit", metavar="SIZE")
 
     cpu_limit = Int(
@@ -93,10 +125,18 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="file-size-limit", metavar="SIZE")
 
     scratch_size = ByteSize(
-        DEFAULT_SCRATCH_SIZE,
+        AUTO_SIZE,
         help="Most bytes all files in the scratch directory may hold, as a private tmpfs "
-        "(needs root; elsewhere only --file-size-limit bounds each file). 0: no tmpfs.",
+        "(needs root; elsewhere only --file-size-limit bounds each file), taken out of "
+        f"--memory-limit. -1 (default): a quarter of the memory limit, at most "
+        f"{DEFAULT_SCRATCH_SIZE // 2**30} GiB. 0: no tmpfs.",
     ).tag(config=True, flag="scratch-size", metavar="SIZE")
+
+    scratch_files = Int(
+        DEFAULT_SCRATCH_FILES,
+        help="Most files and directories the scratch tmpfs may hold (its inodes cost the host "
+        "kernel memory outside every limit, ~1 KiB each).",
+    ).tag(config=True, flag="scratch-files", metavar="N")
 
     open_files_limit = Int(
         1024, help="Most file descriptors open at once (RLIMIT_NOFILE).",
@@ -267,9 +307,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(option, dest=name, action=action, default=None, help=help_text)
         else:
             repeatable = isinstance(trait, (List, Dict))
+            # A flag with a `flag_const` may be given bare: `--grant-cwd` means `--grant-cwd ro`.
+            optional = {"nargs": "?", "const": trait.metadata["flag_const"]} \
+                if "flag_const" in trait.metadata else {}
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
-                               help=help_text)
+                               help=help_text, **optional)
 
 
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:

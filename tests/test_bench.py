@@ -17,10 +17,11 @@ ROWS = ("start.plain", "start.sandbox", "execute.plain", "execute.sandbox", "mai
         "cpu.sandbox", "cpu.fork", "pss.sandbox", "pss.fork", "fresh.cold", "fresh.fork",
         "fresh.pool", "rate.cold", "rate.fork", "rate.pool", "rate.process", "pool.first",
         "pandas.fork", "pandas.process", "pandas.rate.fork", "pandas.rate.process",
-        "floor.1mb", "floor.10mb", "cpu.small", "capacity.small")
+        "runtime.fork", "runtime.cold", "floor.1mb", "floor.10mb", "cpu.small",
+        "capacity.small", "mcp.fresh", "mcp.session")
 SKIPPED_IN_QUICK = {"main.10mb", "floor.10mb", "concurrency.4", "pandas.fork", "pandas.process",
                     "pandas.rate.fork", "pandas.rate.process", "fresh.pool", "rate.cold",
-                    "rate.fork", "rate.pool", "rate.process"}
+                    "rate.fork", "rate.pool", "rate.process", "runtime.fork", "runtime.cold"}
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MEDIAN, COMPARED, MET = 1, 4, 6  # cells after the row id: label, median, p90, n, compared, ...
 

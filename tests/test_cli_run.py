@@ -55,8 +55,12 @@ def test_chart_example_json_and_saved_png(tmp_path):
     assert own_lines(done.stderr) == ""
     report = json.loads(done.stdout)
     assert set(report) == {"result", "text", "logs", "displays", "error", "duration",
-                           "state_lost", "stdout", "stderr", "saved_displays"}
+                           "state_lost", "usage", "stdout", "stderr", "saved_displays"}
     assert report["result"] == CHART
+    usage = report["usage"]  # measured from outside the kernel (tests/test_usage.py has more)
+    assert usage["output_bytes"] == len(b"drawing 6 bars\n")
+    assert usage["result_bytes"] == len(json.dumps(CHART, separators=(",", ":")))
+    assert usage["source"]["cpu_user_seconds"] == "host" and usage["peak_memory_bytes"] > 0
     assert report["text"] == json.dumps(CHART, indent=2)
     assert (report["stdout"], report["stderr"]) == ("drawing 6 bars\n", "")
     assert report["logs"] == [{"name": "stdout", "text": "drawing 6 bars\n"}]
@@ -273,3 +277,22 @@ def test_the_kernels_own_flags_say_the_same():
     flags = app_flags()
     assert flags["no-landlock"][1].startswith("Start even without Landlock")
     assert flags["no-seccomp"][1].startswith("Start even without the seccomp filter")
+
+
+def test_saved_displays_are_bounded_in_count(tmp_path):
+    """User code chooses how many displays it makes; --save-displays writes at most N files."""
+    code = tmp_path / "many.py"
+    code.write_text("from IPython.display import display\nfor i in range(300):\n"
+                    "    display({'text/plain': str(i)}, raw=True)\n")
+    out = tmp_path / "out"
+    done = run(code, "--save-displays", out, "--max-saved-displays", "20")
+    assert done.returncode == 1, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"display-{n}.txt"
+                                                          for n in range(1, 21))
+    assert own_lines(done.stderr).endswith(
+        "sandbox-kernel run: the code made 300 displays; --save-displays wrote the first 20 and "
+        "not the other 280 (raise --max-saved-displays to keep more)\n")
+    done = run(code, "--save-displays", tmp_path / "default")
+    assert done.returncode == 1 and len(list((tmp_path / "default").iterdir())) == 100
+    done = run(code, "--save-displays", out, "--max-saved-displays", "0")
+    assert done.returncode == 2 and "expected a whole number of at least 1, not '0'" in done.stderr

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from sandbox_kernel.client import AsyncSandbox, Execution, ExecutionError, Sandbox
+from sandbox_kernel.client import AsyncSandbox, ErrorInfo, Execution, Sandbox
 from tests.helpers import evaluate, ok
 
 # A loop inside one C call: no Python-level signal handler runs until it returns, so neither the
@@ -181,14 +181,14 @@ def _execution():
             {"text/plain": "only text"},
             {"application/x-unknown": "?"},
         ],
-        error=ExecutionError("ValueError", "bad", ["ValueError: bad"]), duration=1.5)
+        error=ErrorInfo("ValueError", "bad", ["ValueError: bad"]), duration=1.5)
 
 
 def test_to_dict_is_the_whole_execution_as_json():
     as_dict = _execution().to_dict()
     assert json.loads(json.dumps(as_dict)) == as_dict
     assert set(as_dict) == {"result", "text", "logs", "displays", "error", "duration",
-                            "state_lost", "stdout", "stderr"}
+                            "state_lost", "usage", "stdout", "stderr"}
     assert as_dict["error"] == {"name": "ValueError", "value": "bad",
                                 "traceback": ["ValueError: bad"]}
     assert (as_dict["stdout"], as_dict["stderr"], as_dict["state_lost"]) == ("x\n", "y\n", False)

@@ -141,7 +141,7 @@ def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
     try:
         info = json.loads(receiver.stdout.readline())
         assert "error" not in info, f"{info}; launcher log: {log.read_text()}"
-        yield {"info": info, "launcher": launcher, "eg": eg}
+        yield {"info": info, "launcher": launcher, "eg": eg, "log": log}
     finally:
         receiver.wait(timeout=30)
         if launcher.poll() is None:
@@ -280,6 +280,36 @@ def test_signum_2_interrupts_a_running_cell(launched):
     assert execute(launched["kc"], "6 * 7")["text"] == "42"  # the kernel lives on
 
 
+def send_from(source: str, port: int, request: dict) -> None:
+    """A comm-port request from another address than the gateway's (another tenant's)."""
+    with socket.socket() as sock:
+        sock.settimeout(5)
+        sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        with contextlib.suppress(OSError):  # the listener may hang up before it reads
+            sock.sendall(json.dumps(request).encode())
+            sock.shutdown(socket.SHUT_WR)
+            sock.recv(1)  # until the listener hangs up: it has judged the request
+
+
+def test_only_the_gateway_and_only_egs_signals_are_obeyed(launched):
+    """Another tenant's {"signum": 9} (or shutdown) kills nothing; EG's own SIGKILL request is
+    no EG signal either (EG kills through its process proxy, never the comm port)."""
+    port, kernel_pid = launched["info"]["comm_port"], launched["launcher"].pid
+    listener = listener_of(kernel_pid)
+    for request in ({"signum": 9}, {"signum": 15}, {"shutdown": 1}):
+        send_from("127.0.0.2", port, request)  # loopback, but not the response address
+    send_from("127.0.0.1", port, {"signum": 9})  # the gateway's address, not EG's signal
+    send_request(port, {"signum": 0})  # the gateway's poll still works
+    time.sleep(0.5)
+    assert alive(listener) and alive(kernel_pid)
+    assert execute(launched["kc"], "3 * 3")["text"] == "9"
+    log = launched["log"].read_text()
+    assert ("comm port: refused a request from 127.0.0.2, which is not the gateway (127.0.0.1);"
+            " add --comm-peer 127.0.0.2 if it is") in log
+    assert "comm port: refused signal 9: the comm port obeys only EG's signals [0, 2, 15]" in log
+
+
 def test_shutdown_ends_kernel_and_removes_scratch(launched):
     kc, launcher, info = launched["kc"], launched["launcher"], launched["info"]
     out = execute(kc, "import os\nos.getcwd()")
@@ -313,6 +343,14 @@ def test_bad_arguments_are_refused_with_the_reason():
                           "--public-key", "x", "--ip=127.0.0.1", "--KernelApp.foo=1"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--KernelApp.foo=1" in run.stderr
+    for kernel_id in ("../x", "a/b", "..", "\u00e9"):
+        run = subprocess.run([sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch",
+                              "--kernel-id", kernel_id, "--response-address", "127.0.0.1:1",
+                              "--public-key", "x"], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, run
+        assert run.stderr == (f"sandbox-kernel eg-launch: --kernel-id {kernel_id!r}: a kernel id "
+                              "is letters, digits, '-', '_' and '.' (EG gives a UUID), and not "
+                              "'.' or '..'\n")
 
 
 # Loads a seccomp profile in OCI/Docker JSON form, as a container runtime would, then execs.

@@ -152,9 +152,9 @@ def test_a_relative_name_points_at_the_notebooks_folder(kernel, folders):
     assert error.value.endswith(
         f"the kernel's working directory is its private scratch ({scratch}), not the folder it "
         f"was started in ({project}: the notebook's folder under Jupyter), which has "
-        f"'data.csv'; to read it, add it to the kernelspec with `sandbox-kernel install "
-        f"--read-path {project}` (--write-path to write there too) and restart the kernel, then "
-        f"open {str(project / 'data.csv')!r}")
+        "'data.csv'; to read it by this name, reinstall the kernelspec with `sandbox-kernel "
+        "install --grant-cwd` (read-only; --grant-cwd=rw to write there too) and restart the "
+        "kernel: it then starts in that folder")
     # a name that is nowhere stays the plain error
     assert error_of(kernel, "open('nowhere.csv')").value == \
         "[Errno 2] No such file or directory: 'nowhere.csv'"

@@ -3,6 +3,7 @@
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -265,3 +266,30 @@ def test_each_virtualenv_gets_its_own_server(tmp_path):
     assert len(keys) == 2
     assert forkserver.server_key(sys.executable, ["pandas", "numpy"]) == \
         forkserver.server_key(sys.executable, ["numpy", "pandas"])
+
+
+def test_a_malformed_request_is_refused_and_the_server_goes_on():
+    """The child forked for a request reads it; a bad one is refused with why, nothing runs."""
+    from sandbox_kernel.launch.forkserver import protocol
+
+    client = forkserver.ForkServerClient()
+    with Sandbox(None):  # the server runs
+        pass
+    server = client.server_pid()
+    for request, fds in (({"argv": "not a list", "env": {}}, 3), ({"argv": [], "env": {}}, 1),
+                         ({"argv": [], "env": {"A": 1}}, 3)):
+        conn = client.connect()
+        stdio = [os.open(os.devnull, os.O_RDWR) for _ in range(fds)]
+        try:
+            socket.send_fds(conn, [protocol.frame(request)], stdio)
+            conn.settimeout(30)
+            reply, got = protocol.receive(conn)
+        finally:
+            conn.close()
+            for fd in stdio:
+                os.close(fd)
+        assert got == [] and "three descriptors" in reply["error"], reply
+    with Sandbox(None) as sb:  # the same server still forks kernels
+        assert sb.manager.provisioner.fork_served
+        assert evaluate(sb, "6 * 7") == 42
+    assert client.server_pid() == server

@@ -126,6 +126,20 @@ def descriptor_bomb(limit):
     finally:
         for fd in fds:
             os.close(fd)
+def many_files(count):
+    # Empty files until the scratch refuses one: the errno, if it refused at its inode bound.
+    bound, made = os.statvfs('.').f_files, []
+    try:
+        for i in range(count):
+            open(f'empty-{i}', 'w').close()
+            made.append(i)
+        return ("unbounded", len(made))
+    except OSError as exc:
+        at_bound = bound - 64 <= len(made) <= bound
+        return (type(exc).__name__, exc.errno) if at_bound else ("early", len(made), bound)
+    finally:
+        for i in made:
+            os.unlink(f'empty-{i}')
 def fill_scratch(megabytes):
     try:
         return trap(lambda: [open(f'fill-{i}', 'wb').write(bytes(2**20)) for i in range(megabytes)])
@@ -424,6 +438,9 @@ CASES = [
          ("OSError", errno.EMFILE), "rlimit NOFILE"),
     Case("R07", "resources", "fill the scratch with many files (bounded at 100 MiB)",
          "fill_scratch(100)", ("OSError", errno.ENOSPC), "scratch tmpfs quota (root)"),
+    Case("R16", "resources", "300,000 empty files in the scratch (inodes: host kernel memory)",
+         "many_files(300_000)", ("OSError", errno.ENOSPC),
+         "scratch tmpfs nr_inodes (--scratch-files, root)"),
     # --- information leaks ---
     Case("I01", "leaks", "a secret in the launching environment", "'HOSTILE_SECRET' in os.environ",
          False, "clean exec"),
@@ -468,6 +485,25 @@ SPECIAL = [
          "openat2, threads (tests/test_abi.py, ABI 1-7)", "os.truncate(path, 0)",
          "EPERM (ABI < 3) / EACCES (ABI >= 3)",
          "seccomp below ABI 3; Landlock truncate from ABI 3"),
+    Case("I12", "leaks", "scan all readable memory (/proc/self/mem) and every /proc/self file for "
+         "a secret of the launcher: fork-served, cold, pooled, service (dify and native API), "
+         "eg-launch (tests/test_secrets.py)", "mem.seek(start); mem.read(size)", "not found",
+         "environment filtered before it is sent; the fork server never reads a request"),
+    Case("E01", "privilege", "--env LD_PRELOAD=<a library in a shared --write-path>, so the "
+         "next kernel's unconfined start-up loads it as root (tests/test_privileges.py)",
+         "--env LD_PRELOAD=/shared/x.so", "refused to start (--allow-loader-env); with it, "
+         "set once confined, never loaded", "environment: --env applied after confinement"),
+    Case("X23", "processes", "another tenant's kernel sends {\"signum\": 9} (or 15, or shutdown) "
+         "to an eg-launch comm port (tests/test_enterprise_gateway_launcher.py)",
+         "connect(comm_port); send('{\"signum\": 9}')", "refused and logged; kernel alive",
+         "comm-port listener: only the gateway's address, only EG's signals"),
+    Case("X24", "processes", "a kernel leaves a 0600 file in a shared --write-path (1777); the "
+         "next kernel gets its freed uid (tests/test_identity.py)",
+         "open(left), open(left, 'a'), os.unlink(left)", "PermissionError x3 (another uid)",
+         "identity: a uid stays out of use while it owns files in a write grant"),
+    Case("R17", "resources", "hold 512 MiB in scratch files and heap in a 256 MiB kernel",
+         "write 8 MiB files, then bytearray(8 MiB), until refused", "ENOSPC, then MemoryError; "
+         "< 256 MiB held", "memory limit = scratch tmpfs + RLIMIT_DATA (root)"),
     Case("R09", "resources", "busy loop past the time limit", "while True: pass",
          "ExecutionTimeout, state kept", "deadline (SIGALRM, repeating)"),
     Case("R10", "resources", "output flood", "print('x' * 10**6) in a loop",
@@ -569,7 +605,7 @@ def kernels(world):
 
 
 def _applies(case: Case) -> bool:
-    return os.geteuid() == 0 or case.id not in ("X19", "R07")  # root-only protections
+    return os.geteuid() == 0 or case.id not in ("X19", "R07", "R16")  # root-only
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if _applies(c)], ids=lambda c: c.id)
@@ -617,6 +653,37 @@ def test_foreign_abi_kills(victim, code):
     assert process.wait(timeout=10) == -signal.SIGSYS
     assert ex.error.name == "KernelDied" and ex.state_lost
     _assert_recovered(victim)
+
+
+HOLD_512_MIB = """
+import errno, os
+held, files, outcome = 0, 0, []
+try:
+    while held < 512 * 2**20:
+        with open(f"fill-{files}.bin", "wb") as f:
+            f.write(bytes(8 * 2**20))
+        files += 1
+        held += 8 * 2**20
+except OSError as exc:
+    outcome.append(errno.errorcode[exc.errno])
+blocks = []
+try:
+    while held < 512 * 2**20:
+        blocks.append(bytearray(8 * 2**20))
+        held += 8 * 2**20
+except MemoryError:
+    outcome.append("MemoryError")
+(outcome, held < 256 * 2**20, files > 0, len(blocks) > 0)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the scratch tmpfs needs root")
+def test_memory_limit_counts_the_scratch():  # R17
+    with Sandbox(None, policy=SandboxPolicy(memory_limit=256 * 2**20)) as sb:
+        assert evaluate(sb, HOLD_512_MIB) == (["ENOSPC", "MemoryError"], True, True, True)
+        layers = sb.kernel_info()["sandbox"]["layers"]
+    quota, data = layers["scratch"]["quota"], layers["limits"]["data"]["hard"]
+    assert quota + data == 256 * 2**20 and quota == 64 * 2**20
 
 
 def test_busy_loop_past_the_limit(victim):  # R09

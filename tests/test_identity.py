@@ -228,3 +228,48 @@ def test_the_uid_of_a_kernel_whose_reaper_was_killed_is_not_handed_out():
         with pytest.raises(privileges.PrivilegeError, match="used by an account or a live kernel"):
             privileges.allocate(range(uid, uid + 1))
         assert uid_of(orphan) == uid  # and that kernel still runs as it
+
+
+# Two uids near the top of the default range, for kernels that leave files behind (#20 item 3).
+LEFT, AFTER = RANGE.stop - 4, RANGE.stop - 3
+TRY_FILE = """
+import os
+path = {path!r}
+def attempt(action):
+    try:
+        action()
+        return 'done'
+    except OSError as exc:
+        return type(exc).__name__
+(os.getuid(), attempt(lambda: open(path).read()), attempt(lambda: open(path, 'a').write('x')),
+ attempt(lambda: os.unlink(path)))
+"""
+
+
+def test_a_recycled_uid_does_not_inherit_files_left_in_a_shared_grant(tmp_path):
+    """A kernel leaves a 0600 file in a shared --write-path (mode 1777); a later kernel never gets
+    its uid while the file is there, so it can neither read, overwrite nor delete it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp: only a file's owner may delete it
+    left = shared / "private.txt"
+    first = SandboxPolicy(write_paths=[str(shared)], uid_range=f"{LEFT}-{LEFT}")
+    with Sandbox(None, policy=first) as sb:
+        assert evaluate(sb, f"import os\nfd = os.open({str(left)!r}, os.O_CREAT | os.O_WRONLY, "
+                            "0o600)\nos.write(fd, b'tenant A'); os.close(fd)\nos.getuid()") == LEFT
+    assert released(LEFT)
+    assert (left.stat().st_uid, left.stat().st_mode & 0o777) == (LEFT, 0o600)
+    later = SandboxPolicy(write_paths=[str(shared)], uid_range=f"{LEFT}-{AFTER}")
+    for _ in range(2):  # the second time from what the first look remembered
+        with Sandbox(None, policy=later) as sb:
+            assert evaluate(sb, TRY_FILE.format(path=str(left))) == (
+                AFTER, "PermissionError", "PermissionError", "PermissionError")
+        assert released(AFTER)
+    assert left.read_text() == "tenant A"
+    # Alone in its range, the tainted uid is refused with the reason, not handed out.
+    with pytest.raises(privileges.PrivilegeError, match="still owns files an earlier kernel"):
+        os.close(privileges.allocate(range(LEFT, LEFT + 1))[1])
+    left.unlink()  # once nothing of it remains, the uid is free again
+    uid, lock = privileges.allocate(range(LEFT, AFTER + 1))
+    os.close(lock)
+    assert uid == LEFT

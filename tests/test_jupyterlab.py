@@ -1,8 +1,9 @@
 """JupyterLab in a real browser (Debian's chromium, driven by playwright) runs the sandbox kernel.
 
 The launcher shows the kernel's tile; a notebook on it prints, draws a matplotlib PNG, shows a
-`%main` JSON result and a refusal's message; interrupt and restart work. Screenshots of each step
-go to test-artifacts/jupyterlab/ (git-ignored), for a person to look at.
+`%main` JSON result and a refusal's message; interrupt and restart work. A notebook in a folder
+of its own, on a kernelspec installed with --grant-cwd, reads the CSV beside it and plots it.
+Screenshots of each step go to test-artifacts/jupyterlab/ (git-ignored), for a person to look at.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+from sandbox_kernel.install import install
+from sandbox_kernel.policy import SandboxPolicy
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's; playwright's own browser download cannot work here
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "jupyterlab"
@@ -42,6 +46,26 @@ CELLS = [
 PRINT, CHART, DEFINE, MAIN, DEFINED, REFUSED, SLEEP = range(len(CELLS))
 
 
+# A notebook beside its data, on a kernelspec installed with --grant-cwd: it reads the CSV by its
+# relative name and plots it.
+DATA_KERNEL, DATA_DISPLAY = "sandbox-data", "Python 3 (sandbox, notebook folder)"
+DATA_CELLS = [
+    "import pandas as pd\ndf = pd.read_csv('sales.csv')\nprint('total sales:', df.sales.sum())",
+    "import matplotlib.pyplot as plt\ndf.plot(x='month', y='sales', title='sales.csv')\n"
+    "plt.show()",
+]
+
+
+def write_project(folder: Path) -> None:
+    """project/sales.csv and project/report.ipynb, which reads it as 'sales.csv'."""
+    folder.mkdir()
+    (folder / "sales.csv").write_text("month,sales\n1,10\n2,14\n3,9\n")
+    nb = nbformat.v4.new_notebook(metadata={
+        "kernelspec": {"name": DATA_KERNEL, "display_name": DATA_DISPLAY, "language": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(source) for source in DATA_CELLS]
+    nbformat.write(nb, folder / "report.ipynb")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,6 +81,8 @@ def lab(kernelspecs, tmp_path_factory):
                        "language": "python"}})
     nb.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
     nbformat.write(nb, root / "sandboxed.ipynb")
+    write_project(root / "project")
+    install(SandboxPolicy(grant_cwd="ro"), name=DATA_KERNEL, display_name=DATA_DISPLAY, user=True)
     port, token = free_port(), secrets.token_hex(16)
     log = (root / "lab.log").open("w")
     server = subprocess.Popen(
@@ -194,3 +220,22 @@ def test_jupyterlab_runs_the_sandbox_kernel(page):
     expect(output_of(page, DEFINED)).to_have_text("main defined: False")
     output_of(page, DEFINED).scroll_into_view_if_needed()
     screenshot(page, "5-restarted")
+
+
+def test_a_notebook_reads_the_csv_next_to_it_and_plots_it(page):
+    expect = sync_api.expect
+    page.locator(".jp-DirListing-item[title^='Name: project']").dblclick()
+    page.locator(".jp-DirListing-item", has_text="report.ipynb").dblclick()
+    expect(page.locator(".lm-TabBar-tab.lm-mod-current", has_text="report.ipynb")) \
+        .to_be_visible()
+    expect(page.locator(".jp-NotebookPanel:visible .jp-KernelName")).to_have_text(DATA_DISPLAY)
+    wait_idle(page)
+    for index in range(len(DATA_CELLS)):
+        run_cell(page, index)
+    expect(output_of(page, 0)).to_have_text("total sales: 33")
+    image = output_of(page, 1).locator("img")
+    expect(image).to_be_visible()
+    assert image.get_attribute("src").startswith("data:image/png;base64,")
+    assert image.evaluate("img => img.naturalWidth") > 100
+    image.scroll_into_view_if_needed()
+    screenshot(page, "6-notebook-beside-its-data")

@@ -130,9 +130,9 @@ def assert_points_at_the_notebooks_folder(outputs: list, folder: Path) -> None:
             "which this kernel's uid cannot look into; if 'data.csv' is there,")
     assert outputs[0]["evalue"].endswith(
         f"not the folder it was started in ({folder}: the notebook's folder under Jupyter), "
-        f"{seen} to read it, add it to the kernelspec with `sandbox-kernel "
-        f"install --read-path {folder}` (--write-path to write there too) and restart the "
-        f"kernel, then open {str(folder / 'data.csv')!r}")
+        f"{seen} to read it by this name, reinstall the kernelspec with `sandbox-kernel "
+        "install --grant-cwd` (read-only; --grant-cwd=rw to write there too) and restart the "
+        "kernel: it then starts in that folder")
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -189,3 +189,79 @@ def test_papermill_needs_language_for_a_notebook_without_language_metadata(kerne
     assert with_language.returncode == 0, with_language.stderr
     printed = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[-1].outputs
     assert printed == [{"output_type": "stream", "name": "stdout", "text": "10\n"}]
+
+
+# --- a notebook beside its data: `install --grant-cwd`, then `jupyter execute` ------------------
+
+SALES = "month,sales\n1,10\n2,14\n3,9\n"
+DATA_CELLS = [
+    "import os\nsorted(os.listdir(os.environ['MPLCONFIGDIR']))",  # the fork server's font list
+    "import pandas as pd\nimport matplotlib.pyplot as plt\ndf = pd.read_csv('sales.csv')\n"
+    "df.plot(x='month', y='sales')\nplt.show()\nprint(int(df.sales.sum()))",
+]
+
+
+def install_cli(*flags: str) -> None:
+    """`sandbox-kernel install --user ...` as a user types it (into the session's data dir)."""
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "install", "--user", *flags],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert done.returncode == 0, done.stderr
+
+
+def notebook_beside_csv(folder: Path, kernel_name: str, extra_cells: list[str] = ()) -> Path:
+    """sales.csv and a notebook that reads it by its relative name and plots it."""
+    folder.mkdir()
+    (folder / "sales.csv").write_text(SALES)
+    nb = nbformat.v4.new_notebook(metadata={
+        "kernelspec": {"name": kernel_name, "display_name": kernel_name, "language": "python"},
+        "language_info": {"name": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(source, metadata={"tags": tags})
+                for source, tags in [*((cell, []) for cell in DATA_CELLS), *extra_cells]]
+    nbformat.write(nb, folder / "report.ipynb")
+    return folder / "report.ipynb"
+
+
+def sandbox_lines(stderr: str) -> list[str]:
+    """What `jupyter execute` printed on stderr besides its own [NbClientApp] log."""
+    return [line for line in stderr.splitlines() if not line.startswith("[NbClientApp]")]
+
+
+def test_a_notebook_reads_the_csv_next_to_it_after_one_install_flag(kernelspecs, tmp_path):
+    install_cli("--name", "beside-data", "--grant-cwd")
+    notebook = notebook_beside_csv(tmp_path / "project", "beside-data")
+    result = run(["jupyter", "execute", "--output=done.ipynb", notebook.name],
+                 cwd=notebook.parent)
+    assert result.returncode == 0, result.stderr
+    assert sandbox_lines(result.stderr) == []  # no audit lines from numpy or matplotlib
+    fonts, plotted = nbformat.read(notebook.with_name("done.ipynb"), as_version=4).cells
+    [listing] = fonts.outputs
+    assert listing["data"]["text/plain"].startswith("['fontlist-v")
+    assert [output["output_type"] for output in plotted.outputs] == ["display_data", "stream"]
+    assert base64.b64decode(plotted.outputs[0]["data"]["image/png"])[:8] == PNG_SIGNATURE
+    assert plotted.outputs[1]["text"] == "33\n"
+    assert sorted(path.name for path in notebook.parent.iterdir()) == [
+        "done.ipynb", "report.ipynb", "sales.csv"]  # read-only: nothing written beside it
+
+
+def test_refusals_libraries_cope_with_stay_in_the_audit_record(kernelspecs, tmp_path):
+    audit_log = tmp_path / "audit.jsonl"
+    install_cli("--name", "audited-data", "--grant-cwd", "--audit-log", str(audit_log))
+    probe = ("import subprocess\ntry:  # as matplotlib runs fc-list, and copes without it\n"
+             "    subprocess.check_output(['fc-list'])\nexcept OSError:\n    print('coped')")
+    denied = ("import socket\nsocket.socket()", ["raises-exception"])
+    notebook = notebook_beside_csv(tmp_path / "project", "audited-data", [(probe, []), denied])
+    result = run(["jupyter", "execute", "--output=done.ipynb", notebook.name],
+                 cwd=notebook.parent)
+    assert result.returncode == 0, result.stderr
+    # The user's own refused socket still shows on the terminal (and as its cell's error);
+    # the process the code probed for and did without does not.
+    [line] = sandbox_lines(result.stderr)
+    assert line.startswith("sandbox-kernel audit: kernel ") and ": refused socket(0x" in line
+    cells = nbformat.read(notebook.with_name("done.ipynb"), as_version=4).cells
+    assert cells[2].outputs == [{"output_type": "stream", "name": "stdout", "text": "coped\n"}]
+    assert cells[3].outputs[0]["ename"] == "PermissionError"
+    records = [json.loads(line) for line in audit_log.read_text().splitlines()]
+    processes = [r for r in records if r["syscall"] in ("clone", "vfork", "fork")]
+    assert processes and all(r["probe"].startswith("starting a process") for r in processes)
+    [socket_record] = [r for r in records if r["syscall"] == "socket"]
+    assert "probe" not in socket_record

@@ -127,7 +127,7 @@ def test_a_pool_kernel_is_indistinguishable_from_a_fresh_one():
 
 def _kernels_of(server_pid):
     """Live kernels forked by the fork server (none without one)."""
-    from .test_service import children
+    from .service.helpers import children
 
     return children(server_pid) if server_pid else set()
 

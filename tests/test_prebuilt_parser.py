@@ -1,7 +1,7 @@
 """The command-line parser a fork server builds once parses exactly as traitlets' own would.
 
-A fork-served kernel takes the server's parser instead of building one (app.py,
-`SandboxKernelApp.prebuild_parser`); these tests parse the same command lines both ways and
+A fork-served kernel takes the server's parser instead of building one (kernel/parser_cache.py,
+`PrebuiltParser.prebuild_parser`); these tests parse the same command lines both ways and
 compare everything parsing leaves on the application.
 """
 
@@ -9,6 +9,7 @@ import pytest
 from traitlets.config import Config
 
 from sandbox_kernel.kernel.app import SandboxKernelApp
+from sandbox_kernel.kernel.parser_cache import PrebuiltParser
 
 COMMAND_LINES = [
     ["-f", "/tmp/kernel-1.json", "--IPKernelApp.parent_handle=1"],
@@ -20,12 +21,12 @@ COMMAND_LINES = [
 
 
 def _parsed(argv, prebuilt):
-    SandboxKernelApp._prebuilt_parser = None
+    PrebuiltParser.discard_prebuilt()
     if prebuilt:
         SandboxKernelApp.prebuild_parser()
     app = SandboxKernelApp()
     app.parse_command_line(argv)
-    taken = SandboxKernelApp._prebuilt_parser is None
+    taken = not PrebuiltParser.prebuilt_pending()
     return app, taken
 
 
@@ -57,7 +58,7 @@ def test_a_bad_option_is_refused_as_before():
 
 
 def test_the_prebuilt_class_list_is_the_one_traitlets_makes():
-    SandboxKernelApp._prebuilt_parser = None
+    PrebuiltParser.discard_prebuilt()
     fresh = list(SandboxKernelApp()._classes_with_config_traits())
     SandboxKernelApp.prebuild_parser()
     try:
@@ -65,4 +66,4 @@ def test_the_prebuilt_class_list_is_the_one_traitlets_makes():
         some = [SandboxKernelApp.classes[0]]  # a given list is never the prebuilt one
         assert list(SandboxKernelApp()._classes_with_config_traits(some)) != fresh
     finally:
-        SandboxKernelApp._prebuilt_parser = None
+        PrebuiltParser.discard_prebuilt()

@@ -22,6 +22,7 @@ import pyseccomp
 import pytest
 
 from sandbox_kernel.confine import paths, seccomp
+from sandbox_kernel.confine.seccomp import program as bpf
 from tests.helpers import RAW_SYSCALL, evaluate, ok
 
 pytestmark = pytest.mark.skipif(seccomp.available() is not None, reason="no seccomp here")
@@ -41,29 +42,29 @@ def _bpf(compiled):
 @pytest.mark.parametrize("allow_network", [False, True])
 def test_the_precompiled_denylist_is_the_program_compiled_afresh(allow_network):
     seccomp.precompile()
-    kept = seccomp._denylist(allow_network)
-    fresh = _bpf(seccomp._compile(seccomp.denylist_rules(allow_network), pyseccomp.ALLOW))
+    kept = bpf.denylist(allow_network)
+    fresh = _bpf(bpf.compile_rules(seccomp.denylist_rules(allow_network), pyseccomp.ALLOW))
     assert kept and kept == fresh
-    other = seccomp._denylist(not allow_network)
+    other = bpf.denylist(not allow_network)
     assert other != kept  # the network setting picks its own program
 
 
 def _compiled_allowlist(pid, allow_network, landlock_abi, notify):
     default = pyseccomp.NOTIFY if notify else pyseccomp.ERRNO(errno.EPERM)
-    return _bpf(seccomp._compile(seccomp.allowlist_rules(pid, allow_network, landlock_abi),
+    return _bpf(bpf.compile_rules(seccomp.allowlist_rules(pid, allow_network, landlock_abi),
                                  default))
 
 
 def _constants(program):
     """Every value an instruction of the program carries that could be a pid."""
-    return {k for _, _, _, k in seccomp._INSTRUCTION.iter_unpack(program) if k <= PID_MAX_LIMIT}
+    return {k for _, _, _, k in bpf.INSTRUCTION.iter_unpack(program) if k <= PID_MAX_LIMIT}
 
 
 @pytest.mark.parametrize(("allow_network", "landlock_abi", "notify"), SETTINGS)
 def test_the_allowlist_with_a_pid_written_in_is_the_program_compiled_for_it(
         allow_network, landlock_abi, notify):
     seccomp.precompile()
-    template = seccomp._templates[allow_network, landlock_abi >= 3, notify]
+    template = bpf.templates[allow_network, landlock_abi >= 3, notify]
     assert template is not None and template.floor == 0 and template.pid_offsets
     # Pids equal to a constant of the filter (syscall numbers, fcntl commands, prctl options,
     # F_SETOWN, errno actions, jump offsets...) are where libseccomp could merge or reorder.
@@ -72,26 +73,26 @@ def test_the_allowlist_with_a_pid_written_in_is_the_program_compiled_for_it(
             | set(random.Random(12).sample(range(1, PID_MAX_LIMIT + 1), 40))) - {0}
     for pid in sorted(pids):
         assert pid > template.floor  # written in, not compiled
-        patched = seccomp._allowlist(pid, allow_network, landlock_abi, notify)
+        patched = bpf.allowlist(pid, allow_network, landlock_abi, notify)
         assert patched == _compiled_allowlist(pid, allow_network, landlock_abi, notify), pid
 
 
 @pytest.mark.parametrize("notify", [False, True])
 def test_pid_zero_is_compiled_because_libseccomp_merges_it_with_the_rules_for_zero(notify):
     seccomp.precompile()
-    template = seccomp._templates[False, True, notify]
+    template = bpf.templates[False, True, notify]
     assert template is not None
     assert template.for_pid(0) != _compiled_allowlist(0, False, 7, notify)
-    assert seccomp._allowlist(0, False, 7, notify) == _compiled_allowlist(0, False, 7, notify)
+    assert bpf.allowlist(0, False, 7, notify) == _compiled_allowlist(0, False, 7, notify)
 
 
-def _instructions(*ks, code=seccomp._JEQ_K):
-    return b"".join(seccomp._INSTRUCTION.pack(code, 1, 2, k) for k in ks)
+def _instructions(*ks, code=bpf.JEQ_K):
+    return b"".join(bpf.INSTRUCTION.pack(code, 1, 2, k) for k in ks)
 
 
 def test_the_placeholder_is_located_only_where_it_is_the_only_difference():
-    first, second = seccomp._PLACEHOLDERS
-    assert seccomp._pid_offsets(_instructions(7, first, 9, first),
+    first, second = bpf.PLACEHOLDERS
+    assert bpf.pid_offsets(_instructions(7, first, 9, first),
                                 _instructions(7, second, 9, second)) == (12, 28)
     refused = [
         (_instructions(7, 9), _instructions(7, 9)),  # no pid at all
@@ -101,19 +102,19 @@ def test_the_placeholder_is_located_only_where_it_is_the_only_difference():
         (_instructions(first, code=0x25), _instructions(second, code=0x25)),  # not JEQ: JGT
     ]
     for one, other in refused:
-        assert seccomp._pid_offsets(one, other) is None
+        assert bpf.pid_offsets(one, other) is None
 
 
 @pytest.mark.parametrize("templates", [{}, {(False, True, True): None}],
                          ids=["not prepared", "placeholder not located"])
 def test_kernels_compile_their_own_allowlist_without_a_template(templates, monkeypatch):
-    monkeypatch.setattr(seccomp, "_templates", templates)
-    assert seccomp._allowlist(4242, False, 7, True) == _compiled_allowlist(4242, False, 7, True)
+    monkeypatch.setattr(bpf, "templates", templates)
+    assert bpf.allowlist(4242, False, 7, True) == _compiled_allowlist(4242, False, 7, True)
 
 
 def test_a_placeholder_that_cannot_be_located_leaves_no_template(monkeypatch):
-    monkeypatch.setattr(seccomp, "_pid_offsets", lambda first, second: None)
-    assert seccomp._allowlist_template(False, True, True) is None
+    monkeypatch.setattr(bpf, "pid_offsets", lambda first, second: None)
+    assert bpf.allowlist_template(False, True, True) is None
 
 
 def test_a_program_larger_than_the_export_pipe_is_refused_not_hung():
@@ -121,7 +122,7 @@ def test_a_program_larger_than_the_export_pipe_is_refused_not_hung():
     for value in range(8200):  # an 8-byte instruction a rule: more than a pipe's 64 KiB
         huge.add_rule(pyseccomp.ERRNO(errno.EPERM), "ioctl", pyseccomp.Arg(1, pyseccomp.EQ, value))
     with pytest.raises(seccomp.SeccompError, match="through a pipe of"):
-        seccomp._export(huge)
+        bpf.export(huge)
 
 
 # Loads both filters (from another thread too) and waits, as a kernel would, to be inspected.
@@ -153,7 +154,7 @@ def _loaded_filters(pid):
             if code == errno.ENOENT:
                 return programs
             pytest.skip(f"cannot read a process's seccomp filters here: {os.strerror(code)}")
-        buffer = ctypes.create_string_buffer(count * seccomp._INSTRUCTION.size)
+        buffer = ctypes.create_string_buffer(count * bpf.INSTRUCTION.size)
         libc.ptrace(ctypes.c_long(PTRACE_SECCOMP_GET_FILTER), ctypes.c_long(pid),
                     ctypes.c_long(index), buffer)
         programs.append(buffer.raw)
@@ -187,7 +188,7 @@ def test_a_process_holds_exactly_the_programs_libseccomp_compiles(allow_network,
         child.kill()
         child.wait(timeout=30)
     # The denylist first: once the allowlist is in, seccomp() is refused.
-    assert held == [_bpf(seccomp._compile(seccomp.denylist_rules(allow_network),
+    assert held == [_bpf(bpf.compile_rules(seccomp.denylist_rules(allow_network),
                                           pyseccomp.ALLOW)),
                     _compiled_allowlist(child.pid, allow_network, 7, notify)]
     assert "NoNewPrivs:\t1" in status

@@ -7,6 +7,7 @@ second to build). Each kernel started from it must run as a uid of its own, reac
 interpreter through its private mount namespace, and see nothing else there.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -197,3 +198,73 @@ def test_without_a_mount_namespace_only_run_as_root_starts(private_dir, tmp_path
     finally:
         process.kill()
         process.wait(30)
+
+
+# --- a policy's --env never reaches the unconfined start-up (#20 item 2) -----------------------
+
+PRELOAD_SOURCE = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/loaded-as-uid-%d", MARKS, (int)getuid());
+    close(open(path, O_CREAT | O_WRONLY, 0644));
+}
+"""
+
+
+@pytest.fixture
+def planted_library(tmp_path):
+    """A library an earlier kernel could have written into a shared --write-path, and the
+    directory its constructor marks when some process loads it."""
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler to build the planted library")
+    shared = tmp_path / "shared"
+    marks = tmp_path / "marks"
+    shared.mkdir(mode=0o777)
+    marks.mkdir(mode=0o777)
+    source = tmp_path / "planted.c"
+    source.write_text(PRELOAD_SOURCE)
+    library = shared / "planted.so"
+    subprocess.run(["cc", "-shared", "-fPIC", f'-DMARKS="{marks}"', "-o", str(library),
+                    str(source)], check=True, capture_output=True)
+    return library, marks
+
+
+def _run_with_env(tmp_path, *flags):
+    code = tmp_path / "show.py"
+    code.write_text("import os\ndef main():\n    return {'LD_PRELOAD': os.environ.get('LD_PRELOAD'),"
+                    " 'uid': os.getuid()}\n")
+    return subprocess.run([sys.executable, "-m", "sandbox_kernel", "run", *flags, str(code)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("start", ["--cold-start", "--preload=colorsys"])
+def test_loader_variables_in_env_are_refused(tmp_path, planted_library, start):
+    library, marks = planted_library
+    done = _run_with_env(tmp_path, start, "--env", f"LD_PRELOAD={library}")
+    assert done.returncode == 3, done
+    assert ("sandbox-kernel: refusing to start: --env/--pass-env LD_PRELOAD: the dynamic loader "
+            "or the interpreter acts on this variable; to set it for user code anyway, add "
+            "--allow-loader-env\n") in done.stderr
+    assert list(marks.iterdir()) == []  # nothing loaded it, as root or otherwise
+
+
+@pytest.mark.parametrize("start", ["--cold-start", "--preload=colorsys"])
+def test_allowed_loader_variable_is_set_only_once_confined(tmp_path, planted_library, start):
+    """With --allow-loader-env, user code sees LD_PRELOAD; no process ever loaded the library."""
+    library, marks = planted_library
+    done = _run_with_env(tmp_path, start, "--allow-loader-env", "--env", f"LD_PRELOAD={library}")
+    assert done.returncode == 0, done
+    result = json.loads(done.stdout)
+    assert result["LD_PRELOAD"] == str(library) and result["uid"] in RANGE
+    assert list(marks.iterdir()) == []
+
+
+def test_loader_variables_in_pass_env_are_refused(tmp_path, planted_library, monkeypatch):
+    library, marks = planted_library
+    monkeypatch.setenv("PYTHONSTARTUP", str(library))
+    done = _run_with_env(tmp_path, "--cold-start", "--pass-env", "PYTHONSTARTUP")
+    assert done.returncode == 3, done
+    assert "--env/--pass-env PYTHONSTARTUP" in done.stderr and "--allow-loader-env" in done.stderr

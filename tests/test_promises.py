@@ -86,3 +86,35 @@ def test_landlock_alone_never_keeps_the_network_off(abi):
     # promise is waived, not claimed.
     network = verdicts(landlock_abi=abi, seccomp_on=False)["network: no connection out"]
     assert network.enforced_by == [] and network.waived_by == "--no-seccomp"
+
+
+def test_every_layer_raises_the_one_confinement_error():
+    from sandbox_kernel.confine import landlock, privileges, promises, scratch, seccomp, view
+    from sandbox_kernel.confine.errors import ConfinementError
+
+    layers = {landlock.LandlockError: "landlock", seccomp.SeccompError: "seccomp",
+              privileges.PrivilegeError: "privileges", scratch.ScratchError: "scratch",
+              view.ViewError: "view", promises.PromiseError: "promises"}
+    for error, layer in layers.items():
+        assert issubclass(error, ConfinementError) and error.layer == layer
+    assert issubclass(landlock.LandlockError, OSError)  # callers may still read its errno
+    assert landlock.LandlockError(1, "landlock_restrict_self failed").errno == 1
+
+
+def test_a_refusal_names_the_layer_the_reason_and_the_waiver():
+    from sandbox_kernel.confine import landlock, privileges, promises, seccomp
+
+    assert seccomp.SeccompError("loading the seccomp filter failed: boom").refusal() == (
+        "seccomp: loading the seccomp filter failed: boom. To run without a system-call filter "
+        "on purpose, start the kernel with --no-seccomp")
+    assert landlock.LandlockError(1, "x failed").refusal() == (
+        "landlock: [Errno 1] x failed. To run without file-system confinement on purpose, "
+        "start the kernel with --no-landlock")
+    # A reason that already says its cure is printed as it is (no flag waives the layer).
+    cure = "--run-as 0 is uid 0: say --run-as root to keep root"
+    assert privileges.PrivilegeError(cure).refusal() == cure
+    with pytest.raises(promises.PromiseError) as raised:
+        promises.require(evaluate(host(landlock_abi=0)))
+    assert raised.value.refusal().startswith("cannot keep these promises on this host: files:")
+    assert raised.value.refusal().endswith("to run without it on purpose: --no-landlock")
+    promises.require(evaluate(host()))  # kept: nothing raised

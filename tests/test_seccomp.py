@@ -1,5 +1,6 @@
 """The seccomp policy, tried from inside a real sandboxed kernel: exact errnos, kernel alive."""
 
+import dataclasses
 import errno
 import os
 import signal
@@ -11,6 +12,8 @@ import pyseccomp
 import pytest
 
 from sandbox_kernel.confine import seccomp
+from sandbox_kernel.confine.seccomp import rules
+from sandbox_kernel.confine.seccomp.rules import Rule
 from sandbox_kernel.launch import forkserver
 from tests.helpers import RAW_SYSCALL, evaluate, ok
 
@@ -45,6 +48,119 @@ def test_allowlist_and_never_list_do_not_overlap():
     assert not set(seccomp.ALLOWED) & set(seccomp.NEVER)
     rules = seccomp.allowlist_rules(1234, allow_network=True)
     assert not {r.syscall for r in rules} & set(seccomp.NEVER)
+
+
+def _changed(filt, drop=lambda rule: False, allow=()):
+    """filt with the rules drop selects removed (from both filters) and allow rules added."""
+    return dataclasses.replace(filt, allow=tuple(r for r in filt.allow if not drop(r)) + allow,
+                               deny=tuple(r for r in filt.deny if not drop(r)))
+
+
+def _arg(arg, value, mask=0xFFFFFFFF):
+    return ((arg, mask, value),)
+
+
+def _is(name, *args):
+    return lambda rule: rule.syscall == name and (not args or rule.args == args[0])
+
+
+MAP_SHARED_ANON, O_TRUNC_ONLY = (0x01 | 0x20, 0x0F | 0x20), (0o1000, 0o3 | 0o1000)
+# For each guarantee, changes to the rules that each undo it: what the kernel claims (describe(),
+# promises.py) must then stop claiming it. (name, network, mutation) -> the describe() line too.
+BREAKS = {
+    "processes": [
+        dict(allow=(Rule("fork"),)), dict(allow=(Rule("execve"),)),
+        dict(allow=(Rule("clone3"),)),
+        dict(drop=_is("clone"), allow=(Rule("clone"),)),
+        dict(drop=_is("clone"), allow=(Rule("clone", args=((0, 0x10000, 0x10000),)),)),
+    ],
+    "signals": [
+        dict(allow=(Rule("kill"),)), dict(allow=(Rule("tgkill", args=_arg(0, 1)),)),
+        dict(allow=(Rule("tkill"),)),
+        dict(allow=(Rule("fcntl", args=_arg(1, 8) + _arg(2, 1)),)),  # F_SETOWN, pid 1
+        dict(allow=(Rule("fcntl", args=_arg(1, 15)),)),  # F_SETOWN_EX
+        dict(allow=(Rule("fcntl"),)),
+        dict(drop=_is("ioctl", _arg(1, 0x8901))),  # FIOSETOWN no longer refused
+    ],
+    "servers": [dict(allow=(Rule("bind"),)), dict(allow=(Rule("listen"),))],
+    "unix_sockets": [
+        dict(allow=(Rule("socket", args=_arg(0, 1)),)),  # AF_UNIX
+        dict(allow=(Rule("socket"),)),
+        dict(drop=_is("socketpair"), allow=(Rule("socketpair"),)),
+    ],
+    "watches": [dict(allow=(Rule("inotify_init1"),)), dict(allow=(Rule("fanotify_mark"),))],
+    "rare_interfaces": [dict(allow=(Rule("bpf"),)), dict(allow=(Rule("io_uring_setup"),))],
+    "network_off": [
+        dict(allow=(Rule("connect"),)), dict(allow=(Rule("socket", args=_arg(0, 2)),)),
+        dict(drop=_is("sendto", _arg(3, 0x20000000, 0x20000000))),
+    ],
+    "memory": [
+        dict(allow=(Rule("mremap"),)), dict(allow=(Rule("memfd_create"),)),
+        dict(drop=_is("mmap", _arg(3, MAP_SHARED_ANON[0], MAP_SHARED_ANON[1]))),
+        dict(drop=_is("mmap", _arg(3, 0x100, 0x100))),
+    ],
+    "truncate": [
+        dict(allow=(Rule("truncate"),)), dict(allow=(Rule("openat2"),)),
+        dict(drop=_is("openat", _arg(2, *O_TRUNC_ONLY))),
+    ],
+}
+# The describe() line each guarantee stands behind, and what it must say once broken.
+DESCRIBED = {"processes": ("processes", "allowed"),
+             "signals": ("signals", "to other processes too"),
+             "servers": ("bind_listen", "allowed"),
+             "truncate": ("truncate_by_path", "Landlock decides")}
+
+
+def test_every_guarantee_holds_for_the_rules_a_kernel_loads():
+    for allow_network in (False, True):
+        for abi in (0, 7):
+            kept = {key for key in rules.GUARANTEES
+                    if rules.keeps(key, allow_network, landlock_abi=abi)}
+            expected = set(rules.GUARANTEES) - ({"network_off"} if allow_network else set()) \
+                - ({"truncate"} if abi >= 3 else set())
+            assert kept == expected, (allow_network, abi)
+
+
+@pytest.mark.parametrize(("key", "index"), [(key, index) for key, changes in BREAKS.items()
+                                            for index in range(len(changes))])
+def test_each_claim_is_read_from_its_rule(key, index):
+    filt = rules.described(False, 0)
+    guarantee = rules.GUARANTEES[key]
+    assert guarantee.holds(filt)
+    broken = _changed(filt, **BREAKS[key][index])
+    assert not guarantee.holds(broken)
+    if key in DESCRIBED:
+        line, now = DESCRIBED[key]
+        assert rules.summarize(filt)[line] != now
+        assert rules.summarize(broken)[line] == now
+
+
+def test_described_sockets_connect_and_never_list_follow_the_rules():
+    off, on = rules.described(False), rules.described(True)
+    assert rules.summarize(off)["sockets"] == "none (unix stream socketpair only)"
+    assert rules.summarize(on)["sockets"] == "inet/inet6 stream+dgram, unix stream socketpair"
+    assert (rules.summarize(off)["connect"], rules.summarize(on)["connect"]) == ("denied",
+                                                                                 "allowed")
+    leaky = _changed(off, allow=(Rule("socket", args=_arg(0, 1)), Rule("ptrace")))
+    assert rules.summarize(leaky)["sockets"] == "any any, any socketpair"
+    assert "ptrace" not in rules.summarize(leaky)["never"]
+    assert rules.summarize(off)["never"] == list(seccomp.NEVER)
+
+
+def test_a_promise_whose_rule_is_gone_is_no_longer_claimed(monkeypatch):
+    from sandbox_kernel.confine import promises
+
+    host = promises.Host(landlock_abi=7, landlock_on=True, seccomp_reason=None, seccomp_on=True,
+                         allow_network=False, max_threads=0, memory_limit=0, uid=1234)
+    servers = "servers: listen on no address or port"
+    before = {p.name: p for p in promises.evaluate(host)}[servers]
+    assert before.enforced_by == ["seccomp: " + rules.GUARANTEES["servers"].text]
+    real = rules.described
+    monkeypatch.setattr(rules, "described", lambda network, abi=0: _changed(
+        real(network, abi), allow=(Rule("listen"),)))
+    after = {p.name: p for p in promises.evaluate(host)}[servers]
+    assert after.enforced_by == [] and after.missing
+    assert "its rules here do not keep it" in promises.refusal([after])
 
 
 @pytest.mark.parametrize("code, phrase", [

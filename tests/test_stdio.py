@@ -20,7 +20,7 @@ import pytest
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
-from sandbox_kernel.confine import reaper
+from sandbox_kernel.confine import logrelay
 from tests.helpers import wait_until_ready
 
 HOSTILE = """
@@ -138,7 +138,7 @@ def test_kernel_log_reaches_the_terminal_bounded(launched):
     assert evaluate(client, flood) == "'flooded'"
     process.kill()  # the reaper reports what it dropped at the latest when the kernel is gone
     assert terminal.wait_for(b"bytes of kernel log dropped (rate limit)", timeout=60)
-    assert len(terminal.received) < reaper.LOG_BURST + 64 * reaper.LOG_RATE
+    assert len(terminal.received) < logrelay.LOG_BURST + 64 * logrelay.LOG_RATE
     assert log.read_text() == "the launcher's own log\n"
 
 

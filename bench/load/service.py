@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-API_KEY = "load-test-key"
+API_KEY = "load-test-key-0123456789"
 
 
 def free_port() -> int:

@@ -2,9 +2,20 @@
 
     with Sandbox() as sb:
         ex = sb.run("def main(x):\n    print('hi')\n    return {'y': x * 2}", inputs={"x": 21})
-        ex.result  # {'y': 42}; ex.stdout == 'hi\\n'
+        ex.result  # {'y': 42}; ex.stdout == 'hi\\n'; ex.usage.cpu_user_seconds
 """
 
-from .sandbox import AsyncSandbox, Execution, ExecutionError, Sandbox
+from typing import Any
 
-__all__ = ["AsyncSandbox", "Execution", "ExecutionError", "Sandbox"]
+from . import execution as _execution
+from .execution import ErrorInfo, Execution, Usage
+from .receive import CallerLimits
+from .sandbox import GRACE_SECONDS, AsyncSandbox, Sandbox
+
+__all__ = ["GRACE_SECONDS", "AsyncSandbox", "CallerLimits", "ErrorInfo", "Execution", "Sandbox",
+           "Usage"]
+
+
+def __getattr__(name: str) -> Any:
+    """Deprecated names, still importable (see execution.__getattr__)."""
+    return getattr(_execution, name)

@@ -123,6 +123,7 @@ class Budget:
     limits: CallerLimits
     output_used: int = 0
     output_dropped: int = 0
+    output_received: int = 0  # bytes of stream text that arrived, before the cap
     kernel_marker_seen: bool = False
     rich_used: int = 0
     displays_dropped: int = 0
@@ -130,10 +131,11 @@ class Budget:
 
     def take_output(self, text: str) -> str:
         """The part of a stream chunk that still fits (the kernel's own marker passes once)."""
+        data = text.encode("utf-8", "surrogatepass")
+        self.output_received += len(data)
         limit = self.limits.max_output
         if not limit:
             return text
-        data = text.encode("utf-8", "surrogatepass")
         room = max(limit - self.output_used, 0)
         if len(data) <= room:
             self.output_used += len(data)

@@ -1,47 +1,45 @@
-"""Python client: start a sandboxed kernel and run code (or a `main()` call) in it.
+"""Sandbox and AsyncSandbox: a sandboxed kernel to run code (or a `main()` call) in.
 
     with Sandbox() as sb:
         ex = sb.run("def main(x):\n    print('hi')\n    return {'y': x * 2}", inputs={"x": 21})
         ex.result  # {'y': 42}; ex.stdout == 'hi\\n'
+
+Both classes share one body: each operation is written once, in `_SandboxCore`, as *steps*, a
+generator that yields the calls it needs made (`(inbox.receive, 0.2)`, `(manager.is_alive,)`)
+and is sent back their answers (or has their exceptions thrown in). Sandbox makes those calls as
+they are; AsyncSandbox awaits the ones that return awaitables. jupyter_client derives its
+blocking manager from the async one with run_sync, which turns an event loop for every call;
+here the blocking Sandbox stays plain blocking calls, so its hot path (a warm `main()` call,
+a fresh fork-served request) costs what it did while nothing is written twice.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
+import functools
+import inspect
 import queue
-import re
-import signal
+import shlex
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
-from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from .. import jsonwire
-from ..install import DEFAULT_NAME, kernel_json
+from ..install import DEFAULT_NAME
 from ..policy import SandboxPolicy
+from .collect import POLL, Call, Callback, Collector, Watchdog
+from .execution import Execution, error_from
+from .inbox import AsyncInbox, Inbox, queued_reply
 from .managers import AsyncSandboxKernelManager, SandboxKernelManager
-from .receive import (
-    Budget,
-    CallerLimits,
-    Refusals,
-    bounded_context,
-    oversize_error,
-    unpack_frames,
-    watch_connection,
-)
+from .meter import KernelProcess, Meter, open_process
+from .receive import CallerLimits, bounded_context, oversize_error
+from .specs import installed_policy, manager_kwargs
 
-_ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
-_POLL = 0.2
-_DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's exit
 # After the kernel_info_reply, how long to wait for an IOPub message (which proves the
 # subscription) before asking again: a fork-served kernel answers before IOPub has joined.
 _IOPUB_JOIN = 0.05
@@ -52,21 +50,13 @@ _REPLY_WAIT = 2.0  # the reply is sent before the kernel goes idle; this only bo
 # makes the first run pay nothing for first-time work.
 _WARM_UP = {"code": "pass", "silent": True, "store_history": False, "user_expressions": {},
             "allow_stdin": False, "stop_on_error": False}
+_STARTING = ("Kernel died before replying to kernel_info",  # as jupyter_client's wait_for_ready
+             "Kernel didn't respond in {timeout:g} seconds")
+_WARMING_UP = ("the kernel died while warming up (before any code of the caller ran)",
+               "the kernel did not answer a silent `pass` within {timeout:g} s")
 
-
-@dataclass
-class ExecutionError:
-    """An error raised by the code, by `main`, or by the sandbox around them."""
-
-    name: str
-    value: str
-    traceback: list[str] = field(default_factory=list)
-
-
-def _error(content: dict[str, Any]) -> ExecutionError:
-    """The error of an `error` message or an error execute_reply, without ANSI colours."""
-    return ExecutionError(str(content.get("ename", "Error")), str(content.get("evalue", "")),
-                          [_ANSI.sub("", str(line)) for line in content.get("traceback", [])])
+T = TypeVar("T")
+Steps = Generator[Call, Any, T]
 
 
 def _reply_error(execution: Execution, reply: dict[str, Any] | None) -> None:
@@ -74,144 +64,7 @@ def _reply_error(execution: Execution, reply: dict[str, Any] | None) -> None:
     thread limit cannot format and publish one): a failed run never reads as a success."""
     content = (reply or {}).get("content", {})
     if execution.error is None and content.get("status") == "error":
-        execution.error = _error(content)
-
-
-@dataclass
-class Execution:
-    """Everything one `run` produced, each kind of output kept apart."""
-
-    result: dict | None = None
-    text: str | None = None
-    logs: list[dict[str, str]] = field(default_factory=list)
-    displays: list[dict[str, Any]] = field(default_factory=list)
-    error: ExecutionError | None = None
-    duration: float = 0.0
-    state_lost: bool = False
-
-    @property
-    def stdout(self) -> str:
-        """Everything the code printed to stdout."""
-        return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stdout")
-
-    @property
-    def stderr(self) -> str:
-        """Everything the code printed to stderr."""
-        return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stderr")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The whole execution as JSON-able values."""
-        return {**asdict(self), "stdout": self.stdout, "stderr": self.stderr}
-
-    def save_displays(self, directory: str | Path) -> list[str]:
-        """Write each display to directory as display-N.EXT in its richest format; the paths."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        paths = []
-        for number, bundle in enumerate(self.displays, start=1):
-            kind = next((k for k in _DISPLAY_FILES if k[0] in bundle), None)
-            if kind is None:
-                continue
-            mime, extension, encoding = kind
-            path = Path(directory, f"display-{number}.{extension}")
-            path.write_bytes(_display_bytes(bundle[mime], encoding))
-            paths.append(str(path))
-        return paths
-
-
-# Richest first: (mime type, file extension, how the message carries it).
-_DISPLAY_FILES = (
-    ("image/png", "png", "base64"), ("image/jpeg", "jpg", "base64"),
-    ("image/gif", "gif", "base64"), ("image/svg+xml", "svg", "text"),
-    ("text/html", "html", "text"), ("text/markdown", "md", "text"),
-    ("text/latex", "tex", "text"), ("application/json", "json", "json"),
-    ("text/plain", "txt", "text"),
-)
-
-
-def _display_bytes(value: Any, encoding: str) -> bytes:
-    if encoding == "base64":
-        return base64.b64decode(value)
-    if encoding == "json":
-        return json.dumps(value, indent=2, ensure_ascii=False).encode()
-    return ("".join(value) if isinstance(value, list) else str(value)).encode()
-
-
-Callback = Callable[[Any], None] | None
-
-
-class _Collector:
-    """Turns the IOPub messages of one request into an Execution, within the caller's limits."""
-
-    def __init__(self, msg_id: str, on_stdout: Callback, on_stderr: Callback,
-                 on_display: Callback, limits: CallerLimits | None = None,
-                 session: Any = None) -> None:
-        self.msg_id = msg_id
-        self.execution = Execution()
-        self.callbacks = {"stdout": on_stdout, "stderr": on_stderr, "display": on_display}
-        self.idle = False
-        self.budget = Budget(limits or CallerLimits())
-        self.session = session
-
-    def feed_frames(self, frames: list[Any]) -> None:
-        """Take one message as it came off the socket (content parsed only if it is ours)."""
-        msg = unpack_frames(self.session, frames, self.msg_id)
-        if msg is not None:
-            self.feed(msg)
-
-    def feed(self, msg: dict[str, Any]) -> None:
-        """Take one message; its content may still be packed (bytes), as unpack_frames leaves it."""
-        if msg.get("parent_header", {}).get("msg_id") != self.msg_id:
-            return
-        kind, content = msg["header"]["msg_type"], msg["content"]
-        size = msg.get("content_size", 0)
-        if kind == "execute_result":
-            self._result(content, size)
-            return
-        if kind in ("display_data", "update_display_data") and not self.budget.take_display(size):
-            return
-        if isinstance(content, (bytes, memoryview)):
-            content = jsonwire.loads(content)
-        ex = self.execution
-        if kind == "stream":
-            text = self.budget.take_output(content["text"])
-            if text:
-                ex.logs.append({"name": content["name"], "text": text})
-                self._call(content["name"], text)
-        elif kind in ("display_data", "update_display_data"):
-            ex.displays.append(content["data"])
-            self._call("display", content["data"])
-        elif kind == "error":
-            ex.error = _error(content)
-        elif kind == "status" and content["execution_state"] == "idle":
-            self.idle = True
-            self._add_markers()
-
-    def _result(self, content: Any, size: int) -> None:
-        ex = self.execution
-        problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
-        if problem is None:
-            if isinstance(content, (bytes, memoryview)):
-                content = jsonwire.loads(content, keep=True)  # handed to the caller: thawed
-            data = content["data"]
-            json_data = data.get("application/json")
-            problem = self.budget.result_problem(size, json_data)
-        if problem is not None:
-            ex.result = ex.text = None
-            ex.error = ExecutionError("ResultTooLarge", problem, [f"ResultTooLarge: {problem}"])
-            return
-        ex.text = data.get("text/plain")
-        ex.result = json_data if isinstance(json_data, dict) else None
-
-    def _add_markers(self) -> None:
-        for marker in (self.budget.output_marker(), self.budget.display_marker()):
-            if marker:
-                self.execution.logs.append({"name": "stderr", "text": marker})
-                self._call("stderr", marker)
-
-    def _call(self, name: str, payload: Any) -> None:
-        callback = self.callbacks.get(name)
-        if callback:
-            callback(payload)
+        execution.error = error_from(content)
 
 
 def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: str,
@@ -234,7 +87,7 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
         "code": code, "silent": False, "store_history": inputs is None,
         "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
     msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint, timeout_source))
-    return msg
+    return msg  # type: ignore[no-any-return]
 
 
 def _warm_up_request(client: Any) -> dict[str, Any]:
@@ -278,12 +131,6 @@ def _never_waiting(context: Any) -> Any:
     return context
 
 
-_STARTING = ("Kernel died before replying to kernel_info",  # as jupyter_client's wait_for_ready
-             "Kernel didn't respond in {timeout:g} seconds")
-_WARMING_UP = ("the kernel died while warming up (before any code of the caller ran)",
-               "the kernel did not answer a silent `pass` within {timeout:g} s")
-
-
 def _check_start(alive: bool, deadline: float, timeout: float,
                  errors: tuple[str, str] = _STARTING) -> None:
     """Raise if the kernel died or took too long (errors: what to say for each)."""
@@ -293,266 +140,329 @@ def _check_start(alive: bool, deadline: float, timeout: float,
         raise RuntimeError(errors[1].format(timeout=timeout))
 
 
-def _exit_status(manager: Any) -> str:
-    """How the kernel process ended, e.g. "exit status 1" or "killed by signal SIGSEGV"."""
-    code = getattr(getattr(manager.provisioner, "process", None), "returncode", None)
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
+# --- the two ways of making a step's calls ------------------------------------------------------
+
+_DONE = object()
 
 
-class _Watchdog:
-    """Decides, between messages, whether to interrupt or give up on the kernel."""
-
-    def __init__(self, timeout: float | None, grace: float, one_shot: bool = False) -> None:
-        self.started = time.monotonic()
-        self.timeout, self.grace, self.one_shot = timeout, grace, one_shot
-        # The kernel enforces `timeout` itself; the client steps in only if that did not work.
-        self.deadline = None if timeout is None else self.started + timeout + grace
-        self.interrupted_at: float | None = None
-        self.oversize = ("MessageTooLarge", "")
-        self.checked_at = self.started
-
-    def due(self) -> bool:
-        """Whether to look at the kernel now: when no message came, or every _POLL seconds
-        while messages keep coming (a stream of them must not hold the deadline off)."""
-        now = time.monotonic()
-        if now - self.checked_at < _POLL:
-            return False
-        self.checked_at = now
-        return True
-
-    def check(self, alive: bool) -> str | None:
-        """None (keep waiting), "interrupt", or why the kernel is lost ("died", "hung")."""
-        now = time.monotonic()
-        if not alive:
-            return "died"
-        if self.interrupted_at is not None:
-            return "hung" if now > self.interrupted_at + self.grace else None
-        if self.deadline is not None and now > self.deadline:
-            self.interrupted_at = now
-            return "interrupt"
-        return None
-
-    def finish(self, execution: Execution, lost: str | None, manager: Any) -> Execution:
-        """Fill in the duration, and the error when the client had to step in."""
-        execution.duration = time.monotonic() - self.started
-        restarted = "the kernel was restarted and its state (variables, imports) was lost"
-        if lost == "died":
-            execution.error = ExecutionError(
-                "KernelDied", f"the kernel process died ({_exit_status(manager)}); {restarted}")
-        elif lost == "hung":
-            execution.error = ExecutionError(
-                "ExecutionTimeout", f"the execution ran past its {self.timeout:g} s limit and "
-                f"did not stop when interrupted; {restarted}")
-        elif lost == "oversize":
-            execution.result = execution.text = None
-            execution.error = ExecutionError(*self.oversize, [])
-            execution.error.value += f"; {restarted}"
-            execution.error.traceback.append(f"{execution.error.name}: {execution.error.value}")
-        elif self.interrupted_at is not None and execution.error is not None \
-                and execution.error.name == "KeyboardInterrupt":
-            error = execution.error
-            error.name = "ExecutionTimeout"
-            error.value = f"the execution ran past its {self.timeout:g} s limit and was " \
-                "interrupted" + ("" if self.one_shot else
-                                 "; the kernel and its variables are still there")
-            error.traceback.append(f"{error.name}: {error.value}")  # ends as the others do
-        execution.state_lost = lost is not None
-        return execution
-
-
-def _ready_frames(socket: Any) -> list[Any] | None:
-    """The frames of a message already queued on this socket, else None (without waiting).
-
-    A run's messages arrive in bursts (busy, streams, result, idle): taking what is queued
-    before polling saves a poll per message.
-    """
+def _advance(steps: Steps[Any], answer: Any, error: BaseException | None) -> Call:
+    """The next call the steps ask for, or (_DONE, their return value)."""
     try:
-        return socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)  # type: ignore[no-any-return]
-    except zmq.Again:
-        return None
+        return steps.throw(error) if error is not None else steps.send(answer)
+    except StopIteration as done:
+        return (_DONE, done.value)
 
 
-async def _ready_frames_async(socket: Any) -> list[Any] | None:
-    """_ready_frames for an asyncio socket: a non-blocking read's future is already done, so
-    awaiting it costs no turn of the event loop."""
+def _blocking_answer(call: Call) -> tuple[Any, Exception | None]:
     try:
-        return await socket.recv_multipart(  # type: ignore[no-any-return]
-            flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        return None
+        return call[0](*call[1:]), None
+    except Exception as exc:  # handed to the steps, which catch what they expect
+        return None, exc
 
 
-def _queued_reply(client: Any, frames: list[Any] | None) -> dict[str, Any] | None:
-    """The shell reply in these frames, parsed as the client's get_shell_msg would."""
-    if frames is None:
-        return None
-    _idents, parts = client.session.feed_identities(frames, copy=False)
-    return client.session.deserialize(parts, copy=False)  # type: ignore[no-any-return]
-
-
-class _Inbox:
-    """A client's IOPub socket read frame by frame, and whether libzmq refused a frame."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.socket = client.iopub_channel.socket
-        self.monitor = watch_connection(self.socket)
-        self.refusals = Refusals()
-        self.poller = self._poller()
-
-    def _poller(self) -> Any:
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        return poller
-
-    def receive(self, timeout: float) -> list[Any] | None:
-        """The next message's frames, or None after `timeout` seconds without one."""
-        frames = _ready_frames(self.socket)
-        if frames is not None:
-            return frames
-        events = dict(self.poller.poll(timeout * 1000))
-        if self.monitor in events:
-            self.refusals.note(self.monitor.recv_multipart())
-        if self.socket in events:
-            return self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
-        return None
-
-    @property
-    def refused(self) -> bool:
-        """Whether libzmq refused a frame past the caller's size limit (see Refusals)."""
-        return self.refusals.refused
-
-    def watch(self, timeout: float) -> None:
-        """Take the connection's events for up to `timeout` seconds (messages stay queued)."""
-        if self.monitor.poll(timeout * 1000):
-            self.refusals.note(self.monitor.recv_multipart())
-
-    def close(self) -> None:
-        """Stop watching the socket."""
-        try:
-            self.socket.disable_monitor()
-        except zmq.ZMQError:
-            pass  # the socket is already closed
-        self.monitor.close(linger=0)
-
-
-class _AsyncInbox(_Inbox):
-    """The asyncio twin of _Inbox."""
-
-    async def watch(self, timeout: float) -> None:  # type: ignore[override]
-        """Take the connection's events for up to `timeout` seconds (messages stay queued)."""
-        if await self.monitor.poll(timeout * 1000):
-            self.refusals.note(await self.monitor.recv_multipart())
-
-    def _poller(self) -> Any:
-        poller = zmq.asyncio.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        return poller
-
-    async def receive(self, timeout: float) -> list[Any] | None:  # type: ignore[override]
-        """The next message's frames, or None after `timeout` seconds without one."""
-        frames = await _ready_frames_async(self.socket)
-        if frames is not None:
-            return frames
-        events = dict(await self.poller.poll(timeout * 1000))
-        if self.monitor in events:
-            self.refusals.note(await self.monitor.recv_multipart())
-        if self.socket in events:
-            return await self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
-        return None
-
-
-class _PackageSpecs(KernelSpecManager):
-    """Serves a kernelspec built from this package, for sandboxes started without installing."""
-
-    def __init__(self, policy: SandboxPolicy, cold_start: bool = False,
-                 preload: Sequence[str] = (), **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.spec = KernelSpec(**kernel_json(policy, "sandbox (package)", cold_start, preload))
-
-    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
-        return self.spec
-
-
-def _manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None, cold_start: bool,
-                    preload: Sequence[str]) -> dict[str, Any]:
-    if kernel_name is None:
-        specs = _PackageSpecs(policy or SandboxPolicy(), cold_start, preload)
-        return {"kernel_name": "sandbox-package", "kernel_spec_manager": specs}
-    if policy is not None or cold_start or preload:
-        raise ValueError("give either kernel_name (an installed kernelspec, which sets policy, "
-                         "cold start and preload) or those options, not both")
-    return {"kernel_name": kernel_name}
-
-
-def _installed_policy(kernel_name: str) -> dict[str, Any]:
-    """The policy an installed kernelspec records (caller-side, so user code cannot alter it)."""
+async def _awaited_answer(call: Call) -> tuple[Any, Exception | None]:
     try:
-        spec = KernelSpecManager().get_kernel_spec(kernel_name)
-    except NoSuchKernel:
-        return {}  # start_kernel will say so
-    policy = spec.metadata.get("sandbox_kernel", {}).get("policy", {})
-    return policy if isinstance(policy, dict) else {}
+        answer = call[0](*call[1:])
+        return (await answer if inspect.isawaitable(answer) else answer), None
+    except Exception as exc:  # handed to the steps, which catch what they expect
+        return None, exc
 
 
-class _SandboxSettings:
-    """What Sandbox and AsyncSandbox are made of: a kernel manager and their limits."""
+def _blocking(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Callable[..., T]:
+    """A Sandbox method: the core's steps, each call made as it is (under the lock if locked)."""
+    @functools.wraps(operation)
+    def method(self: Sandbox, *args: Any, **kwargs: Any) -> T:
+        with self._lock if locked else _NO_LOCK:
+            steps, outcome = operation(self, *args, **kwargs), (None, None)
+            while (call := _advance(steps, *outcome))[0] is not _DONE:
+                outcome = _blocking_answer(call)
+            return call[1]  # type: ignore[no-any-return]
+
+    method.__name__ = name
+    return method
+
+
+def _awaiting(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Callable[..., Any]:
+    """An AsyncSandbox method: the core's steps, awaiting what their calls return."""
+    @functools.wraps(operation)
+    async def method(self: AsyncSandbox, *args: Any, **kwargs: Any) -> T:
+        async with self._lock if locked else _NO_ASYNC_LOCK:
+            steps, outcome = operation(self, *args, **kwargs), (None, None)
+            while (call := _advance(steps, *outcome))[0] is not _DONE:
+                outcome = await _awaited_answer(call)
+            return call[1]  # type: ignore[no-any-return]
+
+    method.__name__ = name
+    return method
+
+
+class _Operation:
+    """A public method of both sandboxes written once, as steps: each class's `_driver` makes
+    the method (Sandbox's makes the calls as they are, AsyncSandbox's awaits them)."""
+
+    def __init__(self, steps: Callable[..., Steps[Any]], locked: bool = False) -> None:
+        self.steps, self.locked, self.name = steps, locked, steps.__name__
+        self.methods: dict[type, Callable[..., Any]] = {}
+        self.__doc__ = steps.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, sandbox: Any, cls: type | None = None) -> Any:
+        cls = cls or type(sandbox)
+        method = self.methods.get(cls)
+        if method is None:  # made once per class
+            method = self.methods[cls] = cls._driver(self.steps, self.locked, self.name)
+        return method if sandbox is None else method.__get__(sandbox, cls)
+
+
+class _NoLock:
+    """Stands in for the lock of a method that needs none."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LOCK = _NO_ASYNC_LOCK = _NoLock()
+
+
+# --- the one body --------------------------------------------------------------------------------
+
+
+def install_code(packages: Sequence[str], upgrade: bool = False) -> str:
+    """The cell that installs packages (wheels) into a kernel's session: `%pip install ...`."""
+    if not packages:
+        raise ValueError("name at least one package to install")
+    for package in packages:
+        if not package or package.startswith("-") or any(c.isspace() for c in package):
+            raise ValueError(f"not a requirement: {package!r} (give names such as 'x==1.0'; "
+                             "options are not available)")
+    return "%pip install " + ("-U " if upgrade else "") + shlex.join(packages)
+
+
+class _SandboxCore:
+    """What Sandbox and AsyncSandbox are made of: a kernel manager, limits, and the steps."""
 
     manager_class: type = SandboxKernelManager
     lock_class: type = threading.Lock
-    # What a timeout message says set the limit, and whether state outlives one run (the CLI
-    # changes both: its limit is `--timeout`, and its kernel ends after the one run).
-    timeout_source = "Sandbox.run(timeout=)"
-    one_shot = False
     context_class: type = zmq.Context
-    inbox_class: type = _Inbox
+    inbox_class: type = Inbox
+    sleep: Callable[[float], Any] = staticmethod(time.sleep)
 
     def __init__(self, kernel_name: str | None = DEFAULT_NAME, *,
                  policy: SandboxPolicy | None = None, startup_timeout: float = 60.0,
                  grace: float = GRACE_SECONDS, max_output: int | None = None,
                  max_result: int | None = None, cold_start: bool = False,
-                 preload: Sequence[str] = ()) -> None:
+                 preload: Sequence[str] = (), timeout_source: str = "Sandbox.run(timeout=)",
+                 one_shot: bool = False, python: str | None = None) -> None:
+        """kernel_name: an installed kernelspec, or None for this package's own with `policy`,
+        `cold_start` and `preload`. timeout_source: what a timeout's message says set the
+        limit. one_shot: the kernel ends after one run (a timeout then keeps no state).
+        python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/)."""
         self.manager = self.manager_class(
-            **_manager_kwargs(kernel_name, policy, cold_start, preload))
+            **manager_kwargs(kernel_name, policy, cold_start, preload, python))
         jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
         recorded = policy.as_dict() if policy is not None else (
-            _installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
+            installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
         # Enforced here on what arrives, whatever the kernel does (see receive.py).
         self.limits = CallerLimits.from_policy(recorded, max_output, max_result)
         self.context = bounded_context(self.limits, self.context_class)
         self.startup_timeout = startup_timeout
         self.grace = grace
+        self.timeout_source = timeout_source
+        self.one_shot = one_shot
         self.client: Any = None
         self._inbox: Any = None
+        self._process: KernelProcess | None = None
         self._lock = self.lock_class()
 
-    def _send(self, msg: dict[str, Any], on_stdout: Callback = None, on_stderr: Callback = None,
-              on_display: Callback = None) -> tuple[_Collector, Any]:
-        """Send an execute request; return what collects its output and the inbox to read."""
-        collector = _Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
-                               self.limits, self.client.session)
-        inbox = self._current_inbox()  # before the send: nothing of the reply may be missed
-        self.client.shell_channel.send(msg)
-        return collector, inbox
-
-    def _finish(self, watchdog: _Watchdog, collector: _Collector, lost: str | None) -> Execution:
-        watchdog.oversize = oversize_error(self.limits)
-        return watchdog.finish(collector.execution, lost, self.manager)
+    def _sending_context(self, context: Any) -> Any:
+        """The context the manager and client send on (AsyncSandbox: sends never wait)."""
+        return context
 
     def _live_context(self) -> Any:
         """The bounded ZMQ context for the client's sockets (a new one after close())."""
         if self.context.closed:
             self.context = bounded_context(self.limits, self.context_class)
-        return self.context
+        return self._sending_context(self.context)
+
+    def _start_steps(self) -> Steps[None]:
+        """Start the kernel and wait until it answers."""
+        self._sending_context(self.manager.context)  # its control socket (shutdown requests)
+        yield (_fast_reconnecting(self.manager).start_kernel,)
+        yield from self._connect_steps()
+
+    def _connect_steps(self) -> Steps[None]:
+        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
+        _start_channels(self.client)
+        try:
+            yield from self._wait_for_ready()
+        except RuntimeError:
+            yield from self._close_steps()
+            raise
+
+    def _wait_for_ready(self) -> Steps[None]:
+        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                msg_id = self.client.kernel_info()
+            except zmq.Again:  # nothing takes it (see _never_waiting): as if no reply came
+                yield (self.sleep, 1.0)
+                _check_start((yield (self.manager.is_alive,)), deadline, self.startup_timeout)
+                continue
+            try:
+                while (yield (self.client.get_shell_msg, 1.0))["parent_header"].get(
+                        "msg_id") != msg_id:
+                    pass
+                yield (self.client.get_iopub_msg, _IOPUB_JOIN)  # the subscription is live
+                return
+            except queue.Empty:
+                pass
+            _check_start((yield (self.manager.is_alive,)), deadline, self.startup_timeout)
+
+    def _close_steps(self, now: bool = False) -> Steps[None]:
+        """Shut the kernel down: graceful, or with now=True killed at once.
+
+        now=True is the one-shot close of a kernel whose results have all arrived: no shutdown
+        handshake, the kernel is gone when this returns and its reaper still removes the
+        scratch directory.
+        """
+        if self.client is not None:
+            self.client.stop_channels()
+        if self.manager.has_kernel:
+            # Graceful by default; either way the scratch reaper removes the scratch directory.
+            try:
+                yield (functools.partial(self.manager.shutdown_kernel, now=now),)
+            except zmq.Again:  # its control port takes nothing: no polite request, then
+                yield (functools.partial(self.manager.shutdown_kernel, now=True),)
+        self._close_inbox()
+        self._forget_process()
+        self.context.destroy(linger=0)
+
+    def _restart_steps(self) -> Steps[None]:
+        """Replace the kernel with a fresh one; all state is lost."""
+        self.client.stop_channels()
+        yield (functools.partial(self.manager.restart_kernel, now=True),)
+        yield from self._connect_steps()
+
+    def _interrupt_steps(self) -> Steps[None]:
+        """Interrupt the code that is running."""
+        yield (self.manager.interrupt_kernel,)
+
+    def _kernel_info_steps(self) -> Steps[dict[str, Any]]:
+        """The kernel_info_reply content, including the sandbox's policy and layers."""
+        reply = yield (functools.partial(self.client.kernel_info, reply=True,
+                                         timeout=self.startup_timeout),)
+        return reply["content"]  # type: ignore[no-any-return]
+
+    def _warm_up_steps(self) -> Steps[None]:
+        """Send one silent `pass` through run()'s path, so the next run() pays no first time.
+
+        It sets up the run's IOPub reader, drains what the start left on IOPub and takes the
+        kernel through its execute path once, leaving no history, execution count or variable:
+        the kernel stays as fresh as it started. Pools call it before handing a kernel out.
+        """
+        msg = _warm_up_request(self.client)
+        collector, inbox = self._send(msg)
+        deadline = time.monotonic() + self.startup_timeout
+        while not collector.idle:
+            frames = yield (inbox.receive, POLL)
+            if frames is None:
+                _check_start((yield (self.manager.is_alive,)), deadline, self.startup_timeout,
+                             _WARMING_UP)
+            else:
+                collector.feed_frames(frames)
+        yield from self._take_reply(msg["header"]["msg_id"])
+
+    def _install_steps(self, *packages: str, upgrade: bool = False,
+                       timeout: float | None = None) -> Steps[Execution]:
+        """Install wheels into this kernel's session (`%pip install`) for later runs to import;
+        the execution's error (PackageInstallError) says why when that is not allowed."""
+        return (yield from self._run_steps(install_code(packages, upgrade), timeout=timeout))
+
+    def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
+             on_stdout: Callback = None, on_stderr: Callback = None,
+             on_display: Callback = None, entrypoint: str = "main") -> Steps[Execution]:
+        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
+        watchdog = Watchdog(timeout, self.grace, self.one_shot)
+        msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
+                               self.timeout_source)
+        meter = Meter(self._kernel_process())
+        collector, inbox = self._send(msg, on_stdout, on_stderr, on_display)
+        lost = None
+        while not collector.idle and not lost:
+            frames = yield (inbox.receive, POLL)
+            if frames is not None:
+                collector.feed_frames(frames)
+                if not watchdog.due():
+                    continue
+            meter.sample()
+            lost = yield from watchdog.verdict(self.manager, inbox)
+        execution = self._finish(watchdog, collector, lost)
+        jsonwire.thaw()
+        reply = None
+        if lost:
+            yield from self._restart_steps()
+        else:
+            reply = yield from self._take_reply(msg["header"]["msg_id"])
+            _reply_error(execution, reply)
+        execution.usage = meter.finish(execution.duration, collector.budget.output_received,
+                                       collector.result_bytes, reply)
+        return execution
+
+    def _take_reply(self, msg_id: str) -> Steps[dict[str, Any] | None]:
+        """Read the execute_reply (and any stale one before it) so replies do not pile up."""
+        give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
+        socket = self.client.shell_channel.socket
+        while (left := give_up - time.monotonic()) > 0:
+            # The kernel sends the reply before it goes idle: it is usually queued already.
+            try:
+                reply = queued_reply(self.client, (yield (
+                    functools.partial(socket.recv_multipart, flags=zmq.NOBLOCK, copy=False),)))
+            except zmq.Again:
+                try:
+                    reply = yield (self.client.get_shell_msg, left)
+                except queue.Empty:
+                    return None
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply
+        return None
+
+    def _send(self, msg: dict[str, Any], on_stdout: Callback = None, on_stderr: Callback = None,
+              on_display: Callback = None) -> tuple[Collector, Any]:
+        """Send an execute request; return what collects its output and the inbox to read."""
+        collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
+                              self.limits, self.client.session)
+        inbox = self._current_inbox()  # before the send: nothing of the reply may be missed
+        self.client.shell_channel.send(msg)
+        return collector, inbox
+
+    def _finish(self, watchdog: Watchdog, collector: Collector, lost: str | None) -> Execution:
+        watchdog.oversize = oversize_error(self.limits)
+        return watchdog.finish(collector.execution, lost, self.manager)
+
+    def _kernel_process(self) -> KernelProcess | None:
+        """The /proc files of the current kernel process (a restart gives another pid)."""
+        pid = getattr(self.manager.provisioner, "pid", None)
+        if self._process is None or self._process.pid != pid:
+            self._forget_process()
+            self._process = open_process(pid)
+        return self._process
+
+    def _forget_process(self) -> None:
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
     def _current_inbox(self) -> Any:
         """The inbox of the current client (a restart replaces the client and its sockets)."""
@@ -566,8 +476,18 @@ class _SandboxSettings:
             self._inbox.close()
             self._inbox = None
 
+    start = _Operation(_start_steps)
+    close = _Operation(_close_steps)
+    restart = _Operation(_restart_steps)
+    interrupt = _Operation(_interrupt_steps)
+    kernel_info = _Operation(_kernel_info_steps, locked=True)
+    warm_up = _Operation(_warm_up_steps, locked=True)
+    run = _Operation(_run_steps, locked=True)
+    install = _Operation(_install_steps, locked=True)
+    _connect = _Operation(_connect_steps)
 
-class Sandbox(_SandboxSettings):
+
+class Sandbox(_SandboxCore):
     """A sandboxed kernel whose state persists across `run` calls; use it as a context manager."""
 
     def __enter__(self) -> Sandbox:
@@ -577,150 +497,18 @@ class Sandbox(_SandboxSettings):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> None:
-        """Start the kernel and wait until it answers."""
-        _fast_reconnecting(self.manager).start_kernel()
-        self._connect()
-
-    def _connect(self) -> None:
-        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
-        _start_channels(self.client)
-        try:
-            self._wait_for_ready()
-        except RuntimeError:
-            self.close()
-            raise
-
-    def _wait_for_ready(self) -> None:
-        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            msg_id = self.client.kernel_info()
-            try:
-                while self.client.get_shell_msg(timeout=1.0)["parent_header"].get(
-                        "msg_id") != msg_id:
-                    pass
-                self.client.get_iopub_msg(timeout=_IOPUB_JOIN)  # the subscription is live
-                return
-            except queue.Empty:
-                pass
-            _check_start(self.manager.is_alive(), deadline, self.startup_timeout)
-
-    def close(self, now: bool = False) -> None:
-        """Shut the kernel down: graceful, or with now=True killed at once.
-
-        now=True is the one-shot close of a kernel whose results have all arrived: no shutdown
-        handshake, the kernel is gone when this returns and its reaper still removes the
-        scratch directory.
-        """
-        if self.client is not None:
-            self.client.stop_channels()
-        if self.manager.has_kernel:
-            # Graceful by default; either way the scratch reaper removes the scratch directory.
-            self.manager.shutdown_kernel(now=now)
-        self._close_inbox()
-        self.context.destroy(linger=0)
-
-    def restart(self) -> None:
-        """Replace the kernel with a fresh one; all state is lost."""
-        self.client.stop_channels()
-        self.manager.restart_kernel(now=True)
-        self._connect()
-
-    def interrupt(self) -> None:
-        """Interrupt the code that is running."""
-        self.manager.interrupt_kernel()
-
-    def kernel_info(self) -> dict[str, Any]:
-        """The kernel_info_reply content, including the sandbox's policy and layers."""
-        with self._lock:
-            return self.client.kernel_info(reply=True, timeout=self.startup_timeout)["content"]
-
-    def warm_up(self) -> None:
-        """Send one silent `pass` through run()'s path, so the next run() pays no first time.
-
-        It sets up the run's IOPub reader, drains what the start left on IOPub and takes the
-        kernel through its execute path once, leaving no history, execution count or variable:
-        the kernel stays as fresh as it started. Pools call it before handing a kernel out.
-        """
-        with self._lock:
-            msg = _warm_up_request(self.client)
-            collector, inbox = self._send(msg)
-            deadline = time.monotonic() + self.startup_timeout
-            while not collector.idle:
-                frames = inbox.receive(_POLL)
-                if frames is None:
-                    _check_start(self.manager.is_alive(), deadline, self.startup_timeout,
-                                 _WARMING_UP)
-                else:
-                    collector.feed_frames(frames)
-            self._take_reply(msg["header"]["msg_id"])
-
-    def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
-            on_stdout: Callback = None, on_stderr: Callback = None, on_display: Callback = None,
-            entrypoint: str = "main") -> Execution:
-        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
-        with self._lock:
-            watchdog = _Watchdog(timeout, self.grace, self.one_shot)
-            msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
-                                   self.timeout_source)
-            collector, inbox = self._send(msg, on_stdout, on_stderr, on_display)
-            lost = None
-            while not collector.idle and not lost:
-                frames = inbox.receive(_POLL)
-                if frames is not None:
-                    collector.feed_frames(frames)
-                    if not watchdog.due():
-                        continue
-                lost = self._verdict(watchdog, inbox)
-            execution = self._finish(watchdog, collector, lost)
-            jsonwire.thaw()
-            if lost:
-                self.restart()
-            else:
-                _reply_error(execution, self._take_reply(msg["header"]["msg_id"]))
-            return execution
-
-    def _verdict(self, watchdog: _Watchdog, inbox: _Inbox) -> str | None:
-        """Interrupt the kernel, or say why it is lost ("died", "hung", "oversize"), or None."""
-        alive = self.manager.is_alive()
-        if alive and inbox.refused:
-            # A dying kernel drops the connection too, a moment before it is seen to exit.
-            give_up = time.monotonic() + _DEATH_WAIT
-            while (alive := self.manager.is_alive()) and inbox.refused \
-                    and time.monotonic() < give_up:
-                inbox.watch(_POLL / 4)
-            if alive and inbox.refused:
-                return "oversize"
-        verdict = watchdog.check(alive)
-        if verdict == "interrupt":
-            self.interrupt()
-            return None
-        return verdict
-
-    def _take_reply(self, msg_id: str) -> dict[str, Any] | None:
-        """Read the execute_reply (and any stale one before it) so replies do not pile up."""
-        give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
-        while (left := give_up - time.monotonic()) > 0:
-            # The kernel sends the reply before it goes idle: it is usually queued already.
-            reply = _queued_reply(self.client, _ready_frames(self.client.shell_channel.socket))
-            if reply is None:
-                try:
-                    reply = self.client.get_shell_msg(timeout=left)
-                except queue.Empty:
-                    return None
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply
-        return None
+    _driver = staticmethod(_blocking)
 
 
-class AsyncSandbox(_SandboxSettings):
-    """The asyncio twin of Sandbox."""
+class AsyncSandbox(_SandboxCore):
+    """The asyncio twin of Sandbox: the same methods, awaited."""
 
     manager_class = AsyncSandboxKernelManager
     lock_class = asyncio.Lock
     context_class = zmq.asyncio.Context
-    inbox_class = _AsyncInbox
+    inbox_class = AsyncInbox
+    sleep = staticmethod(asyncio.sleep)
+    _driver = staticmethod(_awaiting)
 
     async def __aenter__(self) -> AsyncSandbox:
         await self.start()
@@ -729,135 +517,6 @@ class AsyncSandbox(_SandboxSettings):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _live_context(self) -> Any:
-        return _never_waiting(super()._live_context())
+    def _sending_context(self, context: Any) -> Any:
+        return _never_waiting(context)
 
-    async def start(self) -> None:
-        """Start the kernel and wait until it answers."""
-        _never_waiting(self.manager.context)  # its control socket (shutdown requests)
-        await _fast_reconnecting(self.manager).start_kernel()
-        await self._connect()
-
-    async def _connect(self) -> None:
-        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
-        _start_channels(self.client)
-        try:
-            await self._wait_for_ready()
-        except RuntimeError:
-            await self.close()
-            raise
-
-    async def _wait_for_ready(self) -> None:
-        """Ready once kernel_info is answered and IOPub delivers (not after 0.2 s of silence)."""
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            try:
-                msg_id = self.client.kernel_info()
-            except zmq.Again:  # nothing takes it (see _never_waiting): as if no reply came
-                await asyncio.sleep(1.0)
-                _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
-                continue
-            try:
-                while (await self.client.get_shell_msg(timeout=1.0))["parent_header"].get(
-                        "msg_id") != msg_id:
-                    pass
-                await self.client.get_iopub_msg(timeout=_IOPUB_JOIN)
-                return
-            except queue.Empty:
-                pass
-            _check_start(await self.manager.is_alive(), deadline, self.startup_timeout)
-
-    async def close(self, now: bool = False) -> None:
-        """Shut the kernel down: graceful, or with now=True killed at once (see Sandbox.close)."""
-        if self.client is not None:
-            self.client.stop_channels()
-        if self.manager.has_kernel:
-            try:
-                await self.manager.shutdown_kernel(now=now)
-            except zmq.Again:  # its control port takes nothing: no polite request, then
-                await self.manager.shutdown_kernel(now=True)
-        self._close_inbox()
-        self.context.destroy(linger=0)
-
-    async def restart(self) -> None:
-        """Replace the kernel with a fresh one; all state is lost."""
-        self.client.stop_channels()
-        await self.manager.restart_kernel(now=True)
-        await self._connect()
-
-    async def interrupt(self) -> None:
-        """Interrupt the code that is running."""
-        await self.manager.interrupt_kernel()
-
-    async def warm_up(self) -> None:
-        """Send one silent `pass` through run()'s path, so the next run() pays no first time
-        (see Sandbox.warm_up)."""
-        async with self._lock:
-            msg = _warm_up_request(self.client)
-            collector, inbox = self._send(msg)
-            deadline = time.monotonic() + self.startup_timeout
-            while not collector.idle:
-                frames = await inbox.receive(_POLL)
-                if frames is None:
-                    _check_start(await self.manager.is_alive(), deadline,
-                                 self.startup_timeout, _WARMING_UP)
-                else:
-                    collector.feed_frames(frames)
-            await self._take_reply(msg["header"]["msg_id"])
-
-    async def run(self, code: str, inputs: dict | None = None, timeout: float | None = None,
-                  on_stdout: Callback = None, on_stderr: Callback = None,
-                  on_display: Callback = None, entrypoint: str = "main") -> Execution:
-        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
-        async with self._lock:
-            watchdog = _Watchdog(timeout, self.grace, self.one_shot)
-            msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
-                                   self.timeout_source)
-            collector, inbox = self._send(msg, on_stdout, on_stderr, on_display)
-            lost = None
-            while not collector.idle and not lost:
-                frames = await inbox.receive(_POLL)
-                if frames is not None:
-                    collector.feed_frames(frames)
-                    if not watchdog.due():
-                        continue
-                lost = await self._verdict(watchdog, inbox)
-            execution = self._finish(watchdog, collector, lost)
-            jsonwire.thaw()
-            if lost:
-                await self.restart()
-            else:
-                _reply_error(execution, await self._take_reply(msg["header"]["msg_id"]))
-            return execution
-
-    async def _verdict(self, watchdog: _Watchdog, inbox: _AsyncInbox) -> str | None:
-        """Interrupt the kernel, or say why it is lost ("died", "hung", "oversize"), or None."""
-        alive = await self.manager.is_alive()
-        if alive and inbox.refused:
-            # A dying kernel drops the connection too, a moment before it is seen to exit.
-            give_up = time.monotonic() + _DEATH_WAIT
-            while (alive := await self.manager.is_alive()) and inbox.refused \
-                    and time.monotonic() < give_up:
-                await inbox.watch(_POLL / 4)
-            if alive and inbox.refused:
-                return "oversize"
-        verdict = watchdog.check(alive)
-        if verdict == "interrupt":
-            await self.interrupt()
-            return None
-        return verdict
-
-    async def _take_reply(self, msg_id: str) -> dict[str, Any] | None:
-        """Read the execute_reply (and any stale one before it) so replies do not pile up."""
-        give_up = time.monotonic() + _REPLY_WAIT  # absolute: a stream of stale ones ends too
-        while (left := give_up - time.monotonic()) > 0:
-            reply = _queued_reply(self.client, await _ready_frames_async(
-                self.client.shell_channel.socket))  # usually queued already, as above
-            if reply is None:
-                try:
-                    reply = await self.client.get_shell_msg(timeout=left)
-                except queue.Empty:
-                    return None
-            if reply["parent_header"].get("msg_id") == msg_id:
-                return reply
-        return None

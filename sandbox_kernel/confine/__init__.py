@@ -1,2 +1,8 @@
-"""The confinement layers, one module each: environment, scratch, limits, privileges, landlock,
-seccomp, paths and denials. Nothing here imports the kernel or anything else of ours above it."""
+"""The confinement layers, one module each, and the kernel's unconfined companion.
+
+Layers: environment, scratch, limits, privileges (with view), landlock, seccomp (a package:
+rules, program, syscall) and paths; promises says which layer keeps each promise here, denials
+explains a refused call to the user. Every layer's failure is an errors.ConfinementError.
+The companion: reaper (the process), handover (its channel), logrelay (the kernel's log),
+audit (the record of denied calls). Nothing here imports the kernel or anything above it.
+"""

@@ -18,7 +18,11 @@ import fcntl
 import json
 import os
 import time
-from typing import Any, Protocol
+from typing import Any
+
+from .denials import library_probe
+from .logrelay import LineSink, TokenBucket
+from .tally import Tally
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
 # u64 instruction_pointer; u64 args[6]}. struct seccomp_notif_resp: u64 id; s64 val;
@@ -47,12 +51,6 @@ class Response(ctypes.Structure):
 
 
 assert ctypes.sizeof(Notification) == _NOTIF_SIZE and ctypes.sizeof(Response) == _RESP_SIZE
-
-
-class LineSink(Protocol):
-    """Where launcher-log lines go (the reaper's LauncherLog)."""
-
-    def write(self, line: bytes) -> None: ...
 
 
 def receive(listener: int) -> Notification | None:
@@ -117,10 +115,9 @@ class Auditor:
     """Answers the kernel's refused calls and records each one, rate-limited."""
 
     def __init__(self, listener: int, audit_file: int | None, log: LineSink,
-                 kernel_id: str, uid: int | None) -> None:
-        from .reaper import TokenBucket
-
+                 kernel_id: str, uid: int | None, tally: Tally | None = None) -> None:
         self.listener, self.audit_file, self.log = listener, audit_file, log
+        self.tally = tally  # the kernel reads it for each execution's usage
         self.kernel_id, self.uid = kernel_id, uid
         self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)
         self.suppressed = 0
@@ -130,14 +127,19 @@ class Auditor:
         notification = receive(self.listener)
         if notification is None:
             return
+        if self.tally is not None:  # before the answer: counted by the time the call returns
+            self.tally.add()
         refuse(self.listener, notification)
         if not self.budget.take():
             self.suppressed += 1
             return
         self.report_suppressed()
         entry = record(notification, self.kernel_id, self.uid)
+        probe = library_probe(entry["syscall"], list(notification.args))
+        if probe is not None:  # in the audit file only: not on the user's terminal
+            entry["probe"] = probe
         self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
-                           f"thread {entry['pid']} ({entry['thread']})")
+                           f"thread {entry['pid']} ({entry['thread']})", shown=probe is None)
 
     def report_suppressed(self) -> None:
         """Record how many denials the rate limit left out since the last record."""
@@ -147,9 +149,10 @@ class Auditor:
                         f"{self.suppressed} more denials not recorded (rate limit)")
             self.suppressed = 0
 
-    def _write(self, entry: dict[str, Any], summary: str) -> None:
-        self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"
-                       .encode())
+    def _write(self, entry: dict[str, Any], summary: str, shown: bool = True) -> None:
+        if shown:
+            self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"
+                           .encode())
         if self.audit_file is not None:
             try:  # one write per line: O_APPEND keeps concurrent kernels' lines whole
                 os.write(self.audit_file, json.dumps(entry).encode() + b"\n")

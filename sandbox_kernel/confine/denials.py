@@ -10,6 +10,9 @@ Landlock answers a file outside the grants with a bare EACCES, from whichever ca
 the kernel explains such an error when it shows it (`explain_file_error`): the kernel knows its
 grants, so an EACCES on a path under none of them is the sandbox's; one inside a grant is the
 host's own answer and is left alone. `user_part` cuts a refusal's traceback at the user's call.
+
+Each refusal is a `Rule`: the operator's explanation (with the flag) that the error carries, and
+the same refusal said for a model (`for_model`), which the MCP server shows in its place.
 """
 
 from __future__ import annotations
@@ -20,40 +23,81 @@ import functools
 import os
 import pty
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-PROCESSES = ("creating processes is not allowed in the sandbox (no policy flag allows it: "
-             "run external programs outside the kernel)")
-NETWORK_OFF = ("the network is off in this sandbox; start the kernel with --allow-network "
-               "(or install the kernelspec with --allow-network) to allow it")
-NETWORK_KINDS = ("the sandbox only allows AF_INET/AF_INET6 stream and datagram sockets, even "
-                 "with --allow-network")
 
-FILE_MODES = ("changing file permissions is not allowed in the sandbox (copy files with "
-              "shutil.copyfile, which keeps the default mode)")
+@dataclass(frozen=True)
+class Rule:
+    """One thing the sandbox refuses, said twice: once for the operator, once for a model.
 
-TRUNCATE_BY_PATH = ("truncating a file by its path is refused where Landlock is older than ABI 3 "
-                    "(it could not keep truncation inside the grants): open the file for "
-                    "writing and use f.truncate()")
-SERVERS = ("listening for connections is not allowed in the sandbox (no policy flag allows it: "
-           "connect out with --allow-network instead)")
+    `why` is what the error text carries (the rule, and the flag that changes it: for whoever
+    runs the sandbox); `for_model` is what an agent reading the result can act on (what happened
+    and what its code can do instead). Faces that talk to a model (the MCP server) find the rule
+    by its `why` in the error (`rule_in`) and show `for_model`, keeping `why` for their log.
+    """
 
-DESCRIPTOR_OWNER = ("a descriptor's owner may only be the kernel's own process in the sandbox "
-                    "(its signals would reach other processes; no policy flag allows it)")
-UNIX_DATAGRAMS = ("the sandbox only allows stream socketpairs (socket.socketpair()): datagram "
-                  "sockets could send to the host's unix sockets")
+    why: str
+    for_model: str
+
+    def __str__(self) -> str:
+        return self.why
+
+
+PROCESSES = Rule(
+    "creating processes is not allowed in the sandbox (no policy flag allows it: run external "
+    "programs outside the kernel)",
+    "no subprocesses in this sandbox: you cannot run programs or shell commands; do the work "
+    "in Python (call the library directly instead of its command-line tool)")
+NETWORK_OFF = Rule(
+    "the network is off in this sandbox; start the kernel with --allow-network (or install "
+    "the kernelspec with --allow-network) to allow it",
+    "the network is off in this sandbox: you cannot download or call web services; use the "
+    "files and data you were given")
+NETWORK_KINDS = Rule(
+    "the sandbox only allows AF_INET/AF_INET6 stream and datagram sockets, even with "
+    "--allow-network",
+    "only ordinary TCP/UDP internet sockets are allowed here: use a TCP or UDP socket (or an "
+    "HTTP library) instead of raw, netlink or other socket kinds")
+FILE_MODES = Rule(
+    "changing file permissions is not allowed in the sandbox (copy files with "
+    "shutil.copyfile, which keeps the default mode)",
+    "file permissions cannot be changed in this sandbox: leave the default mode (copy files "
+    "with shutil.copyfile, not shutil.copy)")
+TRUNCATE_BY_PATH = Rule(
+    "truncating a file by its path is refused where Landlock is older than ABI 3 (it could not "
+    "keep truncation inside the grants): open the file for writing and use f.truncate()",
+    "truncating a file by its path is refused here: open the file for writing and call "
+    "f.truncate() instead")
+SERVERS = Rule(
+    "listening for connections is not allowed in the sandbox (no policy flag allows it: "
+    "connect out with --allow-network instead)",
+    "you cannot open a server or listen on a port in this sandbox: compute the result in "
+    "Python and return it instead")
+DESCRIPTOR_OWNER = Rule(
+    "a descriptor's owner may only be the kernel's own process in the sandbox (its signals "
+    "would reach other processes; no policy flag allows it)",
+    "signals may only go to this sandbox's own process: drop the F_SETOWN call")
+UNIX_DATAGRAMS = Rule(
+    "the sandbox only allows stream socketpairs (socket.socketpair()): datagram sockets could "
+    "send to the host's unix sockets",
+    "only stream socket pairs are allowed here: call socket.socketpair() without a datagram type")
+DEBUGGER = Rule(
+    "debugging is not available in the sandbox: the debugger runs debugpy's adapter as a "
+    "subprocess, and the sandbox forbids creating processes",
+    "there is no debugger in this sandbox: add print() calls or assertions to see what the "
+    "code does")
 _F_SETOWN, _F_SETOWN_EX = 8, 15
 
 _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
 
 
-def _denied(what: str, why: str) -> PermissionError:
-    message = f"Operation not permitted: the sandbox blocked {what}: {why}"
+def _denied(what: str, rule: Rule) -> PermissionError:
+    message = f"Operation not permitted: the sandbox blocked {what}: {rule.why}"
     exc = PermissionError(errno.EPERM, message)
-    exc.sandbox_rule = why  # type: ignore[attr-defined]  # marks it as explained, a refusal
+    exc.sandbox_rule = rule.why  # type: ignore[attr-defined]  # marks it as explained, a refusal
     return exc
 
 
@@ -61,7 +105,7 @@ def _unexplained(exc: PermissionError, errnos: tuple[int, ...] = (errno.EPERM,))
     return exc.errno in errnos and not hasattr(exc, "sandbox_rule")
 
 
-def _explain(original: Callable[..., Any], what: str, why: str,
+def _explain(original: Callable[..., Any], what: str, why: Rule,
              errnos: tuple[int, ...] = (errno.EPERM,)) -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -148,10 +192,66 @@ def install(allow_network: bool) -> None:
                                                   f"socket.{name}()", NETWORK_OFF))
 
 
+# --- refusals libraries cope with: recorded, not shown ------------------------------------------
+
+_CLONE_THREAD = 0x10000
+_NUMA_HINT = ("a NUMA placement hint (OpenBLAS, numpy's BLAS, gives one for each buffer it "
+              "maps; the memory is used all the same)")
+_PROBED_PROCESS = ("starting a process (matplotlib's font cache runs fc-list, ctypes.util runs "
+                   "ldconfig; each falls back when refused); Python code that starts one is "
+                   "told so in its own PermissionError")
+
+
+def library_probe(syscall: str, args: Sequence[int]) -> str | None:
+    """What library habit a refused call is, when libraries cope with its refusal; else None.
+
+    The reaper records such a refusal in the audit file but does not print it to the
+    launcher's stderr, which is the user's terminal under `jupyter execute`, papermill and
+    nbclient: every `import numpy` would print lines there. A process that user code starts
+    through Python is refused with an explained PermissionError in its own output (install()).
+    """
+    if syscall in ("mbind", "set_mempolicy"):
+        return _NUMA_HINT
+    if syscall in ("fork", "vfork") or (syscall == "clone" and args
+                                        and not args[0] & _CLONE_THREAD):
+        return _PROBED_PROCESS
+    return None
+
+
 # --- files: explained when shown ------------------------------------------------------------------
+
+# The file refusals' texts are built per path; each begins with its rule's `why`.
+OUTSIDE_GRANTS = Rule(
+    "the sandbox refused it: the path is outside what this kernel was granted",
+    "that path is outside what this sandbox may read: work with the files in your working "
+    "directory (the files you were given are there)")
+READ_ONLY = Rule(
+    "the sandbox refused it: this kernel was granted the path read-only",
+    "that path is read-only in this sandbox: write your files in the working directory instead")
+HIDDEN = Rule(
+    "the sandbox hides it: the path is outside what this kernel was granted",
+    OUTSIDE_GRANTS.for_model)
+NOT_IN_SCRATCH = Rule(
+    "the kernel's working directory is its private scratch",
+    "that file is not in your working directory (the sandbox's own folder): write it there "
+    "first, or use the files that are there")
+RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
+         DESCRIPTOR_OWNER, UNIX_DATAGRAMS, DEBUGGER, OUTSIDE_GRANTS, READ_ONLY, HIDDEN,
+         NOT_IN_SCRATCH)
+
+
+def rule_in(text: str) -> Rule | None:
+    """The rule whose operator explanation this error text carries, if any."""
+    return next((rule for rule in RULES if rule.why in text), None)
+
 
 GRANT_FLAGS = ("add it to the kernelspec with `sandbox-kernel install --read-path {dir}` "
                "(--write-path to write there too) and restart the kernel")
+
+
+GRANT_CWD = ("reinstall the kernelspec with `sandbox-kernel install --grant-cwd` (read-only; "
+             "--grant-cwd=rw to write there too) and restart the kernel: it then starts in "
+             "that folder")
 
 
 @dataclass(frozen=True)
@@ -164,6 +264,8 @@ class FileAccess:
     scratch: str = ""
     launch_dir: str = ""  # the cwd at launch: under Jupyter, the notebook's folder
     hidden: tuple[str, ...] = ()  # directories the kernel's view covers: only grants show there
+    cwd_mode: str = ""  # --grant-cwd: "", "ro" or "rw"
+    cwd_refused: str = ""  # why --grant-cwd was not honoured here
 
     @classmethod
     def granted(cls, read: Iterable[str], write: Iterable[str], scratch: str,
@@ -202,18 +304,22 @@ def _explained(exc: OSError, message: str) -> OSError:
 def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
     if not _under(path, access.read) and not _host_lets_read(path):
         # A grant keeps the host's permissions: --read-path alone would not help.
-        return _explained(exc, "the sandbox refused it: the path is outside what this kernel "
-                          f"was granted, and the host does not let its uid ({os.getuid()}) read "
+        return _explained(exc, f"{OUTSIDE_GRANTS.why}, and the host does not let its uid "
+                          f"({os.getuid()}) read "
                           "it either; to let user code read it, make it readable by that uid "
                           "(or install with `--run-as USER`, a user who may read it), then "
                           + GRANT_FLAGS.format(dir=_folder(path)))
     if not _under(path, access.read):
-        return _explained(exc, "the sandbox refused it: the path is outside what this kernel "
-                          "was granted; to let user code read it, "
+        return _explained(exc, f"{OUTSIDE_GRANTS.why}; to let user code read it, "
                           + GRANT_FLAGS.format(dir=_folder(path)))
+    if not _under(path, access.write) and _host_lets_write(path) and access.cwd_mode == "ro" \
+            and _under(path, [os.path.realpath(access.launch_dir)]):
+        return _explained(exc, "the sandbox refused it: this kernel was granted the folder it "
+                          "started in read-only (--grant-cwd); to let user code write there, "
+                          "install the kernelspec with `sandbox-kernel install --grant-cwd=rw` "
+                          "and restart the kernel")
     if not _under(path, access.write) and _host_lets_write(path):
-        return _explained(exc, "the sandbox refused it: this kernel was granted the path "
-                          "read-only; to let user code write there, add it with "
+        return _explained(exc, f"{READ_ONLY.why}; to let user code write there, add it with "
                           f"`sandbox-kernel install --write-path {_folder(path)}` and restart "
                           "the kernel")
     return None  # inside a grant: the host itself refused
@@ -222,15 +328,15 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
 def _hidden(exc: OSError, path: str, access: FileAccess) -> OSError | None:
     if not _under(path, access.hidden) or _under(path, access.read):
         return None  # not found on the host either, or inside a grant: the host's answer
-    return _explained(exc, "the sandbox hides it: the path is outside what this kernel was "
-                      "granted; to let user code read it, add it (or a folder above it) to the "
+    return _explained(exc, f"{HIDDEN.why}; to let user code read it, add it (or a folder "
+                      "above it) to the "
                       f"kernelspec with `sandbox-kernel install --read-path {path}` (--write-path "
                       "to write there too) and restart the kernel")
 
 
 def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | None:
     elsewhere = os.path.join(access.launch_dir, name)
-    started = (f"the kernel's working directory is its private scratch ({access.scratch}), not "
+    started = (f"{NOT_IN_SCRATCH.why} ({access.scratch}), not "
                f"the folder it was started in ({access.launch_dir}: the notebook's folder under "
                "Jupyter)")
     if not os.path.lexists(elsewhere):
@@ -240,14 +346,15 @@ def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | No
             return hidden
         # The host keeps the kernel's uid out (a 0700 directory above it): it cannot tell.
         return _explained(exc, f"{started}, which this kernel's uid cannot look into; if "
-                          f"{name!r} is there, to read it, "
-                          + GRANT_FLAGS.format(dir=access.launch_dir)
-                          + f", then open {elsewhere!r}")
+                          f"{name!r} is there, to read it by this name, " + GRANT_CWD)
     where = f"{started}, which has {name!r}"
+    if access.cwd_refused:
+        return _explained(exc, f"{where}; --grant-cwd could not grant that folder: "
+                          f"{access.cwd_refused}: move the notebook and its data into a folder "
+                          "of their own, or open the file by an absolute path granted with "
+                          "--read-path")
     if access.landlock and not _under(os.path.realpath(elsewhere), access.read):
-        return _explained(exc, f"{where}; to read it, "
-                          + GRANT_FLAGS.format(dir=access.launch_dir)
-                          + f", then open {elsewhere!r}")
+        return _explained(exc, f"{where}; to read it by this name, " + GRANT_CWD)
     return _explained(exc, f"{where}; open {elsewhere!r}")
 
 

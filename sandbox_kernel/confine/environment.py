@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from . import reaper, scratch
-from .limits import parse_size
+from .limits import DEFAULT_MEMORY_LIMIT, parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
 REAPER_VAR = "SANDBOX_KERNEL_REAPER"  # fd of the channel to the reaper (see reaper.py)
@@ -26,9 +27,19 @@ PASSED_THROUGH = (
     "OMP_NUM_THREADS", "MKL_NUM_THREADS",
 )
 
-_ENV_OPTIONS = ("--SandboxPolicy.env", "--env")
+# What the dynamic loader, libc or the interpreter act on when a process starts (glibc's list of
+# variables it ignores in setuid programs, Python's, OpenSSL's module loading) and this package's
+# own: refused in --env and --pass-env unless the operator says --allow-loader-env.
+LOADER_PREFIXES = ("LD_", "PYTHON", "MALLOC_", "GLIBC_", "SANDBOX_KERNEL_", "OPENSSL_")
+LOADER_NAMES = ("GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+                "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR")
+ALLOW_LOADER_FLAG = "--allow-loader-env"
+
+_ALLOW_LOADER_OPTIONS = (ALLOW_LOADER_FLAG, "--SandboxPolicy.allow_loader_env")
 _PASS_OPTIONS = ("--SandboxPolicy.pass_env", "--pass-env")
 _SIZE_OPTIONS = ("--SandboxPolicy.scratch_size", "--scratch-size")
+_FILES_OPTIONS = ("--SandboxPolicy.scratch_files", "--scratch-files")
+_MEMORY_OPTIONS = ("--SandboxPolicy.memory_limit", "--memory-limit")
 
 
 def _option_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
@@ -44,8 +55,49 @@ def _option_values(argv: Sequence[str], names: Sequence[str]) -> list[str]:
     return values
 
 
+def acts_on_start(name: str) -> bool:
+    """Whether the dynamic loader, libc or the interpreter act on this variable at start-up."""
+    return name.upper().startswith(LOADER_PREFIXES) or name.upper() in LOADER_NAMES
+
+
+def refused_names(env: Mapping[str, str], pass_env: Sequence[str],
+                  allow_loader_env: bool) -> str | None:
+    """Why a policy's --env / --pass-env cannot be used, naming the flag that allows it; or None."""
+    if allow_loader_env:
+        return None
+    names = sorted({name for name in [*env, *pass_env] if acts_on_start(name)})
+    if not names:
+        return None
+    return (f"--env/--pass-env {', '.join(names)}: the dynamic loader or the interpreter acts on "
+            f"{'this variable' if len(names) == 1 else 'these variables'}; to set "
+            f"{'it' if len(names) == 1 else 'them'} for user code anyway, add "
+            f"{ALLOW_LOADER_FLAG}")
+
+
+def _loader_env_allowed(argv: Sequence[str]) -> bool:
+    values = _option_values(argv, _ALLOW_LOADER_OPTIONS[1:])
+    return ALLOW_LOADER_FLAG in argv or (bool(values) and values[-1].lower() == "true")
+
+
+def inherited(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
+    """What a kernel takes from its launcher's environment: PASSED_THROUGH and --pass-env names.
+
+    The fork server's clients send no more than this (launch/forkserver/client.py): whatever
+    else a launcher holds (API keys, tokens) must never be in a kernel's memory, not even in
+    the request that asked for the kernel.
+    """
+    passed = list(PASSED_THROUGH) + [
+        name for name in _option_values(argv, _PASS_OPTIONS)
+        if not acts_on_start(name) or _loader_env_allowed(argv)]
+    return {name: current[name] for name in passed if name in current}
+
+
 def allowed(scratch_dir: str, argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
-    """The whole environment user code gets: the allowlist, grants from argv, the scratch."""
+    """The kernel's environment before it is confined: the allowlist, --pass-env, the scratch.
+
+    Not the policy's --env: those values are user code's, set by apply_policy_env once it is
+    confined, never in the environment of the unconfined start-up (which runs as root).
+    """
     env = {
         "PATH": SAFE_PATH,
         "LANG": "C.UTF-8",
@@ -56,15 +108,16 @@ def allowed(scratch_dir: str, argv: Sequence[str], current: Mapping[str, str]) -
         "XDG_CACHE_HOME": os.path.join(scratch_dir, ".cache"),
         "XDG_CONFIG_HOME": os.path.join(scratch_dir, ".config"),
     }
-    passed = list(PASSED_THROUGH) + _option_values(argv, _PASS_OPTIONS)
-    env.update({name: current[name] for name in passed if name in current})
-    for item in _option_values(argv, _ENV_OPTIONS):
-        name, _, value = item.partition("=")
-        env[name] = value
+    env.update(inherited(argv, current))
     env[SCRATCH_VAR] = scratch_dir
     if REAPER_VAR in current:
         env[REAPER_VAR] = current[REAPER_VAR]
     return env
+
+
+def apply_policy_env(env: Mapping[str, str]) -> None:
+    """Set the policy's --env for user code: call only once the process is confined."""
+    os.environ.update(env)
 
 
 def ensure_clean(argv: Sequence[str]) -> str:
@@ -77,16 +130,29 @@ def ensure_clean(argv: Sequence[str]) -> str:
     raise AssertionError("unreachable: execve returned")
 
 
+def scratch_bounds(argv: Sequence[str]) -> tuple[int, int]:
+    """The scratch tmpfs's size and file count the kernel's argv asks for (or their defaults)."""
+    def last(names: Sequence[str], default: int, parse: Any = parse_size) -> int:
+        values = _option_values(argv, names)
+        return int(parse(values[-1])) if values else default
+
+    memory = last(_MEMORY_OPTIONS, DEFAULT_MEMORY_LIMIT)
+    size = scratch.planned_size(last(_SIZE_OPTIONS, scratch.AUTO_SIZE, _size_or_auto), memory)
+    return size, last(_FILES_OPTIONS, scratch.DEFAULT_SCRATCH_FILES, int)
+
+
+def _size_or_auto(text: str) -> int:
+    return scratch.AUTO_SIZE if text.strip() == str(scratch.AUTO_SIZE) else parse_size(text)
+
+
 def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
 
-    Shared by the re-exec above and the fork server's children (launch/forkserver.py).
+    Shared by the re-exec above and the fork server's children (launch/forkserver/server.py).
     """
     scratch_dir = scratch.create()
     keep = reaper.start(scratch_dir)  # from here on fds 0-2 are no longer the launcher's
-    sizes = _option_values(argv, _SIZE_OPTIONS)
-    quota = parse_size(sizes[-1]) if sizes else scratch.DEFAULT_SCRATCH_SIZE
-    scratch.mount_quota(scratch_dir, quota)
+    scratch.mount_quota(scratch_dir, *scratch_bounds(argv))
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     os.closerange(3, keep)
     os.closerange(keep + 1, 65536)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfinementError, waiver
+
 __all__ = ["LandlockError", "LandlockRules", "abi_version", "apply", "existing", "supported"]
 
 # Syscall numbers come from the generic table, so they are the same on every architecture.
@@ -87,8 +89,11 @@ _READ_ONLY_RIGHTS = FS_READ_FILE | FS_READ_DIR | FS_EXECUTE
 _UNAVAILABLE = (errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM)
 
 
-class LandlockError(OSError):
+class LandlockError(ConfinementError, OSError):
     """Landlock could not be applied; the message names the cause and the fix."""
+
+    layer = "landlock"
+    fix = waiver("file-system confinement", "--no-landlock")
 
 
 class _RulesetAttr(ctypes.Structure):

@@ -1,5 +1,8 @@
 """Resource limits (rlimits) for the kernel process, applied before user code exists.
 
+The memory limit is the kernel's whole memory: its scratch tmpfs (RAM, which no rlimit counts)
+takes its size out of it, and RLIMIT_DATA gets the rest (heap_limit).
+
 Memory uses RLIMIT_DATA, not RLIMIT_AS: address-space limits break thread creation (every thread
 reserves a large stack and glibc arenas reserve 64 MiB each), while RLIMIT_DATA counts what is
 actually private and writable. It misses shared mappings, so the seccomp filter refuses shared
@@ -25,6 +28,7 @@ import signal
 from typing import Any
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+DEFAULT_MEMORY_LIMIT = 4 * 2**30  # the kernel's whole memory: heap and scratch tmpfs together
 
 
 def parse_size(text: str) -> int:
@@ -101,6 +105,17 @@ def _one_malloc_arena() -> None:
     M_ARENA_MAX = -8  # malloc.h
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
         ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)
+
+
+def heap_limit(memory: int, scratch_quota: int | None) -> int:
+    """RLIMIT_DATA for a memory limit that counts a scratch tmpfs of scratch_quota bytes too."""
+    if not memory or not scratch_quota:
+        return memory
+    if scratch_quota >= memory:
+        raise ValueError(f"--scratch-size {scratch_quota / 2**20:g}M leaves nothing of "
+                         f"--memory-limit {memory / 2**20:g}M, which counts the scratch (RAM) "
+                         "too: lower --scratch-size or raise --memory-limit")
+    return memory - scratch_quota
 
 
 def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.machinery
 import os
+import pwd
 import sys
 import sysconfig
 from collections.abc import Iterable
@@ -127,3 +128,58 @@ def check_grants(paths: Iterable[str]) -> list[str]:
             raise FileNotFoundError(f"granted path does not exist: {path}")
         resolved.append(str(absolute))
     return resolved
+
+
+CWD_MODES = {"ro": "read-only", "rw": "read-write"}
+
+
+def cwd_refusal(folder: str, connection_file: str, audit_log: str = "") -> str | None:
+    """Why the folder a kernel started in must not be granted to it; None when it may be.
+
+    Landlock grants a folder with everything below it: a folder that holds Jupyter's runtime
+    directory (the server's token, other kernels' keys) or the operator's audit log would hand
+    those over, and `/` would hand over the whole host.
+    """
+    if not folder:
+        return "the kernel was started in a folder that no longer exists"
+    real = os.path.realpath(folder)
+    if real == "/":
+        return "the kernel was started in /, and granting it would grant the whole host"
+    kept = {"Jupyter's runtime directory (the connection files of every kernel)":
+            os.path.dirname(os.path.realpath(connection_file)),
+            "the home directory of the user who started it (keys, tokens, Jupyter's files)":
+            _launching_users_home()}
+    if audit_log:
+        kept["the audit log"] = os.path.realpath(audit_log)
+    for what, path in kept.items():
+        if _inside(path, [real]):
+            return f"the folder {real} holds {what}, which user code must never see"
+    return None
+
+
+def _launching_users_home() -> str:
+    """The home of the uid that started the kernel (HOME is the scratch by now)."""
+    try:
+        return os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir)
+    except KeyError:
+        return "/"  # no account: nothing is inside "/" but "/" itself, refused above
+
+
+def describe_grants(read: Iterable[str], write: Iterable[str], cwd: str = "",
+                    cwd_mode: str = "", cwd_refused: str = "") -> list[str]:
+    """What user code may reach besides the system and the interpreter, one line each."""
+    granted_cwd = bool(cwd_mode and not cwd_refused)
+    lines = [f"scratch ({'' if granted_cwd else 'working directory, '}HOME and temp, removed "
+             "with the kernel): read-write"]
+    if granted_cwd and cwd:
+        lines.append(f"{cwd} (the folder the kernel started in, its working directory: "
+                     f"relative paths resolve there): {CWD_MODES[cwd_mode]}")
+    elif cwd_mode and not cwd_refused:  # said before a kernel starts (check)
+        lines.append("the folder the kernel starts in (the notebook's folder under Jupyter), "
+                     f"its working directory: {CWD_MODES[cwd_mode]}")
+    elif cwd_mode:
+        lines.append(f"the folder the kernel started in: NOT granted ({cwd_refused}); "
+                     "relative paths resolve in the scratch")
+    lines += [f"{path}: read-only" for path in read]
+    lines += [f"{path}: read-write" for path in write]
+    return lines

@@ -4,6 +4,13 @@ Started as root, each kernel takes a uid (and the same gid) from --uid-range tha
 and no other live kernel uses: kernels then share no per-user limit, no file ownership, and
 RLIMIT_NPROC bounds the threads of exactly one kernel. A lock file per uid, locked and handed
 to the reaper until the kernel is gone, makes the choice atomic across processes.
+
+Same uid must not mean same tenant: a kernel can leave files (mode 0600, say) in a shared
+--write-path, and a later kernel with its uid could read, overwrite and delete them. So a uid is
+kept out of use until nothing it owns remains in any write grant a kernel with that uid had: each
+allocation records the kernel's write grants next to the uid's lock, and the next allocation of
+that uid first looks through them (remembering the file it found, so that a uid still tainted
+costs one lstat next time).
 """
 
 from __future__ import annotations
@@ -12,15 +19,18 @@ import ctypes
 import fcntl
 import functools
 import grp
+import json
 import os
 import pwd
 import stat
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import limits, paths, view
+from .errors import ConfinementError
 
 NOBODY = 65534
 DEFAULT_UID_RANGE = "200000-265535"
@@ -40,8 +50,10 @@ _CAP_VERSION_3 = 0x20080522
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
 
 
-class PrivilegeError(RuntimeError):
+class PrivilegeError(ConfinementError):
     """The requested user cannot be switched to or cannot run the kernel."""
+
+    layer = "privileges"  # no flag waives it: each reason names the --run-as that works
 
 
 def resolve(run_as: str) -> tuple[int, int]:
@@ -203,8 +215,9 @@ def _lock_dir() -> Path:
     return directory
 
 
-def allocate(id_range: range) -> tuple[int, int]:
-    """A uid of id_range no account uses and no live kernel holds, and the fd of its lock.
+def allocate(id_range: range, writable: Sequence[str] = ()) -> tuple[int, int]:
+    """A uid of id_range no account uses, no live kernel holds and no earlier kernel left files
+    of in a write grant; and the fd of its lock. writable: the new kernel's write grants.
 
     Whoever holds the fd (the reaper, until the kernel is gone) owns the uid.
     """
@@ -221,12 +234,67 @@ def allocate(id_range: range) -> tuple[int, int]:
             os.close(fd)
             continue
         # A free lock with a live process of uid: a kernel whose reaper was killed, say.
-        if limits.has_tasks(uid):
+        if limits.has_tasks(uid) or _leftover(directory, uid):
             os.close(fd)
             continue
+        _record_grants(directory, uid, writable)
         return uid, fd
     raise PrivilegeError(f"every uid of --uid-range {id_range.start}-{id_range.stop - 1} is "
-                         "used by an account or a live kernel: give a wider range")
+                         "used by an account or a live kernel, or still owns files an earlier "
+                         "kernel left in a --write-path: give a wider range, or remove those "
+                         "files")
+
+
+def _grants_record(directory: Path, uid: int) -> Path:
+    return directory / f"{uid}.grants"
+
+
+def _record_grants(directory: Path, uid: int, writable: Sequence[str]) -> None:
+    """Remember where a kernel with uid may leave files (call holding the uid's lock)."""
+    record = {"grants": sorted({os.path.realpath(path) for path in writable}), "owned": None}
+    _write_record(_grants_record(directory, uid), record)
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(record, handle)
+
+
+def _leftover(directory: Path, uid: int) -> bool:
+    """Whether uid still owns something in a write grant an earlier kernel with it had."""
+    path = _grants_record(directory, uid)
+    try:
+        record = json.loads(path.read_text())
+        grants, owned = list(record["grants"]), record.get("owned")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no kernel with write grants had this uid (or a record from before)
+    if owned and _owned_by(owned, uid):
+        return True
+    found = next((found for grant in grants if (found := _first_owned(grant, uid))), None)
+    if found is not None:
+        _write_record(path, {"grants": grants, "owned": found})
+    return found is not None
+
+
+def _owned_by(path: str, uid: int) -> bool:
+    try:
+        return os.lstat(path).st_uid == uid
+    except OSError:
+        return False
+
+
+def _first_owned(top: str, uid: int) -> str | None:
+    """The first entry under top (top included, links not followed) that uid owns."""
+    if _owned_by(top, uid):
+        return top
+    for directory, subdirectories, files in os.walk(top, onerror=lambda _: None):
+        for name in (*subdirectories, *files):
+            candidate = os.path.join(directory, name)
+            if _owned_by(candidate, uid):
+                return candidate
+    return None
 
 
 def can_run_as(uid: int, gid: int) -> str | None:
@@ -276,14 +344,14 @@ def _drop_capabilities() -> None:
         raise PrivilegeError("could not clear the capability sets")
 
 
-def plan(run_as: str, uid_range: str, grants: list[str],
-         visible: list[str]) -> tuple[dict[str, Any], int | None]:
+def plan(run_as: str, uid_range: str, grants: list[str], visible: list[str],
+         writable: Sequence[str] = ()) -> tuple[dict[str, Any], int | None]:
     """Decide whom the kernel runs as; return that and the uid lock to hand to the reaper.
 
     'auto' takes a uid of its own; 'root' stays uid 0 without capabilities; a user name or
     UID[:GID] is taken as given. When the uid cannot reach the interpreter, the kernel's mount
     namespace shows it the paths it needs: the interpreter and the grants (and `visible`, the
-    connection file root reads once more).
+    connection file root reads once more); writable: the write grants (see allocate).
     Call as root, while single-threaded and before Landlock.
     """
     if os.geteuid() != 0:
@@ -295,7 +363,7 @@ def plan(run_as: str, uid_range: str, grants: list[str],
                 "reason": "--run-as root"}, None
     lock = None
     if run_as == "auto":
-        uid, lock = allocate(parse_range(uid_range))
+        uid, lock = allocate(parse_range(uid_range), writable)
         gid = uid
     else:
         uid, gid = resolve(run_as)

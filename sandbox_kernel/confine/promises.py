@@ -5,12 +5,23 @@ says user code cannot do. Landlock's rights depend on the host's ABI, so the sam
 by Landlock on one host and by a seccomp rule that stands in for the missing right on another.
 The rule: every promise is kept by some layer here, or was waived by a flag, or the kernel
 refuses to start and says which promise, what is missing and which flag waives it.
+What the seccomp filter keeps is read from its rules (seccomp.rules.GUARANTEES), never restated
+here: a promise whose rule is gone is no longer claimed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import ConfinementError
+from .seccomp import rules as seccomp_rules
+
+
+class PromiseError(ConfinementError):
+    """A promise of the policy is kept by no layer on this host, and no flag waived it."""
+
+    layer = "promises"  # the reason names, per promise, the flag that waives it
 
 
 @dataclass(frozen=True)
@@ -67,11 +78,17 @@ def _landlock(host: Host, right: str, first_abi: int) -> tuple[bool, str]:
     return False, f"{label}; this host: ABI {host.landlock_abi}"
 
 
-def _seccomp(host: Host, rule: str) -> tuple[bool, str]:
+def _seccomp(host: Host, key: str, prefix: str = "") -> tuple[bool, str]:
+    """(usable, description) of one of the filter's guarantees on this host."""
+    kept = seccomp_rules.keeps(key, host.allow_network, host.landlock_abi if host.landlock_on
+                               else 0)
+    rule = prefix + (kept or seccomp_rules.GUARANTEES[key].text)
     if not host.seccomp_on:
         return False, f"seccomp ({rule})"
     if host.seccomp_reason:
         return False, f"seccomp ({rule}); here: {host.seccomp_reason}"
+    if kept is None:
+        return False, f"seccomp ({rule}); its rules here do not keep it"
     return True, f"seccomp: {rule}"
 
 
@@ -95,8 +112,8 @@ def evaluate(host: Host) -> list[Promise]:
     def landlock(right: str, abi: int) -> tuple[bool, str, str]:
         return (*_landlock(host, right, abi), no_ll)
 
-    def seccomp(rule: str) -> tuple[bool, str, str]:
-        return (*_seccomp(host, rule), no_sc)
+    def seccomp(key: str) -> tuple[bool, str, str]:
+        return (*_seccomp(host, key), no_sc)
 
     files_off = no_ll or None  # without Landlock there are no grants to keep files within
     promises = [
@@ -105,32 +122,30 @@ def evaluate(host: Host) -> list[Promise]:
         _judge("files: truncate none outside the grants",
                [landlock("truncate", 3)] if host.landlock_abi >= 3 else
                [landlock("truncate", 3),
-                seccomp("truncate(path), open(O_RDONLY|O_TRUNC) and openat2 refused")],
+                seccomp("truncate")],
                "--no-landlock", files_off),
         _judge("processes: create none (threads only)",
-               [seccomp("clone without CLONE_THREAD, fork, execve refused")], "--no-seccomp"),
+               [seccomp("processes")], "--no-seccomp"),
         _judge("other processes: signal none",
                [landlock("signal scope", 6),
-                seccomp("kill/tgkill, fcntl F_SETOWN to this process only; F_SETOWN_EX, "
-                        "FIOSETOWN, SIOCSPGRP, TIOCSPGRP refused")], "--no-seccomp"),
+                seccomp("signals")], "--no-seccomp"),
         _judge("servers: listen on no address or port",
-               [seccomp("bind and listen refused after set-up")], "--no-seccomp"),
+               [seccomp("servers")], "--no-seccomp"),
         _judge("host sockets: no datagram or connection to a unix socket",
-               [seccomp("no AF_UNIX socket(), socketpair SOCK_STREAM only")], "--no-seccomp"),
+               [seccomp("unix_sockets")], "--no-seccomp"),
         _judge("host files: watch none (inotify, fanotify)",
-               [seccomp("inotify and fanotify refused")], "--no-seccomp"),
+               [seccomp("watches")], "--no-seccomp"),
         _judge("kernel interfaces: none of the rare ones (io_uring, bpf, namespaces, ...)",
-               [seccomp("allowlist")], "--no-seccomp"),
+               [seccomp("rare_interfaces")], "--no-seccomp"),
     ]
     if not host.allow_network:
         # Not Landlock's TCP connect right (ABI 4): sendto(MSG_FASTOPEN) connects a new TCP
         # socket past it (seen on Linux 6.18, ABI 7), and it has no rule for UDP.
         promises.append(_judge(
             "network: no connection out",
-            [seccomp("socket() and connect() refused, no MSG_FASTOPEN")], "--no-seccomp"))
+            [seccomp("network_off")], "--no-seccomp"))
     if host.memory_limit:
-        rlimit_and_filter = _seccomp(host, "RLIMIT_DATA, and no shared anonymous memory, "
-                                           "MAP_GROWSDOWN, mremap or memfd")
+        rlimit_and_filter = _seccomp(host, "memory", prefix="RLIMIT_DATA, and ")
         promises.append(_judge(f"memory: at most {host.memory_limit / 2**20:g} MiB",
                                [(*rlimit_and_filter, no_sc)], "--memory-limit 0"))
     if host.max_threads:
@@ -149,3 +164,10 @@ def refusal(promises: list[Promise]) -> str | None:
     if not missing:
         return None
     return "cannot keep these promises on this host: " + "; ".join(missing)
+
+
+def require(promises: list[Promise]) -> None:
+    """Raise PromiseError unless every promise is kept or waived."""
+    reason = refusal(promises)
+    if reason:
+        raise PromiseError(reason)

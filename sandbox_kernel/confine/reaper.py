@@ -11,136 +11,23 @@ outlive it or stay out of its reach: the lock on its uid (held until the kernel 
 seccomp listener with the audit file (denials are answered and recorded here, see audit.py).
 The reaper learns of the kernel's end from a pidfd, which user code cannot fake, then deletes
 the scratch directory: the kernel itself cannot, Landlock grants it nothing on the parent.
+
+This module is the process (its stdio, its event loop, its end); the log relay is logrelay.py,
+the channel's messages handover.py, the denials' record audit.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import select
 import shutil
 import socket
 import threading
-import time
-import unicodedata
 from typing import Any
 
-from . import audit
-
-LOG_LINE_LIMIT = 2048  # bytes of one relayed log line; the rest is cut
-LOG_BURST = 64 * 1024  # bytes the kernel may log at once ...
-LOG_RATE = 8 * 1024  # ... and per second after that
-_WRITER_QUEUE = 512  # lines waiting for a slow launcher; beyond it lines are dropped
-_MAX_MESSAGE = 4096
-AUDIT_PREFIX = b"sandbox-kernel audit:"
-
-
-class LauncherLog:
-    """Lines to the launcher's stderr from a thread, so a stalled reader never stalls us."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.lines: queue.Queue[bytes | None] = queue.Queue(_WRITER_QUEUE)
-        self.dropped = 0
-        self.thread = threading.Thread(target=self._write_all, daemon=True)
-        self.thread.start()
-
-    def write(self, line: bytes) -> None:
-        """Queue one line (ending in a newline), or count it as dropped when the queue is full."""
-        try:
-            self.lines.put_nowait(line)
-        except queue.Full:
-            self.dropped += 1
-
-    def _write_all(self) -> None:
-        while (line := self.lines.get()) is not None:
-            try:
-                os.write(self.fd, line)
-            except OSError:
-                pass  # the launcher closed its stderr: nobody to tell
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued (waiting at most timeout seconds), then stop."""
-        if self.dropped:
-            self.write(f"sandbox-kernel: {self.dropped} log lines dropped (launcher too "
-                       "slow)\n".encode())
-        try:
-            self.lines.put(None, timeout=timeout)
-        except queue.Full:
-            return
-        self.thread.join(timeout)
-
-
-class TokenBucket:
-    """At most `burst` units at once and `rate` per second after that."""
-
-    def __init__(self, burst: float, rate: float) -> None:
-        self.burst, self.rate = burst, rate
-        self.tokens, self.stamp = burst, time.monotonic()
-
-    def take(self, amount: float = 1) -> bool:
-        """Spend amount units if there are enough; False (and nothing spent) otherwise."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < amount:
-            return False
-        self.tokens -= amount
-        return True
-
-
-class LogRelay:
-    """The kernel's own log, line by line, bounded in line length and in rate."""
-
-    def __init__(self, out: LauncherLog) -> None:
-        self.out = out
-        self.pending = b""
-        self.budget = TokenBucket(LOG_BURST, LOG_RATE)
-        self.dropped = 0
-
-    def feed(self, data: bytes) -> None:
-        """Relay the complete lines in data; keep a partial one for later."""
-        self.pending += data
-        while True:
-            end = self.pending.find(b"\n")
-            if 0 <= end <= LOG_LINE_LIMIT:
-                line, self.pending = self.pending[:end], self.pending[end + 1:]
-            elif len(self.pending) > LOG_LINE_LIMIT:
-                line = self.pending[:LOG_LINE_LIMIT] + b" [cut]"
-                self.pending = self.pending[LOG_LINE_LIMIT:]
-            else:
-                return
-            self._relay(line)
-
-    def flush(self) -> None:
-        """Relay a last partial line (the kernel is gone)."""
-        if self.pending:
-            self._relay(self.pending)
-            self.pending = b""
-        if self.dropped:
-            self.out.write(f"sandbox-kernel: {self.dropped} bytes of kernel log dropped "
-                           "(rate limit)\n".encode())
-            self.dropped = 0
-
-    def _relay(self, line: bytes) -> None:
-        if not self.budget.take(len(line) + 1):
-            self.dropped += len(line) + 1
-            return
-        if self.dropped:
-            self.out.write(f"sandbox-kernel: {self.dropped} bytes of kernel log dropped "
-                           "(rate limit)\n".encode())
-            self.dropped = 0
-        if line.startswith(AUDIT_PREFIX):  # only the reaper writes audit lines
-            line = b"(from the kernel) " + line
-        self.out.write(printable(line) + b"\n")
-
-
-def printable(line: bytes) -> bytes:
-    """line with control characters shown as '?': no escape sequences reach the terminal."""
-    text = line.decode("utf-8", errors="replace")
-    return "".join(c if c == "\t" or unicodedata.category(c) != "Cc" else "?"
-                   for c in text).encode()
+from . import audit, handover
+from .logrelay import LauncherLog, LogRelay
+from .tally import Tally
 
 
 def start(scratch_dir: str) -> int:
@@ -253,18 +140,12 @@ class Reaper:
             pass
 
     def _receive(self) -> None:
-        try:
-            message, fds, _, _ = socket.recv_fds(self.channel_socket, _MAX_MESSAGE, 4)
-        except OSError:
-            message, fds = b"", []
-        if not message:  # the kernel closed its end: every handover is done
+        received = handover.receive(self.channel_socket)
+        if received is None:  # the kernel closed its end: every handover is done
             self.poller.unregister(self.channel)
             self.channel_socket.close()
             return
-        try:
-            request = json.loads(message)
-        except ValueError:
-            request = {}
+        request, fds = received
         if request.get("hold"):
             self.held += fds
         elif "audit" in request and fds:
@@ -283,9 +164,14 @@ class Reaper:
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
         listener, *files = fds
+        counted = None
+        if settings.get("tally") and files:  # the count of refused calls comes first
+            tally_fd, *files = files
+            counted = Tally(tally_fd, writable=True)
+            os.close(tally_fd)
         self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
                                      kernel_id=str(settings.get("kernel", "")),
-                                     uid=settings.get("uid"))
+                                     uid=settings.get("uid"), tally=counted)
         self.poller.register(listener, select.POLLIN)
 
 
@@ -310,8 +196,3 @@ def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | Non
                         AuditSink(audit_file, out), upstream)
     asyncio.run(proxy.serve(socket.socket(fileno=listener)))
 
-
-def hand_over(channel: int, request: dict[str, Any], fds: list[int]) -> None:
-    """Kernel side: send the reaper a request and descriptors it keeps from now on."""
-    with socket.socket(fileno=os.dup(channel)) as sock:
-        socket.send_fds(sock, [json.dumps(request).encode()], fds)

@@ -15,13 +15,17 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+from .errors import ConfinementError
+
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
 COVER_OPTIONS = b"mode=0711,size=1m"
 
 
-class ViewError(RuntimeError):
+class ViewError(ConfinementError):
     """The paths cannot be made visible to the kernel's uid."""
+
+    layer = "view"
 
 
 @contextmanager

@@ -1,1 +1,1 @@
-"""The kernel process itself: the app's start-up steps, the kernel, the main() call, deadline, output."""
+"""The kernel process itself: start-up steps, the kernel, the main() call, deadline, output."""

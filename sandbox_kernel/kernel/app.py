@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import stat
@@ -31,25 +32,27 @@ from ipykernel.heartbeat import Heartbeat
 from ipykernel.kernelapp import IPKernelApp, kernel_aliases, kernel_flags
 from traitlets import Dict as DictTrait
 from traitlets import DottedObjectName, Instance, Type, default
-from traitlets.config.loader import KVArgParseConfigLoader
 
 from ..confine import (
     audit,
     denials,
     environment,
+    handover,
     landlock,
     limits,
     netns,
     paths,
     privileges,
     promises,
-    reaper,
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR
+from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
+from ..confine.errors import ConfinementError
+from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
 from .kernel import SandboxKernel
+from .parser_cache import PrebuiltParser
 
 # ipykernel's IOPub pipe carries output of forked children, which cannot exist in this kernel;
 # Landlock refuses the random port it would bind, and that is fine. Set here, on import, so that
@@ -82,7 +85,7 @@ def _use_prebound(sock: zmq.Socket[Any], prebound: dict[int, socket.socket], por
         sock.setsockopt(zmq.USE_FD, listener.detach())
 
 
-class SandboxKernelApp(IPKernelApp):
+class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     """IPKernelApp that confines its own process before any user code can run."""
 
     name = "sandbox-kernel"
@@ -103,42 +106,7 @@ class SandboxKernelApp(IPKernelApp):
     prebound: ClassVar[dict[int, socket.socket]] = {}  # port -> listener, until libzmq takes it
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     audit_file: int | None = None
-    # The command-line parser a fork server built for its kernels (see prebuild_parser).
-    _prebuilt_parser: ClassVar[tuple[tuple[Any, ...], dict[str, Any]] | None] = None
-
-    @classmethod
-    def prebuild_parser(cls) -> None:
-        """Build the command-line parser once, in the fork server, for each kernel to take.
-
-        traitlets builds it on every start, one argument per configurable trait of every
-        class, after listing the classes that have such traits: ~2.5 ms of a fork-served
-        kernel's start, the same every time. The server builds both with a throwaway (never a
-        singleton) application; each forked kernel takes its own copy-on-write copy.
-        """
-        app = cls()
-        flags, aliases = app.flatten_flags()
-        classes = list(app._classes_with_config_traits())
-        loader = KVArgParseConfigLoader([], aliases, flags, classes=classes)
-        loader._create_parser()
-        built = {"parser": loader.parser, "argparse_traits": loader.argparse_traits}
-        cls._prebuilt_parser = ((aliases, flags, classes), built)
-
-    def _classes_with_config_traits(self, classes: Any = None) -> Any:
-        """traitlets' list of configurable classes, or the prebuilt parser's (the same list)."""
-        prebuilt = SandboxKernelApp._prebuilt_parser
-        if classes is None and prebuilt is not None:
-            return iter(prebuilt[0][2])
-        return super()._classes_with_config_traits(classes)
-
-    def _create_loader(self, argv: Any, aliases: Any, flags: Any,
-                       classes: Any) -> KVArgParseConfigLoader:
-        """traitlets' loader, given the prebuilt parser when it was built for these options."""
-        loader = super()._create_loader(argv, aliases, flags, classes)
-        # Taken once: parsing leaves state in the parser (the flags it saw).
-        prebuilt, SandboxKernelApp._prebuilt_parser = SandboxKernelApp._prebuilt_parser, None
-        if prebuilt is not None and prebuilt[0] == (aliases, flags, classes):
-            loader._create_parser = lambda: vars(loader).update(prebuilt[1])  # type: ignore[method-assign]
-        return loader
+    refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
 
     @default("policy")
     def _default_policy(self) -> SandboxPolicy:
@@ -149,15 +117,20 @@ class SandboxKernelApp(IPKernelApp):
         # ipykernel points file descriptor 2 at the frontend; keep the log pipe to the reaper
         # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
-        super().initialize(argv)
-        if self.subapp is not None:
-            return
-        # Switching user only now: ipykernel re-reads its root-only connection file above.
-        privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
-        self.init_seccomp()
+        try:
+            super().initialize(argv)
+            if self.subapp is not None:
+                return
+            # Switching user only now: ipykernel re-reads its root-only connection file above.
+            privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+            self.init_seccomp()
+        except ConfinementError as exc:  # every layer's failure: the error names the fix
+            self.refuse_to_start(exc.refusal())
         self.close_handovers()
+        apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network)
         self.kernel.file_access = self.file_access
+        self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
 
     def _ip_default(self) -> str:
@@ -224,38 +197,62 @@ class SandboxKernelApp(IPKernelApp):
         """Scratch, limits, privileges and Landlock, while this is the only thread."""
         scratch_dir = os.environ.get(SCRATCH_VAR, "")
         if not scratch.is_own(scratch_dir):
-            self.refuse_to_start("no private scratch directory: start the kernel with "
-                                 "`python -I -m sandbox_kernel`, which creates one")
+            raise scratch.ScratchError("no private scratch directory: start the kernel with "
+                                       "`python -I -m sandbox_kernel`, which creates one")
         try:
             launch_dir = os.getcwd()
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir)}
+        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir),
+                                  "files": scratch.file_quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
+        refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
+        if refusal:
+            self.refuse_to_start(refusal)
+        cwd = self.init_cwd_grant(launch_dir)
         try:
-            read_grants = paths.check_grants(policy.read_paths)
-            write_grants = paths.check_grants(policy.write_paths)
+            granted = paths.check_grants(policy.read_paths), paths.check_grants(policy.write_paths)
+            read_grants, write_grants = granted[0] + cwd["read"], granted[1] + cwd["write"]
             self.init_audit(scratch_dir, write_grants)
-            self.init_identity([scratch_dir, *read_grants, *write_grants])
+            self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
+            heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
             self.layers["limits"] = limits.apply(
-                policy.memory_limit, policy.cpu_limit, policy.file_size_limit,
+                heap, policy.cpu_limit, policy.file_size_limit,
                 policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
-        except (OSError, ValueError, privileges.PrivilegeError) as exc:
-            self.refuse_to_start(str(exc))
+        except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
+            raise ConfinementError(str(exc), layer="set-up") from exc
         self.init_network()
         self.init_promises()
         read_only = paths.read_only(read_grants, self.abs_connection_file)
         read_write = paths.read_write(write_grants, scratch_dir)
         self.init_landlock(read_only, read_write)
+        if cwd["path"]:  # after the view and Landlock: the path as user code will see it
+            os.chdir(cwd["path"])
         # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
         self.file_access = (
             denials.FileAccess.granted(read_only + read_write, read_write, scratch_dir, launch_dir,
                                        self.layers["privileges"].get("covered", ()))
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
+        self.layers["files"] = paths.describe_grants(
+            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "")
+        self.file_access = dataclasses.replace(
+            self.file_access, cwd_mode=self.policy.grant_cwd,
+            cwd_refused=self.layers["cwd"]["refused"] or "")
+
+    def init_cwd_grant(self, launch_dir: str) -> dict[str, Any]:
+        """The folder the kernel started in, granted as --grant-cwd asks (unless unsafe)."""
+        mode = self.policy.grant_cwd
+        refused = paths.cwd_refusal(launch_dir, self.abs_connection_file,
+                                    self.policy.audit_log) if mode else None
+        path = os.path.realpath(launch_dir) if mode and not refused else ""
+        self.layers["cwd"] = {"mode": mode, "path": path or None, "started_in": launch_dir,
+                              "refused": refused}
+        return {"path": path, "read": [path] if path and mode == "ro" else [],
+                "write": [path] if path and mode == "rw" else []}
 
     def init_network(self) -> None:
         """Bind the channels here, then move into a network namespace of the kernel's own.
@@ -314,7 +311,7 @@ class SandboxKernelApp(IPKernelApp):
         if self.audit_file is not None:
             files.append(self.audit_file)
         try:
-            reaper.hand_over(self.reaper_channel, {"egress": settings}, files)
+            handover.hand_over(self.reaper_channel, {"egress": settings}, files)
         finally:
             listener.close()
         url = f"http://127.0.0.1:{EGRESS_PORT}"
@@ -333,9 +330,7 @@ class SandboxKernelApp(IPKernelApp):
             max_threads=policy.max_threads, memory_limit=policy.memory_limit,
             uid=self.layers["privileges"]["uid"])
         judged = promises.evaluate(host)
-        reason = promises.refusal(judged)
-        if reason:
-            self.refuse_to_start(reason)
+        promises.require(judged)
         self.layers["promises"] = [promise.as_dict() for promise in judged]
 
     def init_landlock(self, read_only: list[str], read_write: list[str]) -> None:
@@ -349,17 +344,13 @@ class SandboxKernelApp(IPKernelApp):
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
             connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
-        try:
-            self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
-        except landlock.LandlockError as exc:
-            self.refuse_to_start(
-                f"landlock: {exc}. To run without file-system confinement on purpose, start "
-                "the kernel with --no-landlock")
+        self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
-    def init_identity(self, reachable: list[str]) -> None:
+    def init_identity(self, reachable: list[str], writable: list[str]) -> None:
         """Decide whom user code runs as; the reaper keeps the uid until the kernel is gone.
 
-        reachable: what user code must reach besides the interpreter (scratch and grants).
+        reachable: what user code must reach besides the interpreter (scratch and grants);
+        writable: the write grants, where a uid's files may outlive its kernel.
         """
         policy = self.policy
         if policy.run_as == "auto" and os.geteuid() == 0 and self.reaper_channel is None:
@@ -368,11 +359,11 @@ class SandboxKernelApp(IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file])
+                                        [self.abs_connection_file], writable)
         if lock is not None:
             assert self.reaper_channel is not None
             try:
-                reaper.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
+                handover.hand_over(self.reaper_channel, {"hold": f"uid {planned['uid']}"}, [lock])
             finally:
                 os.close(lock)
         self.layers["privileges"] = planned
@@ -408,26 +399,33 @@ class SandboxKernelApp(IPKernelApp):
         abi = landlock_layer["abi"] if landlock_layer["active"] else 0
         self.wait_for_heartbeat()
         notify = self.reaper_channel is not None
+        tally_fd = None
         try:
+            # The reaper counts what it refuses here, for each execution's usage (tally.py).
+            tally_fd = Tally.create() if notify else None
+            self.refusals = None if tally_fd is None else Tally(tally_fd, writable=False)
             listener = seccomp.install(os.getpid(), self.policy.allow_network,
                                       landlock_abi=abi, notify=notify)
             if listener is not None:
-                self.hand_listener(listener)
-        except (seccomp.SeccompError, OSError) as exc:
-            self.refuse_to_start(
-                f"seccomp: {exc}. To run without a system-call filter on purpose, start the "
-                "kernel with --no-seccomp")
+                self.hand_listener(listener, tally_fd)
+        except OSError as exc:
+            raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
+                                       ) from exc
+        finally:
+            if tally_fd is not None:
+                os.close(tally_fd)
         self.layers["seccomp"] = {"active": True,
                                   **seccomp.describe(self.policy.allow_network, notify,
                                                      landlock_abi=abi)}
 
-    def hand_listener(self, listener: int) -> None:
-        """Give the reaper the seccomp listener (and the audit file); keep neither."""
+    def hand_listener(self, listener: int, tally_fd: int | None = None) -> None:
+        """Give the reaper the seccomp listener, the refusal count and the audit file."""
         assert self.reaper_channel is not None
-        files = [listener] + ([self.audit_file] if self.audit_file is not None else [])
-        settings = {"kernel": self.kernel_id, "uid": os.getuid()}
+        counted = [] if tally_fd is None else [tally_fd]
+        files = [listener, *counted] + ([self.audit_file] if self.audit_file is not None else [])
+        settings = {"kernel": self.kernel_id, "uid": os.getuid(), "tally": bool(counted)}
         try:
-            reaper.hand_over(self.reaper_channel, {"audit": settings}, files)
+            handover.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:
             os.close(listener)
         self.layers["audit"] = {"recorder": "reaper", "audit_log": self.policy.audit_log or None,

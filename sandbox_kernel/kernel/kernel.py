@@ -21,12 +21,12 @@ from traitlets import Dict
 from .. import __version__, jsonwire
 from ..confine import denials
 from ..policy import SandboxPolicy
-from . import main_call
+from . import main_call, pip
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
+from .usage import SelfUsage
 
-DEBUGGER_REFUSED = ("debugging is not available in the sandbox: the debugger runs debugpy's "
-                    "adapter as a subprocess, and the sandbox forbids creating processes")
+DEBUGGER_REFUSED = denials.DEBUGGER.why
 
 
 def _timeout_source(label: Any) -> str:
@@ -70,11 +70,13 @@ class SandboxKernel(IPythonKernel):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         main_call.load_ipython_extension(self.shell)  # the %main magic
+        pip.load_ipython_extension(self.shell)  # %pip, in-process, into the session
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self._skip_unshown_log_records()
         self.deadline: Deadline | None = None
         self._cell_pause = self._execute_sleep  # as configured, for notebook cells
         self.file_access: denials.FileAccess | None = None  # set by the application
+        self.usage = SelfUsage()  # reported in each execute_reply's metadata
         # IPython's hook for errors it shows: the ones the sandbox has something to say about.
         self.shell.set_custom_exc(  # type: ignore[union-attr]
             (asyncio.CancelledError, ExecutionTimeout, OSError), self.show_error)
@@ -92,7 +94,11 @@ class SandboxKernel(IPythonKernel):
 
     @property
     def banner(self) -> str:  # type: ignore[override]
-        return super().banner + "\nsandbox-kernel: no processes; network off unless allowed.\n"
+        network = "on" if self.policy.allow_network else "off"
+        files = self.sandbox_info.get("layers", {}).get("files", [])
+        return (super().banner + f"\nsandbox-kernel: no processes; network {network}; files "
+                "user code may reach besides the system and the interpreter:\n"
+                + "".join(f"  {line}\n" for line in files))
 
     @property
     def policy(self) -> SandboxPolicy:
@@ -118,6 +124,18 @@ class SandboxKernel(IPythonKernel):
         # costs every warm call an IOPub message. Notebook cells are echoed as usual.
         if main_call.request_from(parent.get("metadata")) is None:
             super()._publish_execute_input(code, parent, execution_count)
+
+    def init_metadata(self, parent: dict[str, Any]) -> dict[str, Any]:
+        """ipykernel's reply metadata; the execution's usage starts being counted here."""
+        self.usage.start()
+        return super().init_metadata(parent)  # type: ignore[no-any-return]
+
+    def finish_metadata(self, parent: dict[str, Any], metadata: dict[str, Any],
+                        reply_content: dict[str, Any]) -> dict[str, Any]:
+        """ipykernel's reply metadata, plus {"sandbox": {"usage": ...}}: what it cost."""
+        metadata = super().finish_metadata(parent, metadata, reply_content)
+        metadata["sandbox"] = {"usage": self.usage.report()}
+        return metadata
 
     def time_limit(self) -> tuple[float, str]:
         """Seconds the current execution may run (0: no limit) and where that number came from."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import ipaddress
 import json
 import os
 import random
@@ -50,6 +51,10 @@ SHUTDOWN_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when EG asks the ker
 SEND_TIMEOUT = 30.0  # seconds to reach EG's response address
 USAGE_ERROR = 2
 LAUNCH_FAILED = 3
+# What EG sends to the comm port: 0 polls, SIGINT interrupts, SIGTERM ends the kernel (its
+# distributed proxy's shutdown), besides {"shutdown": 1}. No other signal is obeyed: the listener
+# runs unconfined, and must not be anyone's way to signal the kernel.
+EG_SIGNALS = frozenset({0, int(signal.SIGINT), int(signal.SIGTERM)})
 
 # EG's launch_kubernetes.py and launch_docker.py hand these to the container as variables.
 _ENV_FALLBACKS = {"kernel_id": "KERNEL_ID", "port_range": "PORT_RANGE",
@@ -71,6 +76,7 @@ class LaunchRequest:
     port_range: tuple[int, int] = (0, 0)
     ip: str = "0.0.0.0"  # EG connects from another host: listen on every interface
     policy_argv: list[str] = field(default_factory=list)
+    comm_peers: list[str] = field(default_factory=list)  # besides the response address's host
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="only 'none': a sandboxed kernel cannot start Spark")
     parser.add_argument("--ip", default="0.0.0.0",
                         help="address the kernel's sockets listen on (default: all)")
+    parser.add_argument("--comm-peer", dest="comm_peers", action="append", default=[],
+                        metavar="ADDRESS",
+                        help="another address EG's requests to the comm port may come from "
+                        "(repeatable; by default only the response address's host is obeyed)")
     return parser
 
 
@@ -143,13 +153,22 @@ def parse_arguments(argv: list[str], environ: dict[str, str] | os._Environ[str])
     if missing:
         raise LaunchError(f"missing {', '.join(missing)}: EG passes them in the kernelspec's "
                           "argv or as KERNEL_ID, RESPONSE_ADDRESS, PUBLIC_KEY")
+    if not _safe_kernel_id(args.kernel_id):
+        raise LaunchError(f"--kernel-id {args.kernel_id!r}: a kernel id is letters, digits, "
+                          "'-', '_' and '.' (EG gives a UUID), and not '.' or '..'")
     if args.spark_mode not in (None, "none"):
         raise LaunchError(f"spark context mode {args.spark_mode!r}: a sandboxed kernel cannot "
                           "start Spark (no processes, no network by default); use 'none'")
     return LaunchRequest(kernel_id=args.kernel_id, public_key=args.public_key,
                          response_address=_parse_address(args.response_address),
                          port_range=parse_port_range(args.port_range), ip=args.ip,
-                         policy_argv=rest)
+                         policy_argv=rest, comm_peers=args.comm_peers)
+
+
+def _safe_kernel_id(kernel_id: str) -> bool:
+    """Whether the id can name a file in the launcher's directory (it becomes part of one)."""
+    return (0 < len(kernel_id) <= 255 and kernel_id not in (".", "..")
+            and all(char.isascii() and (char.isalnum() or char in "-_.") for char in kernel_id))
 
 
 def bind_in_range(ip: str, low: int, high: int, attempts: int = 200) -> socket.socket:
@@ -215,11 +234,39 @@ def send_payload(address: tuple[str, int], payload: bytes) -> None:
                           "to it") from None
 
 
-def _read_request(server: socket.socket) -> dict | None:
-    """One JSON request from the next comm-port client; None when it is not usable."""
+def gateway_addresses(request: LaunchRequest) -> frozenset[str]:
+    """The addresses EG's comm-port requests may come from: its response address's host (each
+    address it resolves to) and any --comm-peer."""
+    found: set[str] = set()
+    for host in (request.response_address[0], *request.comm_peers):
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except OSError as exc:
+            raise LaunchError(f"cannot resolve {host!r}, where EG's requests come from: "
+                              f"{exc}") from None
+        found.update(_plain_address(str(info[4][0])) for info in infos)
+    return frozenset(found)
+
+
+def _plain_address(text: str) -> str:
+    """An address as one spelling: IPv4-mapped IPv6 addresses as IPv4."""
+    address = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+def _read_request(server: socket.socket, gateway: frozenset[str]) -> dict | None:
+    """One JSON request from the next comm-port client; None when it is not usable or does not
+    come from the gateway."""
     try:
-        conn, _ = server.accept()
+        conn, peer = server.accept()
     except OSError:
+        return None
+    if _plain_address(peer[0]) not in gateway:
+        _refused(f"a request from {peer[0]}, which is not the gateway "
+                 f"({', '.join(sorted(gateway))}); add --comm-peer {peer[0]} if it is")
+        conn.close()
         return None
     data = b""
     deadline = time.monotonic() + REQUEST_TIMEOUT  # for the whole request, not per recv
@@ -267,10 +314,15 @@ def end_kernel(pidfd: int) -> None:
             return
 
 
-def serve_comm_port(server: socket.socket, pidfd: int) -> None:
-    """Answer EG's requests until the kernel ends or EG asks for shutdown.
+def _refused(what: str) -> None:
+    print(f"sandbox-kernel eg-launch: comm port: refused {what}", file=sys.stderr, flush=True)
 
-    {"signum": n} signals the kernel (0 only checks that it lives); {"shutdown": 1} ends it.
+
+def serve_comm_port(server: socket.socket, pidfd: int, gateway: frozenset[str]) -> None:
+    """Answer the gateway's requests until the kernel ends or EG asks for shutdown.
+
+    {"signum": n} signals the kernel, for the signals EG sends (0 only checks that it lives);
+    {"shutdown": 1} ends it. Requests from other addresses, and other signals, are refused.
     """
     server.setblocking(False)
     with selectors.DefaultSelector() as events:
@@ -280,11 +332,14 @@ def serve_comm_port(server: socket.socket, pidfd: int) -> None:
             for key, _ in events.select():
                 if key.fd == pidfd:
                     return  # the kernel ended: nothing left to signal
-                request = _read_request(server)
+                request = _read_request(server, gateway)
                 if request is None:
                     continue
                 signum = request.get("signum")
-                if type(signum) is int and 0 < signum < signal.NSIG:  # not bool, not str
+                if type(signum) is int and signum not in EG_SIGNALS:  # not bool, not str
+                    _refused(f"signal {signum}: the comm port obeys only EG's signals "
+                             f"{sorted(EG_SIGNALS)} and shutdown")
+                elif type(signum) is int and signum > 0:
                     try:
                         signal.pidfd_send_signal(pidfd, signum)
                     except ProcessLookupError:
@@ -294,7 +349,8 @@ def serve_comm_port(server: socket.socket, pidfd: int) -> None:
                     return
 
 
-def _listener_main(server: socket.socket, kernel_pid: int, workdir: str) -> None:
+def _listener_main(server: socket.socket, kernel_pid: int, workdir: str,
+                   gateway: frozenset[str]) -> None:
     """Body of the forked listener: out of the kernel's process group, holding only its socket."""
     os.setsid()  # EG may signal the kernel's process group; that must not end the listener
     try:
@@ -306,7 +362,7 @@ def _listener_main(server: socket.socket, kernel_pid: int, workdir: str) -> None
         keep = sorted((0, 1, 2, server.fileno(), pidfd))
         for low, high in zip(keep, [*keep[1:], 65536], strict=True):
             os.closerange(low + 1, high)
-        serve_comm_port(server, pidfd)
+        serve_comm_port(server, pidfd, gateway)
     except OSError as exc:
         print(f"sandbox-kernel eg-launch: comm-port listener: {exc}", file=sys.stderr)
     finally:
@@ -314,7 +370,7 @@ def _listener_main(server: socket.socket, kernel_pid: int, workdir: str) -> None
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def start_listener(server: socket.socket, workdir: str) -> int:
+def start_listener(server: socket.socket, workdir: str, gateway: frozenset[str]) -> int:
     """Fork the comm-port listener; it watches this process, the future kernel."""
     kernel_pid = os.getpid()
     sys.stdout.flush()
@@ -322,7 +378,7 @@ def start_listener(server: socket.socket, workdir: str) -> int:
     child = os.fork()
     if child == 0:
         try:
-            _listener_main(server, kernel_pid, workdir)
+            _listener_main(server, kernel_pid, workdir, gateway)
         finally:
             os._exit(0)
     server.close()
@@ -349,6 +405,7 @@ def launch(request: LaunchRequest) -> None:
     low, high = request.port_range
     workdir = tempfile.mkdtemp(prefix="sandbox-kernel-eg-")
     try:
+        gateway = gateway_addresses(request)
         chosen = [bind_in_range(request.ip, low, high) for _ in range(PORT_COUNT)]
         comm = bind_in_range(request.ip, low, high)
         comm.listen(8)
@@ -363,7 +420,7 @@ def launch(request: LaunchRequest) -> None:
     except BaseException:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
-    start_listener(comm, workdir)
+    start_listener(comm, workdir, gateway)
     argv = [sys.executable, "-I", "-m", "sandbox_kernel", "-f", connection_file,
             *request.policy_argv]
     os.execve(sys.executable, argv, kernel_environment(request.policy_argv, os.environ))

@@ -1,123 +1,26 @@
-"""The ASGI application: the service's parts, their lifetime, and the operational routes."""
+"""The ASGI application: the service's routers, its error mapping, and the operational routes."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
-from ..client import Execution
 from ..policy import SandboxPolicy
 from . import dify, native
-from .access import AccessLog, json_line
-from .auth import ApiKey, BearerKeys, load_keys, same
-from .config import ServiceConfig, network_env
-from .kernels import Kernels, KernelSource, make_source
+from .access import AccessLog
+from .config import ServiceConfig
+from .core import Service
+from .deps import ServiceDep
+from .errors import kernel_unavailable, session_error
+from .kernels import KernelSource, KernelUnavailable
 from .limits import BodyLimit
-from .metrics import Metrics
-from .runs import SERVICE_TIMEOUT, Admission, Runner
-from .sessions import Sessions
+from .sessions import SessionError
 from .validation import invalid_request
-
-log = logging.getLogger("sandbox_kernel.service")
-CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
-
-
-class Service:
-    """Everything one running service holds; the routes reach it as app.state.service."""
-
-    # Time a session's kernel gets to restart after a lost execution before the service gives up.
-    restart_allowance = 30.0
-
-    def __init__(self, config: ServiceConfig, policy: SandboxPolicy,
-                 source: KernelSource | None = None) -> None:
-        self.config, self.policy = config, policy
-        networks = (False, True) if config.enable_network else (False,)
-        self.kernels = Kernels(source or make_source(
-            policy, networks, config.pool_size, config.kernel_grace, network_env(config)))
-        self.admission = Admission(config.max_requests, config.max_workers)
-        self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
-                             config.max_output_total)
-        self.sessions = Sessions(self.kernels, config.max_sessions)
-        keys = (load_keys(config.api_keys_file) if config.api_keys_file
-                else [ApiKey("default", config.api_key)])
-        self.bearer_keys = BearerKeys(keys)
-        self.metrics = Metrics()
-        self.metrics.bind(lambda: len(self.kernels.live), self.kernels.source.ready,
-                          lambda: len(self.sessions), lambda: self.admission.in_flight)
-        self.started = False
-        self.stopping = False
-        self._kernels_proven = False
-        self._culler: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Future[Any]] = set()
-
-    def background(self, work: Any) -> asyncio.Future[Any]:
-        """Run a coroutine on its own, keeping a reference until it is done (an exception no
-        one asks for is retrieved here, not reported as "never retrieved")."""
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return task
-
-    def dify_key_ok(self, given: str | None) -> bool:
-        return same(given, self.config.api_key)
-
-    def count_run(self, api: str, execution: Execution) -> None:
-        error = execution.error
-        outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
-                   else "lost" if execution.state_lost else "error")
-        self.metrics.runs.labels(api=api, outcome=outcome).inc()
-
-    async def start(self) -> None:
-        await self.kernels.source.start()
-        self._culler = asyncio.get_running_loop().create_task(
-            self.sessions.cull_forever(CULL_INTERVAL))
-        self.started = True
-        log.info(json_line(event="started", version=__version__, port=self.config.port,
-                           network=self.config.enable_network, pool_size=self.config.pool_size))
-
-    def begin_shutdown(self) -> None:
-        """On SIGTERM/SIGINT: refuse readiness now; end the runs still going after the grace
-        period with an error answer (before the server would cancel them with a bare 500)."""
-        if self.stopping:
-            return
-        self.stopping = True
-        # Called from uvicorn's signal handler, which may run in the middle of the event loop's
-        # own timer bookkeeping: only call_soon_threadsafe is safe there, call_later is not.
-        loop = asyncio.get_running_loop()
-        loop.call_soon_threadsafe(loop.call_later, self.config.shutdown_grace,
-                                  self.runner.stopping.set)
-
-    async def stop(self) -> None:
-        """Let in-flight runs finish within the grace period, then shut every kernel down."""
-        self.stopping = True
-        if self._culler is not None:
-            self._culler.cancel()
-        deadline = asyncio.get_running_loop().time() + self.config.shutdown_grace
-        while self.admission.in_flight and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.1)
-        self.sessions.close()
-        await self.kernels.close()
-        log.info(json_line(event="stopped"))
-
-    def readiness(self) -> dict[str, Any]:
-        """Ready once started and (with a pool) once every policy's pool had a kernel ready:
-        proof that kernels start on this host. Not ready again once stopping."""
-        pool = self.kernels.source.ready()
-        if self.config.pool_size == 0 or all(count > 0 for count in pool.values()):
-            self._kernels_proven = self._kernels_proven or self.started
-        return {"ready": self._kernels_proven and not self.stopping,
-                "pool": pool, "pool_size": self.config.pool_size,
-                "kernels_live": len(self.kernels.live), "sessions": len(self.sessions),
-                "runs_in_flight": self.admission.in_flight}
 
 
 def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None = None,
@@ -138,24 +41,30 @@ def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None
         description="Runs untrusted Python in sandboxed Jupyter kernels. `/v1/sandbox/*`: "
         "dify-sandbox's API (X-Api-Key). `/api/v1/*`: sessions, executions, server-sent "
         "events, files (Authorization: Bearer).")
-    app.state.service = service
+    app.state.service = service  # read only by deps.service
+    # The domain's errors become HTTP answers here, once; the event stream, whose status line
+    # is already sent when they happen, and the dify routes, whose answers are gin's, keep theirs.
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(SessionError, session_error)
+    app.add_exception_handler(KernelUnavailable, kernel_unavailable)
     app.include_router(dify.router)
     app.include_router(native.router)
-    _operations(app, service)
+    app.include_router(operations)
     # Outermost last: the access log sees even the 413s of the body limit.
-    app.add_middleware(BodyLimit, limit=config.max_body_bytes if config else
-                       ServiceConfig().max_body_bytes, metrics=service.metrics)
+    app.add_middleware(BodyLimit, limit=service.config.max_body_bytes, metrics=service.metrics)
     app.add_middleware(AccessLog, metrics=service.metrics)
     return app
 
 
-def _operations(app: FastAPI, service: Service) -> None:
-    @app.get("/ready", tags=["operations"], summary="Readiness, with the pool's state")
-    async def ready() -> JSONResponse:
-        state = service.readiness()
-        return JSONResponse(state, status_code=200 if state["ready"] else 503)
+operations = APIRouter(tags=["operations"])
 
-    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
-    async def metrics(request: Request) -> Response:
-        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+@operations.get("/ready", summary="Readiness, with the pool's state")
+async def ready(service: ServiceDep) -> JSONResponse:
+    state = service.readiness()
+    return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+
+@operations.get("/metrics", summary="Prometheus metrics")
+async def metrics(service: ServiceDep) -> Response:
+    return Response(service.metrics.render(), media_type=service.metrics.content_type)

@@ -1,4 +1,8 @@
-"""API keys: dify-sandbox's one X-Api-Key, and the native API's bearer keys from a file."""
+"""API keys: dify-sandbox's one X-Api-Key, and the native API's bearer keys from a file.
+
+No route runs code for an empty key, a key shorter than MIN_KEY_LENGTH, or dify-sandbox's public
+default key unless the operator was warned at start-up (`insecure_key_warning`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import hmac
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+DIFY_DEFAULT_KEY = "dify-sandbox"  # dify-sandbox's and Dify's default, known to everyone
+MIN_KEY_LENGTH = 16
 
 
 class KeyFileError(ValueError):
@@ -21,9 +28,49 @@ class ApiKey:
     max_sessions: int | None = None
 
 
-def same(given: str | None, expected: str) -> bool:
-    """Compare secrets in constant time."""
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+def same(given: str | None, expected: str | None) -> bool:
+    """Compare secrets in constant time; nothing matches an empty or missing key."""
+    if not given or not expected:
+        return False
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def check_dify_key(key: str | None) -> None:
+    """Refuse an empty or short --api-key (None, unset, is decided by `dify_key`)."""
+    if key is None or key == DIFY_DEFAULT_KEY:
+        return
+    if not key:
+        raise ValueError("API_KEY (--api-key) is empty: an empty X-Api-Key would run code. Set a "
+                         f"key of at least {MIN_KEY_LENGTH} characters (e.g. `openssl rand -hex "
+                         "16`), or unset it for dify-sandbox's public default (warned).")
+    if len(key) < MIN_KEY_LENGTH:
+        raise ValueError(f"API_KEY (--api-key) has {len(key)} characters; use at least "
+                         f"{MIN_KEY_LENGTH} (e.g. `openssl rand -hex 16`).")
+
+
+def dify_key(key: str | None, keys_file: str) -> str | None:
+    """The X-Api-Key the dify routes accept: the set key; unset, the public default, unless a
+    keys file says the operator runs real keys (then the dify routes accept none)."""
+    if key is not None:
+        return key
+    return None if keys_file else DIFY_DEFAULT_KEY
+
+
+def insecure_key_warning(dify: str | None, keys_file: str, host: str) -> str | None:
+    """What start-up must say loudly about the keys, or None when nothing is amiss."""
+    if dify is None:
+        return ("the dify-sandbox routes (/v1/sandbox/*) are OFF: --api-keys-file is set and "
+                "API_KEY is not. Set API_KEY (--api-key) to a key of at least "
+                f"{MIN_KEY_LENGTH} characters to turn them on.")
+    if dify != DIFY_DEFAULT_KEY:
+        return None
+    who = ("anyone who can reach this port" if host in ("0.0.0.0", "::", "")
+           else f"any local process that can reach {host}")
+    native = "" if keys_file else " and the native API's bearer key"
+    return (f"the X-Api-Key of /v1/sandbox/*{native} is dify-sandbox's public default "
+            f"'{DIFY_DEFAULT_KEY}': {who} can run code. Set API_KEY (--api-key) to a secret of "
+            f"at least {MIN_KEY_LENGTH} characters, and the same as Dify's "
+            "CODE_EXECUTION_API_KEY.")
 
 
 def load_keys(path: str) -> list[ApiKey]:

@@ -16,6 +16,7 @@ from traitlets import Bool, Float, Int, TraitError, Unicode
 from traitlets.config import Configurable
 
 from .. import policy
+from . import auth
 
 
 class ServiceConfig(Configurable):
@@ -30,9 +31,11 @@ class ServiceConfig(Configurable):
     ).tag(config=True, flag="port", env="SANDBOX_PORT", metavar="PORT")
 
     api_key = Unicode(
-        "dify-sandbox",
-        help="The key the dify-sandbox routes expect in X-Api-Key (dify-sandbox's API_KEY). "
-        "Without --api-keys-file it is also the native API's one bearer key, id 'default'.",
+        None, allow_none=True,
+        help="The key the dify-sandbox routes expect in X-Api-Key (dify-sandbox's API_KEY), at "
+        "least 16 characters. Without --api-keys-file it is also the native API's one bearer "
+        "key, id 'default'. Unset: dify-sandbox's public default 'dify-sandbox' (warned at "
+        "start), or, with --api-keys-file, the dify-sandbox routes are off.",
     ).tag(config=True, flag="api-key", env="API_KEY", metavar="KEY")
 
     api_keys_file = Unicode(
@@ -54,6 +57,11 @@ class ServiceConfig(Configurable):
         5.0, help="Seconds one stateless run may take (dify-sandbox's WORKER_TIMEOUT); also the "
         "native API's default execution timeout.",
     ).tag(config=True, flag="worker-timeout", env="WORKER_TIMEOUT", metavar="SECONDS")
+
+    runtime = Unicode(
+        "", help="The runtime (`sandbox-kernel runtime create NAME`) kernels run on; its "
+        "packages are what the dify routes' /dependencies list. Empty: this interpreter's.",
+    ).tag(config=True, flag="runtime", env="SANDBOX_RUNTIME", metavar="NAME")
 
     max_timeout = Float(
         300.0, help="The longest timeout a native API request may ask for.",
@@ -119,12 +127,26 @@ class ServiceConfig(Configurable):
         10.0, help="Seconds in-flight runs get to finish at shutdown before they are cancelled.",
     ).tag(config=True, flag="shutdown-grace", env="SANDBOX_SHUTDOWN_GRACE", metavar="SECONDS")
 
+    head_timeout = Float(
+        10.0, help="Seconds a new connection has to send a whole request head before it is "
+        "closed (slow or silent clients cost a bounded time).",
+    ).tag(config=True, flag="head-timeout", env="SANDBOX_HEAD_TIMEOUT", metavar="SECONDS")
+
+    max_idle_connections = Int(
+        512, help="Open connections not in a request kept at most; past it the oldest idle ones "
+        "are closed, so idle connections never take the place of requests.",
+    ).tag(config=True, flag="max-idle-connections", env="SANDBOX_MAX_IDLE_CONNECTIONS",
+          metavar="N")
+
     log_level = Unicode(
         "info", help="Log level of the service's own log lines.",
     ).tag(config=True, flag="log-level", env="SANDBOX_LOG_LEVEL", metavar="LEVEL")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# Variables whose empty value is a mistake to refuse, not the same as leaving them unset: an
+# empty API_KEY once fell back to the public default key.
+EMPTY_IS_A_VALUE = ("API_KEY",)
 
 
 def _from_env(name: str, trait: Any, text: str) -> Any:
@@ -169,6 +191,8 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
                 f"--{trait.metadata['flag']}", trait, given)
         elif env and environ.get(env, "").strip():
             values[name] = _from_env(env, trait, environ[env])
+        elif env in EMPTY_IS_A_VALUE and env in environ:
+            values[name] = ""  # refused by check(), not read as unset
     config = ServiceConfig(**values)
     check(config)
     return config
@@ -177,7 +201,8 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
 def check(config: ServiceConfig) -> None:
     """Refuse settings that cannot work, naming the setting."""
     positive = ("max_workers", "max_requests", "worker_timeout", "max_timeout", "max_sessions",
-                "max_body_bytes", "max_file_bytes", "max_output_total")
+                "max_body_bytes", "max_file_bytes", "max_output_total", "head_timeout",
+                "max_idle_connections")
     for name in positive:
         if getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
@@ -187,6 +212,10 @@ def check(config: ServiceConfig) -> None:
             raise TraitError(f"{name.replace('_', '-')} must not be negative")
     if not 0 < config.port < 65536:
         raise TraitError(f"port must be 1-65535, got {config.port}")
+    try:
+        auth.check_dify_key(config.api_key)
+    except ValueError as exc:
+        raise TraitError(str(exc)) from None
 
 
 def network_env(config: ServiceConfig) -> dict[str, str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from typing import Any, Protocol
 
 from ..client import AsyncSandbox
@@ -99,14 +100,25 @@ class PoolSource:
                              return_exceptions=True)
         # No process outlives the service: the fork server its kernels came from ends too (a
         # later kernel of this interpreter, from anyone, starts a new one).
-        for preload in {tuple(kwargs.get("preload", ())) for kwargs in self.options.values()}:
-            ForkServerClient(preload=preload).stop_server()
+        for python, preload in {(kwargs.get("python"), tuple(kwargs.get("preload", ())))
+                                for kwargs in self.options.values()}:
+            ForkServerClient(python=python or sys.executable, preload=preload).stop_server()
 
 
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
-                grace: float, network_env: dict[str, str] | None = None) -> KernelSource:
-    """The kernel source the service uses: the one place to change how it gets kernels."""
-    return PoolSource({network: {"kernel_name": None, "grace": grace,
+                grace: float, network_env: dict[str, str] | None = None,
+                runtime: str = "") -> KernelSource:
+    """The kernel source the service uses: the one place to change how it gets kernels.
+
+    With a runtime, kernels run on its current build with its modules preloaded.
+    """
+    on_runtime: dict[str, Any] = {}
+    if runtime:
+        from ..runtimes import find
+
+        record = find(runtime)
+        on_runtime = {"python": str(record.python()), "preload": record.preload}
+    return PoolSource({network: {"kernel_name": None, "grace": grace, **on_runtime,
                                  "policy": with_network(base, network, network_env)}
                        for network in networks}, pool_size)
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import zmq
 from starlette.requests import Request
 
-from ..client import Execution, ExecutionError
+from ..client import ErrorInfo, Execution
 from .kernels import Kernels, KernelUnavailable, kernel_id, policy_name
 
 T = TypeVar("T")
@@ -66,7 +66,7 @@ class OutputBudget:
 
 def output_limited(record: RunRecord, message: str, state_lost: bool) -> Execution:
     """The execution a run gets when its output went past the service's limit."""
-    error = ExecutionError(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
+    error = ErrorInfo(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
     return Execution(logs=list(record.chunks), state_lost=state_lost, error=error)
 
 
@@ -114,7 +114,7 @@ def service_timeout(timeout: float, record: RunRecord) -> Execution:
     """The execution a run gets when the service had to stop it."""
     message = (f"the execution ran past its {timeout:g} s limit and did not stop; the service "
                "shut its kernel down")
-    error = ExecutionError(SERVICE_TIMEOUT, message, [f"{SERVICE_TIMEOUT}: {message}"])
+    error = ErrorInfo(SERVICE_TIMEOUT, message, [f"{SERVICE_TIMEOUT}: {message}"])
     return Execution(logs=list(record.chunks), state_lost=True, error=error)
 
 
@@ -122,7 +122,7 @@ def service_stopping(record: RunRecord) -> Execution:
     """The execution a run gets when the service shuts down before it ended."""
     message = ("the service is shutting down and the run did not end within its grace period; "
                "its kernel was shut down")
-    error = ExecutionError(SERVICE_STOPPING, message, [f"{SERVICE_STOPPING}: {message}"])
+    error = ErrorInfo(SERVICE_STOPPING, message, [f"{SERVICE_STOPPING}: {message}"])
     return Execution(logs=list(record.chunks), state_lost=True, error=error)
 
 

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .app import create_app
+        from .connections import protocol
     except ImportError as exc:
         print(f"sandbox-kernel serve: {exc.name} is missing; install the server extra: "
               "pip install 'sandbox-kernel[server]'", file=sys.stderr)
@@ -65,14 +66,31 @@ def run(args: argparse.Namespace) -> int:
         # Past the grace period the service answers its runs itself (Service.begin_shutdown);
         # uvicorn cancels what is left only a few seconds after that.
         timeout_graceful_shutdown=int(config.shutdown_grace) + 5,
-        limit_concurrency=config.max_requests + config.max_sessions + 64,
+        # Requests are bounded by the service's admission; connections by connections.py
+        # (uvicorn's limit_concurrency counted idle sockets and let them lock requests out).
+        http=protocol(config.head_timeout, config.max_idle_connections),
         # Longer than clients keep an idle connection (httpx, Dify's client: 5 s), so the client
         # closes first: a server closing at the same moment races a request sent on it, which
         # the client sees as a reset (1 in 4,492 soak runs at uvicorn's 5 s).
         timeout_keep_alive=KEEP_ALIVE_SECONDS))
     _tell_on_exit(server, app.state.service)
+    _warn_about_keys(config)
     server.run()
     return 0
+
+
+def _warn_about_keys(config: service_config.ServiceConfig) -> None:
+    """Say loudly, before serving, when the keys let anyone in or leave a route off."""
+    from .access import json_line
+    from .auth import dify_key, insecure_key_warning
+
+    warning = insecure_key_warning(dify_key(config.api_key, config.api_keys_file),
+                                   config.api_keys_file, config.host)
+    if warning:
+        logging.getLogger("sandbox_kernel.service").warning(
+            json_line(event="insecure_keys", warning=warning))
+        print(f"\n{'!' * 78}\nsandbox-kernel serve: WARNING: {warning}\n{'!' * 78}\n",
+              file=sys.stderr, flush=True)
 
 
 def _tell_on_exit(server: Any, service: Any) -> None:

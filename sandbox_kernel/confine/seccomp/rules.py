@@ -1,42 +1,21 @@
-"""The seccomp-bpf filter: which system calls untrusted code may make.
+"""The seccomp policy as data: which system calls untrusted code may make, with which arguments.
 
 Two filters are stacked, because libseccomp refuses a rule whose action equals the filter's
 default action: an *allowlist* (default EPERM) and a small *denylist* (default allow) for the
 few calls that are allowed except for some argument values (the kernel applies the stricter
-verdict of the two). Both are loaded with TSYNC so every thread of the kernel gets them.
-
-libseccomp compiles each filter to a BPF program, which a kernel loads with seccomp(2). A fork
-server compiles them once for all its kernels: the allowlist, which names the kernel's pid, for
-a placeholder pid, and each kernel writes its own pid into the instructions found to hold it.
+verdict of the two). What the filter keeps (describe(), and the seccomp lines of promises.py)
+is read from these rules by GUARANTEES, never written beside them: change a rule and what the
+kernel claims changes with it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
 import functools
-import os
 import socket
-import struct
 import termios
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-try:
-    import pyseccomp as _sc
-except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: libseccomp not found
-    _sc = None
-    _IMPORT_ERROR: BaseException | None = exc
-else:
-    _IMPORT_ERROR = None
-
-
-class SeccompError(RuntimeError):
-    """The filter could not be built, loaded or verified."""
-
 
 # A broad allowlist, modelled on a container runtime's default profile, minus everything that
 # reaches outside this process or whose only use is attacking the host kernel.
@@ -120,6 +99,9 @@ NEVER = (
     "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
 )
 
+# What a kernel that fails the architecture check gets (program.py maps it to libseccomp's).
+FOREIGN_ARCH = "kill process"
+
 # Namespace and other flags a thread-creating clone() must not carry.
 _CLONE_FORBIDDEN = (
     0x00020000  # CLONE_NEWNS
@@ -170,7 +152,7 @@ _SOCK_TYPE_MASK = 0xF  # the rest of socket()'s type argument is SOCK_NONBLOCK /
 _MSG_FASTOPEN = 0x20000000  # sendto/sendmsg that connect a TCP socket first
 _O_ACCMODE_AND_TRUNC = 0o3 | 0o1000
 _O_TRUNC = 0o1000
-_LANDLOCK_TRUNCATE_ABI = 3
+LANDLOCK_TRUNCATE_ABI = 3
 
 # fcntl commands that act on this process's own descriptors only. Missing on purpose:
 # F_SETOWN (allowed below for this process only) and F_SETOWN_EX, whose signals (F_SETSIG,
@@ -186,14 +168,14 @@ _FCNTL_COMMANDS = (
     1035, 1036, 1037, 1038,  # F_GET/SET_RW_HINT, F_GET/SET_FILE_RW_HINT
 )
 _F_SETOWN = 8
+_F_SETOWN_EX = 15
 
 # ioctls refused on any descriptor: keystroke injection, and the ones that make a descriptor or
 # a terminal signal a process (the owner of a socket, a terminal's process group and session).
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
 _IOCTLS_REFUSED = (
     termios.TIOCSTI, getattr(termios, "TIOCLINUX", 0x541C),
-    0x8901,  # FIOSETOWN
-    0x8902,  # SIOCSPGRP
-    termios.TIOCSPGRP, termios.TIOCSCTTY, termios.TIOCNOTTY,
+    _FIOSETOWN, _SIOCSPGRP, termios.TIOCSPGRP, termios.TIOCSCTTY, termios.TIOCNOTTY,
     termios.TIOCSWINSZ,  # SIGWINCH to the terminal's foreground process group
 )
 
@@ -250,7 +232,7 @@ def allowlist_rules(pid: int, allow_network: bool, landlock_abi: int = 0) -> lis
             for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
                 rules.append(Rule("socket", args=(_masked(0, family),
                                                   _masked(1, kind, _SOCK_TYPE_MASK))))
-    if landlock_abi >= _LANDLOCK_TRUNCATE_ABI:
+    if landlock_abi >= LANDLOCK_TRUNCATE_ABI:
         rules.append(Rule("truncate"))
         rules.append(Rule("openat2"))
     else:
@@ -281,286 +263,166 @@ def denylist_rules(allow_network: bool = False) -> list[Rule]:
     return rules
 
 
-@functools.cache
-def available() -> str | None:
-    """None when seccomp can be used here; otherwise why not (a fact of the running Linux
-    and libseccomp: found out once per process, by a fork server for all its kernels)."""
-    if _sc is None:
-        return (f"libseccomp is not usable ({_IMPORT_ERROR}); install the system package "
-                "libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2)")
-    status = Path("/proc/self/status").read_text()
-    if "Seccomp:" not in status:
-        return "this Linux kernel was built without seccomp support"
-    return None
-
-
-def _compile(rules: Iterable[Rule], default: int) -> Any:
-    assert _sc is not None
-    actions = {"allow": _sc.ALLOW, "eperm": _sc.ERRNO(errno.EPERM),
-               "enosys": _sc.ERRNO(errno.ENOSYS)}
-    flt = _sc.SyscallFilter(default)
-    # Foreign architectures (i386 via int 0x80) and the x32 ABI kill the whole process.
-    flt.set_attr(_sc.Attr.ACT_BADARCH, _sc.KILL_PROCESS)
-    # _load loads the exported program with these, as libseccomp's own load would; setting them
-    # still makes libseccomp check that this Linux has TSYNC (and TSYNC_ESRCH to notify).
-    flt.set_attr(_sc.Attr.CTL_TSYNC, 1)
-    flt.set_attr(_sc.Attr.CTL_NNP, 1)
-    for rule in rules:
-        number = _sc.resolve_syscall(_sc.Arch.NATIVE, rule.syscall)
-        if number < 0:  # not a syscall on this architecture (or unknown to this libseccomp)
-            continue
-        args = [_sc.Arg(arg, _sc.MASKED_EQ, mask, value) for arg, mask, value in rule.args]
-        flt.add_rule(actions[rule.action], number, *args)
-    return flt
-
-
-def _export(compiled: Any) -> bytes:
-    """The BPF program libseccomp would load for a compiled filter."""
-    # Through a pipe: pods refuse memfd_create, and a kernel started on its own compiles under
-    # Landlock, which may refuse a file. The write end does not block, so a program larger than the
-    # pipe (a loadable one is at most 32 KiB, a pipe holds 64 KiB unless the user's pipe quota
-    # is spent) is cut short, which libseccomp does not notice, instead of hanging: a pipe that
-    # came back full is refused.
-    read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    with open(read_end, "rb", buffering=0) as source:
-        with open(write_end, "wb", buffering=0) as sink:
-            capacity = fcntl.fcntl(sink, fcntl.F_GETPIPE_SZ)
-            compiled.export_bpf(sink)
-        program = source.read(capacity) or b""  # all of it: nothing more can be written
-    if not program or len(program) >= capacity or len(program) % _INSTRUCTION.size:
-        raise SeccompError(f"libseccomp exported a BPF program of {len(program)} bytes "
-                           f"through a pipe of {capacity}")
-    return program
-
-
-def _default_action(notify: bool) -> int:
-    assert _sc is not None
-    return _sc.NOTIFY if notify else _sc.ERRNO(errno.EPERM)
-
-
-@functools.cache
-def _denylist(allow_network: bool) -> bytes:
-    """The denylist program, compiled once per process (it names no process): a fork server's
-    kernels load the server's copy."""
-    assert _sc is not None
-    return _export(_compile(denylist_rules(allow_network), _sc.ALLOW))
-
-
-# struct sock_filter (linux/filter.h): code, jt, jf, k. A pid is compared by a
-# BPF_JMP | BPF_JEQ | BPF_K instruction, in its k.
-_INSTRUCTION = struct.Struct("=HBBI")
-_K_OFFSET = 4
-_JEQ_K = 0x15
-# Two values no process can have as its pid (pid_max is at most 2**22) that stand for the
-# kernel's pid while the allowlist is compiled once for all kernels.
-_PLACEHOLDERS = (0x5EC0_1D00, 0x2BAD_F00D)
 
 
 @dataclass(frozen=True)
-class _Template:
-    """The allowlist compiled for a placeholder pid, and where that pid sits in the program."""
+class Filter:
+    """Both filters' rules for one kernel, as install() loads them: what GUARANTEES read."""
 
-    program: bytes
-    pid_offsets: tuple[int, ...]  # byte offsets of the k fields that hold the pid
-    # libseccomp sorts the values one argument is compared with and merges equal ones, so only
-    # a pid above every other value compared where the pid is compiles like the placeholders.
-    floor: int
+    pid: int
+    allow: tuple[Rule, ...]
+    deny: tuple[Rule, ...]
 
-    def for_pid(self, pid: int) -> bytes:
-        program = bytearray(self.program)
-        for offset in self.pid_offsets:
-            struct.pack_into("=I", program, offset, pid)
-        return bytes(program)
+    def allowing(self, name: str) -> list[Rule]:
+        """The allowlist's rules that let name through (under their argument conditions)."""
+        return [rule for rule in self.allow if rule.syscall == name and rule.action == "allow"]
 
+    def refuses(self, *names: str) -> bool:
+        """No rule lets any of these calls through: the allowlist's default refuses them."""
+        return not any(self.allowing(name) for name in names)
 
-def _compared_with_pid(rules: list[Rule], pid: int) -> set[int]:
-    """The other values the rules compare with an argument that is also compared with pid."""
-    places = {(rule.syscall, arg) for rule in rules for arg, _, value in rule.args if value == pid}
-    return {value for rule in rules for arg, _, value in rule.args
-            if (rule.syscall, arg) in places and value != pid}
+    def refuses_value(self, name: str, arg: int, value: int, mask: int = _LOW32) -> bool:
+        """The denylist refuses name whenever argument arg, under mask, equals value."""
+        return any(rule.syscall == name and rule.action != "allow"
+                   and rule.args == ((arg, mask, value),) for rule in self.deny)
 
 
-def _pid_offsets(first: bytes, second: bytes) -> tuple[int, ...] | None:
-    """Where the two placeholders sit in programs compiled for each, if they sit only there.
-
-    Verified, not assumed: the programs differ in exactly the instructions that compare with
-    the placeholder, each is the same comparison in both, and neither placeholder occurs
-    anywhere else. Otherwise None: the pid cannot be patched in.
-    """
-    if len(first) != len(second):
-        return None
-    offsets = []
-    pairs = zip(_INSTRUCTION.iter_unpack(first), _INSTRUCTION.iter_unpack(second), strict=True)
-    for index, (one, other) in enumerate(pairs):
-        if (one[3], other[3]) == _PLACEHOLDERS and one[:3] == other[:3] and one[0] == _JEQ_K:
-            offsets.append(index * _INSTRUCTION.size + _K_OFFSET)
-        elif one != other or one[3] in _PLACEHOLDERS or other[3] in _PLACEHOLDERS:
-            return None
-    return tuple(offsets) if offsets else None
+def _pinned(rule: Rule, arg: int, mask: int = _LOW32) -> int | None:
+    """The value the rule requires argument arg (under mask) to have; None if it requires none."""
+    return next((value for index, bits, value in rule.args if index == arg and bits == mask),
+                None)
 
 
-def _allowlist_template(allow_network: bool, truncate: bool, notify: bool) -> _Template | None:
-    """The allowlist for these settings with a placeholder pid; None if the placeholder could not
-    be located exactly (kernels then compile their own)."""
-    landlock_abi = _LANDLOCK_TRUNCATE_ABI if truncate else 0
-    first, second = (_export(_compile(allowlist_rules(placeholder, allow_network, landlock_abi),
-                                      _default_action(notify)))
-                     for placeholder in _PLACEHOLDERS)
-    offsets = _pid_offsets(first, second)
-    rules = allowlist_rules(_PLACEHOLDERS[0], allow_network, landlock_abi)
-    floor = max(_compared_with_pid(rules, _PLACEHOLDERS[0]), default=0)
-    if offsets is None or min(_PLACEHOLDERS) <= floor:
-        return None
-    return _Template(first, offsets, floor)
+def _threads_only(rules: Filter) -> bool:
+    # clone must carry CLONE_THREAD and none of the namespace flags, both under the rule's mask.
+    need = _CLONE_THREAD | _CLONE_FORBIDDEN
+    return rules.refuses("fork", "vfork", "execve", "execveat", "clone3") and all(
+        any(arg == 0 and mask & need == need and value & need == _CLONE_THREAD
+            for arg, mask, value in rule.args) for rule in rules.allowing("clone"))
 
 
-# The templates precompile() made, by (allow_network, truncate, notify). Only a process that
-# forks kernels makes them: for a single kernel, two compiles would cost more than its own one.
-_templates: dict[tuple[bool, bool, bool], _Template | None] = {}
+def _fcntl_signals_only_us(rule: Rule, pid: int) -> bool:
+    command = _pinned(rule, 1)
+    if command == _F_SETOWN:
+        return _pinned(rule, 2) in (0, pid)
+    return command is not None and command != _F_SETOWN_EX
 
 
-def _allowlist(pid: int, allow_network: bool, landlock_abi: int, notify: bool) -> bytes:
-    """The allowlist program for this pid: the template with the pid written in, or compiled."""
-    template = _templates.get((allow_network, landlock_abi >= _LANDLOCK_TRUNCATE_ABI, notify))
-    if template is not None and pid > template.floor:
-        return template.for_pid(pid)
-    rules = allowlist_rules(pid, allow_network, landlock_abi)
-    return _export(_compile(rules, _default_action(notify)))
+def _signals_only_us(rules: Filter) -> bool:
+    return (rules.refuses("tkill", "pidfd_send_signal")
+            and all(_pinned(rule, 0) == rules.pid
+                    for name in _OWN_PID_ONLY for rule in rules.allowing(name))
+            and all(_fcntl_signals_only_us(rule, rules.pid) for rule in rules.allowing("fcntl"))
+            and all(rules.refuses_value("ioctl", 1, request)
+                    for request in (_FIOSETOWN, _SIOCSPGRP, termios.TIOCSPGRP)))
 
 
-def precompile() -> None:
-    """Compile, before a fork server forks, what every kernel would otherwise compile again:
-    both denylists and the allowlist's templates for every setting. Nothing is loaded here:
-    the server itself stays unfiltered."""
-    if available() is not None:
-        return
-    for allow_network in (False, True):
-        _denylist(allow_network)
-        for truncate in (False, True):
-            for notify in (False, True):
-                settings = (allow_network, truncate, notify)
-                if settings not in _templates:
-                    _templates[settings] = _allowlist_template(*settings)
-    _tsync_flags()
+def _no_unix_sockets(rules: Filter) -> bool:
+    return (all(_pinned(rule, 0) not in (None, socket.AF_UNIX) for rule in rules.allowing("socket"))
+            and all(_pinned(rule, 1, _SOCK_TYPE_MASK) == socket.SOCK_STREAM
+                    for rule in rules.allowing("socketpair")))
 
 
-# seccomp(2) and prctl(2) (linux/seccomp.h, linux/prctl.h).
-_SECCOMP_SET_MODE_FILTER = 1
-_FLAG_TSYNC = 1
-_FLAG_NEW_LISTENER = 1 << 3
-_FLAG_TSYNC_ESRCH = 1 << 4
-_PR_SET_NO_NEW_PRIVS = 38
+def _no_connection_out(rules: Filter) -> bool:
+    inet = (None, socket.AF_INET, socket.AF_INET6)
+    return (rules.refuses("connect")
+            and all(_pinned(rule, 0) not in inet for rule in rules.allowing("socket"))
+            and all(rules.refuses_value(name, arg, _MSG_FASTOPEN, _MSG_FASTOPEN)
+                    for name, arg in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3))))
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+def _memory_counted(rules: Filter) -> bool:
+    return (rules.refuses("mremap", "memfd_create", "memfd_secret", "shmget")
+            and all(rules.refuses_value("mmap", 3, flags, _MAP_TYPE_AND_ANONYMOUS)
+                    for flags in _SHARED_ANONYMOUS)
+            and rules.refuses_value("mmap", 3, _MAP_GROWSDOWN, _MAP_GROWSDOWN))
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc
+def _no_truncation(rules: Filter) -> bool:
+    return (rules.refuses("truncate", "openat2")
+            and rules.refuses_value("open", 1, _O_TRUNC, _O_ACCMODE_AND_TRUNC)
+            and rules.refuses_value("openat", 2, _O_TRUNC, _O_ACCMODE_AND_TRUNC))
 
 
-def _seccomp(flags: int, program: Any) -> int:
-    """seccomp(SECCOMP_SET_MODE_FILTER, flags, program); OSError when it fails."""
-    assert _sc is not None
-    number = _sc.resolve_syscall(_sc.Arch.NATIVE, "seccomp")
-    result = _libc().syscall(ctypes.c_long(number), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
-                             ctypes.c_long(flags), program)
-    if result < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-    return int(result)
+@dataclass(frozen=True)
+class Guarantee:
+    """Something the filter keeps, in words, and the check of the rules that makes it true."""
+
+    text: str
+    holds: Callable[[Filter], bool]
+
+
+GUARANTEES = {
+    "processes": Guarantee("clone without CLONE_THREAD, fork, execve refused", _threads_only),
+    "signals": Guarantee("kill/tgkill, fcntl F_SETOWN to this process only; F_SETOWN_EX, "
+                         "FIOSETOWN, SIOCSPGRP, TIOCSPGRP refused", _signals_only_us),
+    "servers": Guarantee("bind and listen refused after set-up",
+                         lambda rules: rules.refuses("bind", "listen")),
+    "unix_sockets": Guarantee("no AF_UNIX socket(), socketpair SOCK_STREAM only",
+                              _no_unix_sockets),
+    "watches": Guarantee("inotify and fanotify refused", lambda rules: rules.refuses(
+        "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark")),
+    "rare_interfaces": Guarantee("allowlist", lambda rules: rules.refuses(*NEVER)),
+    "network_off": Guarantee("socket() and connect() refused, no MSG_FASTOPEN",
+                             _no_connection_out),
+    "memory": Guarantee("no shared anonymous memory, MAP_GROWSDOWN, mremap or memfd",
+                        _memory_counted),
+    "truncate": Guarantee("truncate(path), open(O_RDONLY|O_TRUNC) and openat2 refused",
+                          _no_truncation),
+}
+
+# The pid the rules are described for: any pid reads the same, this one is no real process.
+_DESCRIBED_PID = 2**22 + 1
 
 
 @functools.cache
-def _tsync_flags() -> int:
-    """TSYNC, with TSYNC_ESRCH where this Linux has it, as libseccomp chooses them.
-
-    TSYNC_ESRCH makes a failed synchronisation an ESRCH error instead of a thread id, which is
-    what lets TSYNC and the notification listener (whose fd is the result) go together.
-    """
-    try:  # a NULL program: EFAULT if the flags are understood, EINVAL if not
-        _seccomp(_FLAG_TSYNC | _FLAG_TSYNC_ESRCH, None)
-    except OSError as exc:
-        if exc.errno == errno.EFAULT:
-            return _FLAG_TSYNC | _FLAG_TSYNC_ESRCH
-    return _FLAG_TSYNC
+def described(allow_network: bool, landlock_abi: int = 0) -> Filter:
+    """The rules a kernel with these settings loads (cached: a fork server warms it)."""
+    abi = LANDLOCK_TRUNCATE_ABI if landlock_abi >= LANDLOCK_TRUNCATE_ABI else 0
+    return Filter(_DESCRIBED_PID, tuple(allowlist_rules(_DESCRIBED_PID, allow_network, abi)),
+                  tuple(denylist_rules(allow_network)))
 
 
-def _load(program: bytes, listener: bool) -> int | None:
-    """Load a BPF program into every thread as libseccomp's load would; the listener's fd if
-    asked for one."""
-    # Without CAP_SYS_ADMIN, seccomp() requires no_new_privs; libseccomp sets it before each load.
-    no_new_privs = (ctypes.c_ulong(value) for value in (1, 0, 0, 0))
-    if _libc().prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), *no_new_privs) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(code)}")
-    flags = _tsync_flags()
-    if listener:
-        if not flags & _FLAG_TSYNC_ESRCH:  # the kernel refuses TSYNC with a listener without it
-            raise SeccompError("recording denials with every thread filtered needs Linux 5.7")
-        flags |= _FLAG_NEW_LISTENER
-    instructions = ctypes.create_string_buffer(program, len(program))
-    fprog = _SockFprog(len(program) // _INSTRUCTION.size, ctypes.addressof(instructions))
-    result = _seccomp(flags, ctypes.byref(fprog))
-    if listener:
-        return result
-    if result:  # without TSYNC_ESRCH, a thread that could not be synchronised is named
-        raise OSError(errno.ESRCH, f"thread {result} could not receive the filter")
-    return None
+def keeps(key: str, allow_network: bool, landlock_abi: int = 0) -> str | None:
+    """The words for GUARANTEES[key] when the rules for these settings keep it; else None."""
+    guarantee = GUARANTEES[key]
+    return guarantee.text if guarantee.holds(described(allow_network, landlock_abi)) else None
 
 
-def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,
-            notify: bool = False) -> int | None:
-    """Load both filters into every thread of this process, then verify that they took.
-
-    With notify, the allowlist's default action is SECCOMP_RET_USER_NOTIF and the listener's fd
-    is returned: whoever holds it answers (and records) every call the allowlist refuses. Once
-    no process holds it, those calls fail with ENOSYS, so they stay refused.
-    """
-    reason = available()
-    if reason:
-        raise SeccompError(reason)
-    try:
-        denylist = _denylist(allow_network)
-        allowlist = _allowlist(pid, allow_network, landlock_abi, notify)
-        # The denylist goes first: once the allowlist is in, seccomp() itself is refused.
-        _load(denylist, listener=False)
-        listener = _load(allowlist, listener=notify)
-    except OSError as exc:
-        raise SeccompError(f"loading the seccomp filter failed: {exc}") from exc
-    unfiltered = [tid for tid, mode in thread_modes().items() if mode != 2]
-    if unfiltered:
-        raise SeccompError(f"threads {unfiltered} did not receive the seccomp filter")
-    return listener
+_FAMILIES: dict[int | None, str] = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}
+_TYPES: dict[int | None, str] = {socket.SOCK_STREAM: "stream", socket.SOCK_DGRAM: "dgram"}
 
 
-def thread_modes() -> dict[int, int]:
-    """Seccomp mode of every thread of this process (2 means a filter is active)."""
-    modes = {}
-    for task in Path("/proc/self/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
-            if line.startswith("Seccomp:"):
-                modes[int(task.name)] = int(line.split()[1])
-    return modes
+def _sockets(rules: Filter) -> str:
+    allowed = rules.allowing("socket")
+    families = dict.fromkeys(_FAMILIES.get(_pinned(rule, 0), "any") for rule in allowed)
+    kinds = dict.fromkeys(_TYPES.get(_pinned(rule, 1, _SOCK_TYPE_MASK), "any")
+                          for rule in allowed)
+    pairs = "unix stream socketpair" if _no_unix_sockets(rules) else "any socketpair"
+    if not allowed:
+        return f"none ({pairs} only)"
+    return f"{'/'.join(families)} {'+'.join(kinds)}, {pairs}"
+
+
+def summarize(rules: Filter, notify: bool = False) -> dict[str, Any]:
+    """What these rules allow, read from them (describe() for a kernel's own rules)."""
+    return {
+        "default": "EPERM, recorded by the reaper" if notify else "EPERM",
+        "processes": "denied (threads only)" if _threads_only(rules) else "allowed",
+        "sockets": _sockets(rules),
+        "connect": "denied" if rules.refuses("connect") else "allowed",
+        "bind_listen": "denied" if rules.refuses("bind", "listen") else "allowed",
+        "foreign_arch": FOREIGN_ARCH,
+        "signals": "to this process only (kill, tgkill, fcntl F_SETOWN)"
+        if _signals_only_us(rules) else "to other processes too",
+        "truncate_by_path": "denied (Landlock ABI < 3)" if _no_truncation(rules)
+        else "Landlock decides",
+        "never": [name for name in NEVER if rules.refuses(name)],
+    }
 
 
 def describe(allow_network: bool, notify: bool = False, *, landlock_abi: int = 0
              ) -> dict[str, Any]:
     """What the filter allows, for kernel_info_reply and `sandbox-kernel check`."""
-    return {
-        "default": "EPERM, recorded by the reaper" if notify else "EPERM",
-        "processes": "denied (threads only)",
-        "sockets": "inet/inet6 stream+dgram, unix stream socketpair" if allow_network
-        else "none (unix stream socketpair only)",
-        "connect": "allowed" if allow_network else "denied",
-        "bind_listen": "denied",
-        "foreign_arch": "kill process",
-        "signals": "to this process only (kill, tgkill, fcntl F_SETOWN)",
-        "truncate_by_path": "Landlock decides" if landlock_abi >= _LANDLOCK_TRUNCATE_ABI
-        else "denied (Landlock ABI < 3)",
-        "never": list(NEVER),
-    }
+    return summarize(described(allow_network, landlock_abi), notify)
+

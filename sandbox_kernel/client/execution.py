@@ -1,0 +1,125 @@
+"""What one run produced: the Execution a caller gets back, its error and its usage."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
+
+
+@dataclass
+class ErrorInfo:
+    """An error raised by the code, by `main`, or by the sandbox around them (data, not raised)."""
+
+    name: str
+    value: str
+    traceback: list[str] = field(default_factory=list)
+
+
+def error_from(content: dict[str, Any]) -> ErrorInfo:
+    """The error of an `error` message or an error execute_reply, without ANSI colours."""
+    return ErrorInfo(str(content.get("ename", "Error")), str(content.get("evalue", "")),
+                     [_ANSI.sub("", str(line)) for line in content.get("traceback", [])])
+
+
+@dataclass
+class Usage:
+    """What one execution cost, and where each figure came from.
+
+    `source` names, for each figure, who measured it: "host" (read by the caller from the
+    local kernel's /proc entry, which user code cannot alter), "sampled" (the same, but peak
+    memory sampled from VmRSS where the caller may not reset the high-water mark), "kernel"
+    (reported by the kernel in its reply: a remote kernel's figures, and the count of refused
+    calls, which only the kernel's companion knows; as trustworthy as the kernel) or "caller"
+    (counted on what arrived). A figure nobody could measure is None.
+
+    CPU seconds from /proc have the clock tick's resolution (1/100 s). A kernel's own
+    `peak_memory_bytes` is its high-water mark up to the end of the execution (an upper bound,
+    exact when the execution set a new high). `refused_syscalls` counts the calls the seccomp
+    allowlist refused (the ones the audit records); argument checks that answer EPERM at once
+    (ioctl, mmap, open flags) are not counted.
+    """
+
+    wall_seconds: float = 0.0
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    output_bytes: int = 0
+    result_bytes: int = 0
+    refused_syscalls: int | None = None
+    source: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Execution:
+    """Everything one `run` produced, each kind of output kept apart."""
+
+    result: dict | None = None
+    text: str | None = None
+    logs: list[dict[str, str]] = field(default_factory=list)
+    displays: list[dict[str, Any]] = field(default_factory=list)
+    error: ErrorInfo | None = None
+    duration: float = 0.0
+    state_lost: bool = False
+    usage: Usage = field(default_factory=Usage)
+
+    @property
+    def stdout(self) -> str:
+        """Everything the code printed to stdout."""
+        return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        """Everything the code printed to stderr."""
+        return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stderr")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole execution as JSON-able values."""
+        return {**asdict(self), "stdout": self.stdout, "stderr": self.stderr}
+
+    def save_displays(self, directory: str | Path) -> list[str]:
+        """Write each display to directory as display-N.EXT in its richest format; the paths."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        paths = []
+        for number, bundle in enumerate(self.displays, start=1):
+            kind = next((k for k in _DISPLAY_FILES if k[0] in bundle), None)
+            if kind is None:
+                continue
+            mime, extension, encoding = kind
+            path = Path(directory, f"display-{number}.{extension}")
+            path.write_bytes(_display_bytes(bundle[mime], encoding))
+            paths.append(str(path))
+        return paths
+
+
+# Richest first: (mime type, file extension, how the message carries it).
+_DISPLAY_FILES = (
+    ("image/png", "png", "base64"), ("image/jpeg", "jpg", "base64"),
+    ("image/gif", "gif", "base64"), ("image/svg+xml", "svg", "text"),
+    ("text/html", "html", "text"), ("text/markdown", "md", "text"),
+    ("text/latex", "tex", "text"), ("application/json", "json", "json"),
+    ("text/plain", "txt", "text"),
+)
+
+
+def _display_bytes(value: Any, encoding: str) -> bytes:
+    if encoding == "base64":
+        return base64.b64decode(value)
+    if encoding == "json":
+        return json.dumps(value, indent=2, ensure_ascii=False).encode()
+    return ("".join(value) if isinstance(value, list) else str(value)).encode()
+
+
+def __getattr__(name: str) -> Any:
+    """`ExecutionError`, the old name of ErrorInfo (it is not an exception), still imports."""
+    if name == "ExecutionError":
+        warnings.warn("ExecutionError is now ErrorInfo (it is data, not an exception)",
+                      DeprecationWarning, stacklevel=2)
+        return ErrorInfo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

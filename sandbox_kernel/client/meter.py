@@ -1,0 +1,139 @@
+"""Per-execution usage of a local kernel, read from outside it, in /proc/<pid>.
+
+The caller knows its kernel's pid (the provisioner's: the process it started, or the one a fork
+server forked for it). Before a request it resets the kernel's peak-memory mark (writing "5" to
+/proc/<pid>/clear_refs resets VmHWM and nothing else; root may do it for a kernel of another
+uid) and reads its CPU times (/proc/<pid>/stat: every thread, in clock ticks); once the kernel
+is idle it reads both again. Where the reset is refused, VmRSS is sampled each time the run loop
+looks at the kernel instead ("sampled"). A kernel with no local process (a remote provisioner)
+gets the figures the kernel reports about itself ("kernel").
+
+The files stay open for the kernel's life: pread re-reads a /proc file, a few microseconds a run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .execution import Usage
+
+_TICK = os.sysconf("SC_CLK_TCK")
+_KERNEL_FIGURES = ("cpu_user_seconds", "cpu_system_seconds", "peak_memory_bytes",
+                   "refused_syscalls")
+
+
+class KernelProcess:
+    """The /proc files of one local kernel process, open for reading again and again."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        self.status = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.clear_refs: int | None = os.open(f"/proc/{pid}/clear_refs",
+                                                  os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:  # neither root nor the kernel's uid: peak memory is sampled
+            self.clear_refs = None
+
+    def cpu_ticks(self) -> tuple[int, int]:
+        """User and system time of every thread, in clock ticks."""
+        fields = os.pread(self.stat, 1024, 0).rsplit(b")", 1)[1].split()
+        return int(fields[11]), int(fields[12])  # stat fields 14 and 15 (utime, stime)
+
+    def memory(self, key: bytes) -> int:
+        """A Vm* line of the status file (VmHWM, VmRSS) in bytes."""
+        status = os.pread(self.status, 8192, 0)
+        start = status.index(key) + len(key) + 1
+        return int(status[start:status.index(b"kB", start)]) * 1024
+
+    def reset_peak(self) -> bool:
+        """Reset VmHWM to the current RSS; False where this caller may not."""
+        if self.clear_refs is None:
+            return False
+        try:
+            os.write(self.clear_refs, b"5")
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Close the files."""
+        for fd in (self.stat, self.status, self.clear_refs):
+            if fd is not None:
+                os.close(fd)
+
+
+def open_process(pid: Any) -> KernelProcess | None:
+    """The kernel's /proc files, or None where the kernel is not a local process we can read."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        return KernelProcess(pid)
+    except OSError:
+        return None
+
+
+class Meter:
+    """One execution's usage: started before the request goes out, finished at idle."""
+
+    def __init__(self, process: KernelProcess | None) -> None:
+        self.process = process
+        self.cpu: tuple[int, int] | None = None
+        self.peak: int | None = None
+        self.sampling = False
+        if process is not None:
+            try:
+                self.sampling = not process.reset_peak()
+                self.peak = process.memory(b"VmRSS") if self.sampling else None
+                self.cpu = process.cpu_ticks()
+            except (OSError, ValueError):  # the kernel is gone: its own report stands
+                self.process = None
+
+    def sample(self) -> None:
+        """Where the peak cannot be reset, take the current RSS into the peak."""
+        if self.sampling and self.process is not None:
+            try:
+                self.peak = max(self.peak or 0, self.process.memory(b"VmRSS"))
+            except (OSError, ValueError):
+                self.process = None
+
+    def finish(self, wall: float, output: int, result: int,
+               reply: dict[str, Any] | None) -> Usage:
+        """The Usage, host figures first, the kernel's own where the host has none."""
+        usage = Usage(wall_seconds=wall, output_bytes=output, result_bytes=result,
+                      source={"wall_seconds": "caller", "output_bytes": "caller",
+                              "result_bytes": "caller"})
+        self._host_figures(usage)
+        reported = ((reply or {}).get("metadata") or {}).get("sandbox") or {}
+        _kernel_figures(usage, reported.get("usage") if isinstance(reported, dict) else None)
+        return usage
+
+    def _host_figures(self, usage: Usage) -> None:
+        if self.process is None or self.cpu is None:
+            return
+        try:
+            user, system = self.process.cpu_ticks()
+            peak = self.process.memory(b"VmRSS") if self.sampling else \
+                self.process.memory(b"VmHWM")
+        except (OSError, ValueError):  # died meanwhile
+            return
+        usage.cpu_user_seconds = (user - self.cpu[0]) / _TICK
+        usage.cpu_system_seconds = (system - self.cpu[1]) / _TICK
+        usage.peak_memory_bytes = max(peak, self.peak or 0)
+        usage.source.update(cpu_user_seconds="host", cpu_system_seconds="host",
+                            peak_memory_bytes="sampled" if self.sampling else "host")
+
+
+def _kernel_figures(usage: Usage, reported: Any) -> None:
+    """Fill the figures the host did not measure from the kernel's report (if well-formed)."""
+    if not isinstance(reported, dict):
+        return
+    for name in _KERNEL_FIGURES:
+        value = reported.get(name)
+        if name in usage.source or isinstance(value, bool) \
+                or not isinstance(value, (int, float)) or value < 0:
+            continue
+        setattr(usage, name, int(value) if name in ("peak_memory_bytes", "refused_syscalls")
+                else float(value))
+        usage.source[name] = "kernel"

@@ -1,0 +1,40 @@
+"""The channel from a kernel to its reaper: requests that carry descriptors, before user code.
+
+A SOCK_SEQPACKET socketpair: one message is one JSON request with the descriptors it hands
+over (the uid lock to hold; the seccomp listener and audit file to serve). The kernel closes
+its end before user code runs, which tells the reaper every handover is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+MAX_MESSAGE = 4096
+MAX_FDS = 4
+
+
+def hand_over(channel: int, request: dict[str, Any], fds: list[int]) -> None:
+    """Kernel side: send the reaper a request and descriptors it keeps from now on."""
+    with socket.socket(fileno=os.dup(channel)) as sock:
+        socket.send_fds(sock, [json.dumps(request).encode()], fds)
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """Reaper side: the next request and its descriptors; None once the kernel closed its end.
+
+    A request that is not a JSON object reads as {} (its descriptors then get closed).
+    """
+    try:
+        message, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, MAX_FDS)
+    except OSError:
+        return None
+    if not message:
+        return None
+    try:
+        request = json.loads(message)
+    except ValueError:
+        request = {}
+    return (request if isinstance(request, dict) else {}), fds

@@ -1,0 +1,126 @@
+"""Plumbing: libseccomp, and the raw seccomp(2) calls that load a compiled program.
+
+Raw calls rather than libseccomp's own load: a fork server's kernels load programs the server
+compiled (program.py), which libseccomp can only load from the filter context that built them.
+The flags are those libseccomp would choose (TSYNC, with TSYNC_ESRCH where Linux has it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfinementError, waiver
+
+try:
+    import pyseccomp as sc
+except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: libseccomp not found
+    sc = None
+    _IMPORT_ERROR: BaseException | None = exc
+else:
+    _IMPORT_ERROR = None
+
+
+class SeccompError(ConfinementError):
+    """The filter could not be built, loaded or verified."""
+
+    layer = "seccomp"
+    fix = waiver("a system-call filter", "--no-seccomp")
+
+
+@functools.cache
+def available() -> str | None:
+    """None when seccomp can be used here; otherwise why not (a fact of the running Linux
+    and libseccomp: found out once per process, by a fork server for all its kernels)."""
+    if sc is None:
+        return (f"libseccomp is not usable ({_IMPORT_ERROR}); install the system package "
+                "libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2)")
+    status = Path("/proc/self/status").read_text()
+    if "Seccomp:" not in status:
+        return "this Linux kernel was built without seccomp support"
+    return None
+
+
+# struct sock_filter (linux/filter.h) is 8 bytes: code, jt, jf, k.
+INSTRUCTION_SIZE = 8
+# seccomp(2) and prctl(2) (linux/seccomp.h, linux/prctl.h).
+_SECCOMP_SET_MODE_FILTER = 1
+_FLAG_TSYNC = 1
+_FLAG_NEW_LISTENER = 1 << 3
+_FLAG_TSYNC_ESRCH = 1 << 4
+_PR_SET_NO_NEW_PRIVS = 38
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _seccomp(flags: int, program: Any) -> int:
+    """seccomp(SECCOMP_SET_MODE_FILTER, flags, program); OSError when it fails."""
+    assert sc is not None
+    number = sc.resolve_syscall(sc.Arch.NATIVE, "seccomp")
+    result = _libc().syscall(ctypes.c_long(number), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
+                             ctypes.c_long(flags), program)
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(result)
+
+
+@functools.cache
+def tsync_flags() -> int:
+    """TSYNC, with TSYNC_ESRCH where this Linux has it, as libseccomp chooses them.
+
+    TSYNC_ESRCH makes a failed synchronisation an ESRCH error instead of a thread id, which is
+    what lets TSYNC and the notification listener (whose fd is the result) go together.
+    """
+    try:  # a NULL program: EFAULT if the flags are understood, EINVAL if not
+        _seccomp(_FLAG_TSYNC | _FLAG_TSYNC_ESRCH, None)
+    except OSError as exc:
+        if exc.errno == errno.EFAULT:
+            return _FLAG_TSYNC | _FLAG_TSYNC_ESRCH
+    return _FLAG_TSYNC
+
+
+def load(program: bytes, listener: bool) -> int | None:
+    """Load a BPF program into every thread as libseccomp's load would; the listener's fd if
+    asked for one."""
+    # Without CAP_SYS_ADMIN, seccomp() requires no_new_privs; libseccomp sets it before each load.
+    no_new_privs = (ctypes.c_ulong(value) for value in (1, 0, 0, 0))
+    if _libc().prctl(ctypes.c_int(_PR_SET_NO_NEW_PRIVS), *no_new_privs) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(code)}")
+    flags = tsync_flags()
+    if listener:
+        if not flags & _FLAG_TSYNC_ESRCH:  # the kernel refuses TSYNC with a listener without it
+            raise SeccompError("recording denials with every thread filtered needs Linux 5.7")
+        flags |= _FLAG_NEW_LISTENER
+    instructions = ctypes.create_string_buffer(program, len(program))
+    fprog = _SockFprog(len(program) // INSTRUCTION_SIZE, ctypes.addressof(instructions))
+    result = _seccomp(flags, ctypes.byref(fprog))
+    if listener:
+        return result
+    if result:  # without TSYNC_ESRCH, a thread that could not be synchronised is named
+        raise OSError(errno.ESRCH, f"thread {result} could not receive the filter")
+    return None
+
+
+def thread_modes() -> dict[int, int]:
+    """Seccomp mode of every thread of this process (2 means a filter is active)."""
+    modes = {}
+    for task in Path("/proc/self/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Seccomp:"):
+                modes[int(task.name)] = int(line.split()[1])
+    return modes

@@ -1,0 +1,40 @@
+"""A count of the calls the seccomp filter refused: the reaper adds, the kernel reads.
+
+The reaper answers every refused call (audit.py) but lives outside the kernel; the kernel reports
+each execution's cost in its execute_reply. One shared page carries the count between them: a
+memfd the kernel creates before its filter is loaded, maps read-only and hands to the reaper,
+which maps it writable and adds one before it answers each refused call, so a refused call has
+been counted by the time it returns in the kernel. User code could only falsify its own report,
+which it can do anyway: a figure the kernel reports is labelled as the kernel's.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+_COUNT = struct.Struct("=Q")
+
+
+class Tally:
+    """The shared count of refused calls (one unsigned 64-bit integer)."""
+
+    def __init__(self, fd: int, writable: bool) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self.map = mmap.mmap(fd, _COUNT.size, flags=mmap.MAP_SHARED, prot=prot)
+
+    @staticmethod
+    def create() -> int:
+        """A new zeroed count's descriptor (close-on-exec), for Tally and the reaper."""
+        fd = os.memfd_create("sandbox-kernel-refusals", os.MFD_CLOEXEC)
+        os.ftruncate(fd, _COUNT.size)
+        return fd
+
+    def add(self) -> None:
+        """Count one refused call (the reaper's side)."""
+        _COUNT.pack_into(self.map, 0, _COUNT.unpack_from(self.map)[0] + 1)
+
+    def value(self) -> int:
+        """How many calls were refused so far."""
+        return int(_COUNT.unpack_from(self.map)[0])

@@ -1,0 +1,131 @@
+"""`sandbox-kernel mcp`: its flags, and starting the server (the SDK is imported on use)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from .. import policy
+from .config import McpConfig
+
+DESCRIPTION = """An MCP server that runs Python for agents in sandboxed kernels. Over stdio by \
+default (what Claude Desktop, Claude Code, Cursor and VS Code launch); with --http, Streamable \
+HTTP at http://HOST:PORT/mcp for holders of the keys in --keys (the service's keys file)."""
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _size(text: str) -> int:
+    try:
+        return policy.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The `mcp` subcommand's parser."""
+    from ..cli import add_launch_arguments
+
+    command = sub.add_parser("mcp", help="serve sandboxed Python to agents over MCP",
+                             description=DESCRIPTION)
+    where = command.add_argument_group("transport")
+    where.add_argument("--http", metavar="HOST:PORT", type=_host_port,
+                       help="serve Streamable HTTP at /mcp instead of stdio")
+    where.add_argument("--keys", metavar="FILE", help='with --http: the API keys file, '
+                       '{"keys": [{"id", "key", "max_sessions"?}]} as for `serve`')
+    where.add_argument("--print-tools", choices=("openai", "openai-chat", "mcp"),
+                       help="print the tools' definitions as JSON (OpenAI Responses or Chat "
+                       "Completions function tools, or MCP) and exit")
+    limits = command.add_argument_group("agents' limits")
+    defaults = McpConfig()
+    limits.add_argument("--pool-size", type=int, default=defaults.pool_size, metavar="N",
+                        help="started kernels kept ready for calls (0: start on demand)")
+    limits.add_argument("--patience", type=float, default=defaults.patience, metavar="S",
+                        help="seconds a call waits for its run before answering with the "
+                        "output so far and a run id for wait_run")
+    limits.add_argument("--max-timeout", type=float, default=defaults.max_timeout, metavar="S",
+                        help="the largest timeout a call may ask for")
+    limits.add_argument("--max-sessions", type=int, default=defaults.max_sessions, metavar="N",
+                        help="sessions open at once on this server")
+    limits.add_argument("--max-sessions-per-key", type=int, metavar="N",
+                        help="sessions one key may hold, unless its entry sets max_sessions")
+    limits.add_argument("--session-idle-timeout", type=float, metavar="S",
+                        default=defaults.session_idle_timeout,
+                        help="seconds idle before a session is closed (0: never)")
+    limits.add_argument("--max-text", type=int, default=defaults.max_text, metavar="CHARS",
+                        help="characters of output a result carries (head and tail kept)")
+    limits.add_argument("--max-file", type=_size, default=defaults.max_file_bytes,
+                        metavar="SIZE", help="largest file read_file and write_file move")
+    limits.add_argument("--embed-files", type=_size, default=defaults.embed_bytes,
+                        metavar="SIZE", help="files a fresh run wrote up to SIZE come back "
+                        "in its result")
+    add_launch_arguments(command)
+    policy.add_arguments(command)
+    command.set_defaults(handler=main)
+    return command
+
+
+def config_from(args: argparse.Namespace) -> McpConfig:
+    """The server's settings from its flags."""
+    return McpConfig(
+        policy=policy.from_arguments(args), preload=list(args.preload),
+        cold_start=args.cold_start, pool_size=max(0, args.pool_size),
+        patience=max(1.0, args.patience), max_timeout=args.max_timeout,
+        max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
+        session_idle_timeout=args.session_idle_timeout, max_text=args.max_text,
+        max_file_bytes=args.max_file, embed_bytes=args.embed_files)
+
+
+def _sdk_missing() -> str | None:
+    try:
+        import mcp.server.mcpserver  # noqa: F401
+    except ImportError:
+        return ("the MCP SDK is not installed: pip install 'sandbox-kernel[mcp]'")
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the server (or print the tools) as the flags say."""
+    missing = _sdk_missing()
+    if missing:
+        print(f"sandbox-kernel mcp: {missing}", file=sys.stderr)
+        return 2
+    config = config_from(args)
+    if args.print_tools:
+        from .openai import definitions
+
+        print(json.dumps(definitions(config, args.print_tools), indent=2))
+        return 0
+    # stdout is the protocol over stdio: every log line goes to stderr.
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="sandbox-kernel mcp: %(message)s")
+    from . import server
+
+    if args.http is None:
+        if args.keys:
+            print("sandbox-kernel mcp: --keys is for --http (stdio serves the one client "
+                  "that started it)", file=sys.stderr)
+            return 2
+        server.run_stdio(config)
+        return 0
+    if not args.keys:
+        print("sandbox-kernel mcp: --http needs --keys FILE: every request must carry one of "
+              "its keys (see docs/mcp.md)", file=sys.stderr)
+        return 2
+    from ..service.auth import KeyFileError, load_keys
+
+    try:
+        keys = load_keys(args.keys)
+    except KeyFileError as exc:
+        print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
+        return 2
+    server.run_http(config, *args.http, keys)
+    return 0

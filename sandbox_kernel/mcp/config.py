@@ -1,0 +1,43 @@
+"""The MCP server's settings: the sandbox policy its kernels get, and what it hands a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..policy import SandboxPolicy
+
+DEFAULT_TIMEOUT = 60.0  # seconds a run may take when neither the call nor --timeout says
+
+
+@dataclass
+class McpConfig:
+    """Everything `sandbox-kernel mcp` is started with."""
+
+    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
+    preload: list[str] = field(default_factory=list)
+    cold_start: bool = False
+    pool_size: int = 1  # started kernels kept ready per network setting
+    patience: float = 20.0  # seconds a call waits for its run before answering with a handle
+    max_timeout: float = 600.0  # the largest timeout a call may ask for
+    max_text: int = 20_000  # characters of stdout and of stderr a result carries
+    max_file_bytes: int = 8 * 2**20  # largest file read_file/write_file move
+    embed_bytes: int = 256 * 2**10  # files a run wrote up to this size come back embedded
+    max_sessions: int = 16  # sessions open at once on this server
+    max_sessions_per_key: int | None = None  # a key's own limit, unless its entry sets one
+    session_idle_timeout: float = 1800.0  # seconds idle before a session is closed (0: never)
+
+    @property
+    def default_timeout(self) -> float:
+        """A run's time limit when the call gives none: --timeout, else DEFAULT_TIMEOUT."""
+        return min(self.policy.timeout or DEFAULT_TIMEOUT, self.max_timeout)
+
+    def timeout(self, asked: float | None) -> float:
+        """The time limit of a call: what it asked, within the server's maximum."""
+        if asked is None:
+            return self.default_timeout
+        if not asked > 0:
+            raise ValueError("timeout must be a number of seconds above 0")
+        if asked > self.max_timeout:
+            raise ValueError(f"timeout {asked:g} s is above this server's limit of "
+                             f"{self.max_timeout:g} s: split the work into shorter runs")
+        return asked

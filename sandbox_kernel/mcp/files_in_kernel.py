@@ -1,0 +1,43 @@
+"""The file operations that run inside a session's kernel, sent there as source text.
+
+`files.py` reads this file and defines it in the kernel once, then calls its entry point
+`__sandbox_mcp_files__` with the `main()` convention; the server never imports it. Inside the
+kernel it reaches only what the kernel's own code could, under its Landlock rules.
+"""
+
+
+def __sandbox_mcp_files__(op, path=".", data=None, limit=0, since=0.0):
+    import base64
+    import os
+    home = os.path.realpath(os.path.expanduser("~"))
+    target = os.path.realpath(os.path.join(home, path))
+    if os.path.commonpath([home, target]) != home:
+        raise PermissionError(f"{path} leads outside the working directory")
+    if op == "write":
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as file:
+            file.write(base64.b64decode(data))
+        return {"path": path, "size": os.path.getsize(target)}
+    if op == "list":  # files (hidden ones left out) changed since `since`, at most `limit`
+        found, more = [], False
+        for root, dirs, names in os.walk(target):
+            dirs[:] = sorted(name for name in dirs if not name.startswith("."))
+            for name in sorted(names):
+                full = os.path.join(root, name)
+                try:
+                    info = os.stat(full)
+                except OSError:
+                    continue
+                if name.startswith(".") or info.st_mtime < since:
+                    continue
+                if len(found) >= limit:
+                    more = True
+                    break
+                found.append([os.path.relpath(full, home), info.st_size, info.st_mtime])
+        return {"files": found, "more": more}
+    size = os.path.getsize(target)
+    if size > limit:
+        raise ValueError(f"{path} is {size} bytes, above the {limit}-byte limit")
+    with open(target, "rb") as file:
+        content = file.read(limit + 1)
+    return {"path": path, "size": len(content), "data": base64.b64encode(content).decode()}

@@ -1,0 +1,196 @@
+"""A run of code in the background, collected in parts: a long run never holds a call.
+
+`run_python` starts a Run and waits up to the server's patience for it. A run still going by
+then is answered with the output so far and its id; `wait_run` collects the rest, each answer
+carrying what the previous ones did not. A run that ends unasked-for is kept a while for its
+caller, then forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..client import AsyncSandbox, Execution, ExecutionError
+from . import files
+from .config import McpConfig
+from .kernels import KernelSource, Session, SessionProblem, Sessions
+
+log = logging.getLogger("sandbox_kernel.mcp")
+KEEP_FINISHED = 600.0  # seconds a finished run waits to be collected
+EMBED_TOTAL = 4  # files a fresh run wrote come back embedded up to this many times embed_bytes
+
+
+@dataclass(eq=False)
+class Run:
+    """One execution in progress or done, and how much of it its caller has seen."""
+
+    id: str
+    owner: str
+    session: Session | None
+    timeout: float
+    started: float = field(default_factory=time.time)
+    chunks: list[dict[str, str]] = field(default_factory=list)  # stream output, in order
+    displays: list[dict[str, Any]] = field(default_factory=list)
+    seen_chunks: int = 0
+    seen_displays: int = 0
+    execution: Execution | None = None
+    written: list[tuple[str, int, float]] = field(default_factory=list)
+    embedded: dict[str, bytes] = field(default_factory=dict)  # a fresh kernel's files, kept
+    sandbox: AsyncSandbox | None = None
+    task: asyncio.Task[None] | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.execution is not None
+
+    def take_new(self) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+        """The output and displays the caller has not been given yet."""
+        chunks, displays = self.chunks[self.seen_chunks:], self.displays[self.seen_displays:]
+        self.seen_chunks, self.seen_displays = len(self.chunks), len(self.displays)
+        return chunks, displays
+
+
+class Runs:
+    """Every run not yet collected, by id; an owner sees only its own."""
+
+    def __init__(self, config: McpConfig, source: KernelSource, sessions: Sessions) -> None:
+        self.config = config
+        self.source = source
+        self.sessions = sessions
+        self._runs: dict[str, Run] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # fresh kernels being shut down
+
+    def get(self, owner: str, run_id: str) -> Run:
+        run = self._runs.get(run_id)
+        if run is None or run.owner != owner:
+            raise SessionProblem(f"there is no run {run_id!r} (a finished run is forgotten "
+                                 "once its result was returned)")
+        return run
+
+    def start(self, owner: str, code: str, inputs: dict | None, session: Session | None,
+              timeout: float) -> Run:
+        """Begin a run in the session's kernel, or in a fresh one."""
+        if session is not None and session.busy:
+            doing = f"run {session.run_id}" if session.run_id else "a file operation"
+            raise SessionProblem(f"session {session.id} is still busy with {doing}: collect a "
+                                 "run with wait_run, or stop it with interrupt")
+        run = Run(secrets.token_hex(8), owner, session, timeout)
+        if session is not None:
+            session.run_id = run.id  # busy from now, before the run's task takes the lock
+        self._runs[run.id] = run
+        run.task = asyncio.ensure_future(self._execute(run, code, inputs))
+        return run
+
+    async def wait(self, run: Run, seconds: float) -> None:
+        """Wait until the run ends or `seconds` pass, whichever is first."""
+        if run.task is not None and not run.task.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(run.task), seconds)
+
+    def forget(self, run: Run) -> None:
+        """The caller has the whole run: drop it."""
+        self._runs.pop(run.id, None)
+
+    def owned_by(self, owner: str) -> list[Run]:
+        return [run for run in self._runs.values() if run.owner == owner]
+
+    def cull(self) -> None:
+        """Forget finished runs nobody collected."""
+        now = time.monotonic()
+        for run in [r for r in self._runs.values()
+                    if r.finished_at is not None and now - r.finished_at > KEEP_FINISHED]:
+            self.forget(run)
+
+    async def interrupt(self, run: Run) -> None:
+        """Interrupt the run's code (its kernel stays)."""
+        if run.sandbox is not None and not run.done:
+            await run.sandbox.interrupt()
+
+    def _callbacks(self, run: Run) -> dict[str, Any]:
+        return {"on_stdout": lambda text: run.chunks.append({"stream": "stdout", "text": text}),
+                "on_stderr": lambda text: run.chunks.append({"stream": "stderr", "text": text}),
+                "on_display": run.displays.append}
+
+    async def _execute(self, run: Run, code: str, inputs: dict | None) -> None:
+        try:
+            if run.session is not None:
+                await self._in_session(run, run.session, code, inputs)
+            else:
+                await self._fresh(run, code, inputs)
+        except Exception as exc:  # the kernel could not be had, or was lost under the run
+            log.warning("run %s failed: %s", run.id, exc)
+            run.execution = Execution(error=ExecutionError(
+                "KernelUnavailable", f"the sandbox could not run the code: {exc}"),
+                state_lost=True)
+        finally:
+            if run.execution is None:  # cancelled at shutdown
+                run.execution = Execution(error=ExecutionError(
+                    "KernelUnavailable", "the server is shutting down"), state_lost=True)
+            run.finished_at = time.monotonic()
+
+    async def _in_session(self, run: Run, session: Session, code: str,
+                          inputs: dict | None) -> None:
+        async with session.lock:
+            run.sandbox = session.sandbox
+            try:
+                run.execution = await session.sandbox.run(code, inputs, timeout=run.timeout,
+                                                          **self._callbacks(run))
+                await self._find_written(run, session.sandbox)
+            except Exception:
+                await self.sessions.close(session)  # its kernel cannot be trusted to work again
+                raise
+            finally:
+                session.run_id, session.last_used = None, time.monotonic()
+
+    async def _fresh(self, run: Run, code: str, inputs: dict | None) -> None:
+        sandbox = run.sandbox = await self.source.get(self.config.policy.allow_network)
+        try:
+            run.execution = await sandbox.run(code, inputs, timeout=run.timeout,
+                                              **self._callbacks(run))
+            if not run.execution.state_lost:
+                await self._find_written(run, sandbox)
+                await self._keep_small_files(run, sandbox)
+        finally:  # the answer need not wait for the kernel's end
+            closing = asyncio.ensure_future(_close_quietly(sandbox))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+
+    async def _find_written(self, run: Run, sandbox: AsyncSandbox) -> None:
+        """The files the run wrote or changed (not worth failing the run over)."""
+        try:
+            run.written, _ = await files.listing(sandbox, ".", since=run.started, limit=50)
+        except Exception as exc:
+            log.info("run %s: could not list its files: %s", run.id, exc)
+
+    async def _keep_small_files(self, run: Run, sandbox: AsyncSandbox) -> None:
+        """A fresh kernel's scratch ends with it: keep the small files it wrote."""
+        budget = EMBED_TOTAL * self.config.embed_bytes
+        for path, size, _ in run.written:
+            if size > self.config.embed_bytes or size > budget:
+                continue
+            try:
+                run.embedded[path] = await files.read(sandbox, path, self.config.embed_bytes)
+            except Exception as exc:
+                log.info("run %s: could not read %s: %s", run.id, path, exc)
+                continue
+            budget -= size
+
+    async def close(self) -> None:
+        """Cancel the runs in progress."""
+        tasks = [run.task for run in self._runs.values() if run.task and not run.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+async def _close_quietly(sandbox: AsyncSandbox) -> None:
+    with contextlib.suppress(Exception):
+        await sandbox.close(now=True)

@@ -1,0 +1,105 @@
+"""The tools' output schemas: what a tool returns as structured content, field by field."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Chunk(BaseModel):
+    stream: Literal["stdout", "stderr"]
+    text: str
+
+
+class Display(BaseModel):
+    """One rich output (a chart, a table); images also come back as image content."""
+
+    mime_type: str = Field(description="Its richest form, e.g. image/png, text/html.")
+    text: str | None = Field(None, description="Its text form (SVG, HTML, JSON, plain text), "
+                             "cut to the server's size cap; None for images.")
+
+
+class ErrorInfo(BaseModel):
+    name: str = Field(description="The exception's name, e.g. NameError, ExecutionTimeout.")
+    message: str = Field(description="What happened and what the code can do instead.")
+    traceback: list[str] = Field(description="Where it happened, ending at the code's line.")
+    refused: bool = Field(description="The sandbox refused something the code tried.")
+
+
+class FileInfo(BaseModel):
+    path: str = Field(description="Relative to the working directory.")
+    size: int
+    uri: str | None = Field(None, description="A resource to read it by (sessions only).")
+    embedded: bool = Field(False, description="Its content is in this result.")
+
+
+class RunResult(BaseModel):
+    """What one run_python call produced (or, while it runs, produced so far)."""
+
+    status: Literal["ok", "error", "running"] = Field(
+        description="running: not finished yet; call wait_run with `run` for the rest.")
+    run: str = Field(description="The run's id, for wait_run and interrupt.")
+    session: str | None = Field(None, description="The session it ran in; None: a fresh "
+                                "sandbox that is gone now.")
+    output: list[Chunk] = Field(description="stdout and stderr in the order written (new "
+                                "since the last answer about this run).")
+    stdout: str
+    stderr: str
+    result: dict[str, Any] | None = Field(None, description="main(**inputs)'s returned dict.")
+    value: str | None = Field(None, description="The last expression's value, as text.")
+    displays: list[Display] = Field(default_factory=list)
+    error: ErrorInfo | None = None
+    timed_out: bool = False
+    state: Literal["kept", "lost", "fresh"] = Field(
+        description="kept: the session's variables are still there; lost: the session was "
+        "restarted and its variables are gone; fresh: the run had a sandbox of its own.")
+    files: list[FileInfo] = Field(default_factory=list,
+                                  description="Files the run wrote or changed.")
+    usage: dict[str, Any] | None = Field(None, description="What the run cost: wall and CPU "
+                                         "seconds, peak memory, output bytes, refusals.")
+    duration: float | None = Field(None, description="Seconds the run took.")
+
+
+class SessionInfo(BaseModel):
+    session: str
+    network: bool = Field(description="Whether code in it may use the network.")
+    busy: bool
+    running: str | None = Field(None, description="The id of the run in progress.")
+    created: float = Field(description="Unix time it was created.")
+    idle_seconds: float
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionInfo]
+
+
+class Done(BaseModel):
+    ok: bool
+    message: str
+
+
+class FileEntry(BaseModel):
+    path: str
+    size: int
+    modified: float = Field(description="Unix time of its last change.")
+
+
+class FileList(BaseModel):
+    files: list[FileEntry]
+    truncated: bool = Field(description="More files exist than were listed.")
+
+
+class FileContent(BaseModel):
+    path: str
+    size: int
+    encoding: Literal["text", "base64"]
+    content: str | None = Field(None, description="The text, or base64 for binary files "
+                                "(images come back as image content instead).")
+    mime_type: str
+
+
+class FileWritten(BaseModel):
+    path: str
+    size: int
+    uri: str

@@ -1,0 +1,62 @@
+"""What the tools share: the settings, the kernels, the sessions, the runs, and who is asking."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+from mcp.server.auth.middleware.auth_context import get_access_token
+
+from .config import McpConfig
+from .kernels import KernelSource, Sessions
+from .runs import Runs
+
+LOCAL = "local"  # the owner over stdio: the one client that started the server
+
+
+@dataclass
+class State:
+    """The server's live state, made when it starts and closed when it stops."""
+
+    config: McpConfig
+    key_limits: dict[str, int | None] = field(default_factory=dict)  # per key id (HTTP)
+    source: KernelSource = field(init=False)
+    sessions: Sessions = field(init=False)
+    runs: Runs = field(init=False)
+    _culler: asyncio.Task[None] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.source = KernelSource(self.config)
+        self.sessions = Sessions(self.config, self.source)
+        self.runs = Runs(self.config, self.source, self.sessions)
+
+    def start(self) -> None:
+        """Begin filling the pool and culling idle sessions and uncollected runs."""
+        self.source.start()
+        self._culler = asyncio.ensure_future(self._cull_forever())
+
+    async def _cull_forever(self, interval: float = 30.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            await self.sessions.cull()
+            self.runs.cull()
+
+    async def close(self) -> None:
+        """Stop every run, session, pooled kernel and the fork server."""
+        if self._culler is not None:
+            self._culler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._culler
+        await self.runs.close()
+        await self.sessions.close_all()
+        await self.source.close()
+
+    def owner(self) -> str:
+        """Who is asking: the API key's id over HTTP, LOCAL over stdio."""
+        token = get_access_token()
+        return token.client_id if token is not None else LOCAL
+
+    def owner_limit(self, owner: str) -> int | None:
+        """How many sessions this owner may hold at once (None: only the server's limit)."""
+        return self.key_limits.get(owner, self.config.max_sessions_per_key)

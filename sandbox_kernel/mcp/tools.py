@@ -1,0 +1,266 @@
+"""The tools an agent calls: run code, keep sessions, move files.
+
+Each tool is a plain async function whose signature and return annotation are its input and
+output schemas (the SDK derives them, so annotations here are evaluated, not postponed);
+failures a model can act on raise ToolError with a message written for it.
+"""
+
+
+import base64
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
+from pydantic import Field
+
+from . import files, messages, render
+from .kernels import Session, SessionProblem
+from .shapes import (
+    Done,
+    FileContent,
+    FileEntry,
+    FileList,
+    FileWritten,
+    RunResult,
+    SessionInfo,
+    SessionList,
+)
+from .state import State
+
+RUN_PYTHON = """Run Python code in a sandbox and return what it printed, its result, charts and \
+errors.
+No subprocesses or shell commands{network}; files live in the sandbox's working directory.
+Without `session`, each call gets a fresh sandbox and nothing is kept afterwards; create a \
+session (create_session) to keep variables, imports and files between calls.
+With `inputs`, the code must define `main(**inputs)` returning a JSON-able dict: that dict is \
+the result. Otherwise the value of the last expression is returned, as in a notebook.
+Charts (matplotlib, PIL images shown with display()) come back as images. A call returns \
+within about {patience:g} s: a longer run answers with status "running" and the output so far; \
+collect the rest with wait_run."""
+
+
+def _check(call: Any) -> Any:
+    """Run a state operation, turning what a model can act on into a ToolError."""
+    try:
+        return call()
+    except (SessionProblem, files.FileError, ValueError) as exc:
+        raise ToolError(str(exc)) from None
+
+
+def register(server: MCPServer, state: State) -> None:
+    """Add every tool to the server."""
+    config = state.config
+    network = " and no network" if not config.policy.allow_network else ""
+    Code = Annotated[str, Field(description="Python source code.", max_length=1_000_000)]
+    SessionId = Annotated[str, Field(description="A session id from create_session.")]
+
+    def session_of(session_id: str) -> Session:
+        return _check(lambda: state.sessions.get(state.owner(), session_id))
+
+    async def answer(run: Any, wait: float) -> CallToolResult:
+        await state.runs.wait(run, wait)
+        result = render.result(run, config)
+        if run.done:
+            state.runs.forget(run)
+        return result
+
+    async def run_python(
+        code: Code,
+        inputs: Annotated[dict[str, Any] | None, Field(
+            description="Arguments of main(**inputs), by name; omit to run the code as a "
+            "notebook cell.")] = None,
+        session: Annotated[str | None, Field(
+            description="Run in this session (create_session) to keep state between calls; "
+            "omit for a fresh sandbox.")] = None,
+        timeout: Annotated[float | None, Field(
+            description=f"Seconds the code may run (default {config.default_timeout:g}, at "
+            f"most {config.max_timeout:g}).")] = None,
+    ) -> Annotated[CallToolResult, RunResult]:
+        limit = _check(lambda: config.timeout(timeout))
+        held = session_of(session) if session is not None else None
+        run = _check(lambda: state.runs.start(state.owner(), code, inputs, held, limit))
+        return await answer(run, config.patience)
+
+    async def wait_run(
+        run: Annotated[str, Field(description="The run id a running answer gave.")],
+        wait: Annotated[float | None, Field(
+            description=f"Seconds to wait for it (default and most {config.patience:g}).",
+            gt=0)] = None,
+    ) -> Annotated[CallToolResult, RunResult]:
+        """Collect more of a run that was still going: its new output, and its end if it ended."""
+        found = _check(lambda: state.runs.get(state.owner(), run))
+        return await answer(found, min(wait or config.patience, config.patience))
+
+    async def create_session(
+        network: Annotated[bool | None, Field(
+            description="Let its code use the network (only where this server allows it).")
+        ] = None,
+        packages: Annotated[list[str] | None, Field(
+            description="Packages the code will import; the session is refused, naming them, "
+            "if any is missing (packages cannot be installed here).")] = None,
+    ) -> SessionInfo:
+        """Open a session: a sandbox of its own that keeps variables, imports and files between
+        run_python calls until closed (or idle too long)."""
+        wanted = config.policy.allow_network if network is None else network
+        if wanted and not config.policy.allow_network:
+            raise ToolError(messages.NO_NETWORK_SESSION)
+        owner = state.owner()
+        try:
+            session = await state.sessions.create(owner, wanted, state.owner_limit(owner))
+        except SessionProblem as exc:
+            raise ToolError(str(exc)) from None
+        missing = await _missing_packages(session, packages or [])
+        if missing:
+            await state.sessions.close(session)
+            raise ToolError(f"not available in this sandbox: {', '.join(missing)}; packages "
+                            "cannot be installed here. Read the sandbox://policy resource for "
+                            "what is installed, and use those instead.")
+        return SessionInfo(**session.describe())
+
+    async def close_session(session: SessionId) -> Done:
+        """Close a session: its sandbox, variables and files are gone."""
+        held = session_of(session)
+        await state.sessions.close(held)  # a run in it ends with an error, kept for wait_run
+        return Done(ok=True, message=f"session {held.id} is closed")
+
+    async def list_sessions() -> SessionList:
+        """Your open sessions."""
+        return SessionList(sessions=[SessionInfo(**s.describe())
+                                     for s in state.sessions.owned_by(state.owner())])
+
+    async def restart_session(session: SessionId) -> Done:
+        """Restart a session's Python: its variables, imports and files are gone; the session
+        id stays."""
+        held = session_of(session)
+        if held.busy:
+            raise ToolError(f"session {held.id} is busy: interrupt it first")
+        async with held.lock:
+            await held.sandbox.restart()
+        return Done(ok=True, message=f"session {held.id} restarted: its variables and files are "
+                    "cleared")
+
+    async def interrupt(
+        session: Annotated[str | None, Field(description="Interrupt this session's run.")
+                           ] = None,
+        run: Annotated[str | None, Field(description="Or interrupt this run.")] = None,
+    ) -> Done:
+        """Stop code that is running (like Ctrl-C); a session keeps its variables."""
+        if (session is None) == (run is None):
+            raise ToolError("give either session or run")
+        owner = state.owner()
+        if session is not None:
+            held = session_of(session)
+            if held.run_id is None:
+                return Done(ok=False, message=f"session {held.id} is not running anything")
+            run = held.run_id
+        found = _check(lambda: state.runs.get(owner, run))
+        if found.done:
+            return Done(ok=False, message=f"run {found.id} has already finished: collect it "
+                        "with wait_run")
+        await state.runs.interrupt(found)
+        return Done(ok=True, message=f"run {found.id} interrupted: collect what it printed "
+                    "with wait_run")
+
+    async def list_files(
+        session: SessionId,
+        path: Annotated[str, Field(description="A folder in the working directory.")] = ".",
+    ) -> FileList:
+        """The files in a session's working directory (hidden ones left out)."""
+        found, more = await _file_op(state, session_of(session),
+                                     lambda sb: files.listing(sb, path))
+        return FileList(files=[FileEntry(path=p, size=s, modified=m) for p, s, m in found],
+                        truncated=more)
+
+    async def read_file(
+        session: SessionId,
+        path: Annotated[str, Field(description="Relative to the working directory.")],
+    ) -> Annotated[CallToolResult, FileContent]:
+        """Read a file from a session's working directory: text as text, images as images,
+        other binary files as base64."""
+        held = session_of(session)
+        content = await _file_op(state, held, lambda sb: files.read(
+            sb, path, config.max_file_bytes))
+        return _file_result(files.relative(path), content, config.max_text)
+
+    async def write_file(
+        session: SessionId,
+        path: Annotated[str, Field(description="Relative to the working directory; folders "
+                                   "are created.")],
+        content: Annotated[str, Field(description="The text, or base64 with encoding "
+                                      "base64.")],
+        encoding: Literal["text", "base64"] = "text",
+    ) -> FileWritten:
+        """Write a file into a session's working directory, for its code to use."""
+        held = session_of(session)
+        try:
+            data = base64.b64decode(content, validate=True) if encoding == "base64" \
+                else content.encode("utf-8")
+        except ValueError:
+            raise ToolError("content is not valid base64") from None
+        if len(data) > config.max_file_bytes:
+            raise ToolError(f"the file is larger than this server accepts "
+                            f"({config.max_file_bytes:,} bytes)")
+        size = await _file_op(state, held, lambda sb: files.write(sb, path, data))
+        relative = files.relative(path)
+        return FileWritten(path=relative, size=size, uri=render.file_uri(held.id, relative))
+
+    hint = {"openWorldHint": config.policy.allow_network}
+    server.add_tool(run_python, description=RUN_PYTHON.format(
+        network=network, patience=config.patience), title="Run Python in a sandbox",
+        annotations=ToolAnnotations(destructive_hint=False, **hint))
+    server.add_tool(wait_run, annotations=ToolAnnotations(read_only_hint=True))
+    for tool in (create_session, close_session, restart_session, interrupt, write_file):
+        server.add_tool(tool, annotations=ToolAnnotations(open_world_hint=False))
+    for tool in (list_sessions, list_files, read_file):
+        server.add_tool(tool, annotations=ToolAnnotations(read_only_hint=True,
+                                                          open_world_hint=False))
+
+
+async def _file_op(state: State, session: Session, operation: Any) -> Any:
+    """A file operation in the session's kernel, one at a time with its runs."""
+    if session.busy:
+        raise ToolError(f"session {session.id} is running {session.run_id}: wait for it "
+                        "(wait_run) or interrupt it first")
+    async with session.lock:
+        try:
+            return await operation(session.sandbox)
+        except files.FileError as exc:
+            raise ToolError(str(exc)) from None
+
+
+async def _missing_packages(session: Session, names: list[str]) -> list[str]:
+    if not names:
+        return []
+    code = ("def main(names):\n    import importlib.metadata, importlib.util\n"
+            "    def there(name):\n        try:\n            importlib.metadata.distribution"
+            "(name)\n            return True\n        except Exception:\n            pass\n"
+            "        try:\n            return importlib.util.find_spec(name) is not None\n"
+            "        except Exception:\n            return False\n"
+            "    return {'missing': [n for n in names if not there(n)]}\n")
+    async with session.lock:
+        execution = await session.sandbox.run(code, {"names": names[:100]}, timeout=30)
+    missing = (execution.result or {}).get("missing")
+    return [str(name) for name in missing] if isinstance(missing, list) else list(names)
+
+
+def _file_result(path: str, content: bytes, max_text: int) -> CallToolResult:
+    mime = render.mime_of(path)
+    if mime in render.IMAGES:
+        shape = FileContent(path=path, size=len(content), encoding="base64", mime_type=mime)
+        blocks: list[Any] = [TextContent(text=f"{path}: {len(content):,} bytes, {mime}"),
+                             ImageContent(data=base64.b64encode(content).decode(),
+                                          mime_type=mime)]
+    else:
+        try:
+            text = content.decode("utf-8")
+            shape = FileContent(path=path, size=len(content), encoding="text",
+                                content=text, mime_type=mime)
+            shown = messages.cut(text, max_text)
+        except UnicodeDecodeError:
+            data = base64.b64encode(content).decode()
+            shape = FileContent(path=path, size=len(content), encoding="base64",
+                                content=data, mime_type=mime)
+            shown = f"{path}: {len(content):,} bytes of binary data ({mime}), base64:\n{data}"
+        blocks = [TextContent(text=shown)]
+    return CallToolResult(content=blocks, structured_content=shape.model_dump(mode="json"))

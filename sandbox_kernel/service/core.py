@@ -1,0 +1,124 @@
+"""The running service: its parts (kernels, admission, runner, sessions, keys, metrics) and
+their lifetime; the routes reach it through `deps.ServiceDep`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .. import __version__
+from ..client import Execution
+from ..policy import SandboxPolicy
+from .access import json_line
+from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
+from .config import ServiceConfig, network_env
+from .kernels import Kernels, KernelSource, make_source
+from .metrics import Metrics
+from .runs import SERVICE_TIMEOUT, Admission, Runner
+from .sessions import Sessions
+
+log = logging.getLogger("sandbox_kernel.service")
+CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
+
+
+class Service:
+    """Everything one running service holds; routes reach it through `deps.ServiceDep`."""
+
+    # Time a session's kernel gets to restart after a lost execution before the service gives up.
+    restart_allowance = 30.0
+
+    def __init__(self, config: ServiceConfig, policy: SandboxPolicy,
+                 source: KernelSource | None = None) -> None:
+        self.config, self.policy = config, policy
+        self.kernels = Kernels(source or self.make_source())
+        self.admission = Admission(config.max_requests, config.max_workers)
+        self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
+                             config.max_output_total)
+        self.sessions = Sessions(self.kernels, config.max_sessions)
+        self.dify_key = dify_key(config.api_key, config.api_keys_file)
+        keys = (load_keys(config.api_keys_file) if config.api_keys_file
+                else [ApiKey("default", self.dify_key or "")])
+        self.bearer_keys = BearerKeys(keys)
+        self.metrics = Metrics()
+        self.metrics.bind(lambda: len(self.kernels.live), lambda: self.kernels.source.ready(),
+                          lambda: len(self.sessions), lambda: self.admission.in_flight)
+        self.started = False
+        self.stopping = False
+        self._kernels_proven = False
+        self._culler: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[Any]] = set()
+
+    def make_source(self) -> KernelSource:
+        """Where kernels come from: this interpreter's, or the runtime's current build."""
+        config = self.config
+        networks = (False, True) if config.enable_network else (False,)
+        return make_source(self.policy, networks, config.pool_size, config.kernel_grace,
+                           network_env(config), config.runtime)
+
+    async def use_current_runtime(self) -> None:
+        """New kernels from the runtime's current build (after an update); old ones drain."""
+        old, self.kernels.source = self.kernels.source, self.make_source()
+        await self.kernels.source.start()
+        self.background(old.close())
+
+    def background(self, work: Any) -> asyncio.Future[Any]:
+        """Run a coroutine on its own, keeping a reference until it is done (an exception no
+        one asks for is retrieved here, not reported as "never retrieved")."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return task
+
+    def dify_key_ok(self, given: str | None) -> bool:
+        return same(given, self.dify_key)
+
+    def count_run(self, api: str, execution: Execution) -> None:
+        error = execution.error
+        outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
+                   else "lost" if execution.state_lost else "error")
+        self.metrics.runs.labels(api=api, outcome=outcome).inc()
+
+    async def start(self) -> None:
+        await self.kernels.source.start()
+        self._culler = asyncio.get_running_loop().create_task(
+            self.sessions.cull_forever(CULL_INTERVAL))
+        self.started = True
+        log.info(json_line(event="started", version=__version__, port=self.config.port,
+                           network=self.config.enable_network, pool_size=self.config.pool_size))
+
+    def begin_shutdown(self) -> None:
+        """On SIGTERM/SIGINT: refuse readiness now; end the runs still going after the grace
+        period with an error answer (before the server would cancel them with a bare 500)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        # Called from uvicorn's signal handler, which may run in the middle of the event loop's
+        # own timer bookkeeping: only call_soon_threadsafe is safe there, call_later is not.
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(loop.call_later, self.config.shutdown_grace,
+                                  self.runner.stopping.set)
+
+    async def stop(self) -> None:
+        """Let in-flight runs finish within the grace period, then shut every kernel down."""
+        self.stopping = True
+        if self._culler is not None:
+            self._culler.cancel()
+        deadline = asyncio.get_running_loop().time() + self.config.shutdown_grace
+        while self.admission.in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        self.sessions.close()
+        await self.kernels.close()
+        log.info(json_line(event="stopped"))
+
+    def readiness(self) -> dict[str, Any]:
+        """Ready once started and (with a pool) once every policy's pool had a kernel ready:
+        proof that kernels start on this host. Not ready again once stopping."""
+        pool = self.kernels.source.ready()
+        if self.config.pool_size == 0 or all(count > 0 for count in pool.values()):
+            self._kernels_proven = self._kernels_proven or self.started
+        return {"ready": self._kernels_proven and not self.stopping,
+                "pool": pool, "pool_size": self.config.pool_size,
+                "kernels_live": len(self.kernels.live), "sessions": len(self.sessions),
+                "runs_in_flight": self.admission.in_flight}

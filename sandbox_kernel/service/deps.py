@@ -1,0 +1,74 @@
+"""What routes ask FastAPI for, as typed aliases: the service, the caller's key, their session.
+
+Routes take `service: ServiceDep`, `key: Key`, `session: OwnedSession` as parameters instead of
+reaching into `request.app.state`, so each route's signature says what it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from .auth import ApiKey
+from .core import Service
+from .sessions import Session
+
+bearer = HTTPBearer(auto_error=False, description="An API key from the keys file.")
+
+
+def service(request: Request) -> Service:
+    """The running service the app was created with."""
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(service)]
+
+
+async def api_key(request: Request, service: ServiceDep,
+                  credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+                  ) -> ApiKey:
+    """The bearer key of the request; 401 without a known one."""
+    token = f"Bearer {credentials.credentials}" if credentials else None
+    key = service.bearer_keys.find(token)
+    if key is None:
+        service.metrics.denials.labels(reason="bad_key").inc()
+        raise HTTPException(401, "a valid API key is required: Authorization: Bearer <key>",
+                            headers={"WWW-Authenticate": "Bearer"})
+    request.state.key_id = key.id
+    return key
+
+
+Key = Annotated[ApiKey, Depends(api_key)]
+
+
+def session_of(request: Request, service: Service, key: ApiKey, session_id: str) -> Session:
+    """The key's session by that id (SessionError 404 if it has none), noted for the access log.
+
+    Routes with a body or a path to check call it after those checks, so a bad request is told
+    so before the session is looked up.
+    """
+    session = service.sessions.get(key, session_id)
+    request.state.session_id = session.id
+    request.state.kernel_id = session.kernel_id
+    return session
+
+
+def owned_session(session_id: str, request: Request, service: ServiceDep, key: Key) -> Session:
+    """The key's session named in the path."""
+    return session_of(request, service, key, session_id)
+
+
+OwnedSession = Annotated[Session, Depends(owned_session)]
+
+
+def run_timeout(service: Service, asked: float | None) -> float:
+    """The seconds a run may take: the caller's ask within --max-timeout, else the default."""
+    config = service.config
+    if asked is None:
+        return float(config.worker_timeout)
+    if asked > config.max_timeout:
+        raise HTTPException(400, f"timeout {asked:g} s is above this service's limit of "
+                            f"{config.max_timeout:g} s (--max-timeout)")
+    return asked

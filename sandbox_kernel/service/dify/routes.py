@@ -1,0 +1,156 @@
+"""The dify-sandbox routes: `/health` and `/v1/sandbox/*` (run, dependencies), X-Api-Key."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from importlib import metadata
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ... import runtimes
+from ..access import json_line
+from ..core import Service
+from ..deps import ServiceDep
+from ..kernels import KernelUnavailable
+from ..runs import Busy, RunRecord, unless_disconnected
+from . import dependencies
+from .answers import run_data
+from .gin import GoJSON, bind, error_answer, success
+
+log = logging.getLogger("sandbox_kernel.service")
+router = APIRouter(tags=["dify-sandbox"])
+
+NETWORK_DISABLED = "network is disabled, please enable it in the configuration"
+
+
+@router.get("/health", summary="Liveness: \"ok\"")
+async def health() -> GoJSON:
+    return GoJSON("ok")
+
+
+def _refused(request: Request, service: Service) -> Response | None:
+    """dify-sandbox's answer to a missing or wrong X-Api-Key (401, empty body), else None."""
+    if service.dify_key_ok(request.headers.get("x-api-key")):
+        return None
+    service.metrics.denials.labels(reason="bad_key").inc()
+    return Response(status_code=401)
+
+
+@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel: body {language, code, "
+             "preload, enable_network}, header X-Api-Key")
+async def run(request: Request, service: ServiceDep) -> Response:
+    if (refusal := _refused(request, service)) is not None:
+        return refusal
+    try:
+        with service.admission.slot():
+            return await _run_admitted(request, service)
+    except Busy:
+        service.metrics.denials.labels(reason="too_many_requests").inc()
+        return error_answer(503, -503, "Too many requests")
+
+
+async def _run_admitted(request: Request, service: Service) -> Response:
+    values, refusal = await bind(request, ("language", "code", "preload", "enable_network"),
+                                 ("language", "code"))
+    if refusal is not None:
+        service.metrics.denials.labels(reason="bad_input").inc()
+        return refusal
+    assert values is not None
+    language = values["language"]
+    if language != "python3":
+        service.metrics.denials.labels(reason="bad_input").inc()
+        message = "unsupported language"
+        if language == "nodejs":
+            message += ": nodejs is not available in sandbox-kernel, which runs python3 only"
+        return error_answer(400, -400, message)
+    network = bool(values.get("enable_network"))
+    if network and not service.config.enable_network:
+        service.metrics.denials.labels(reason="network_disabled").inc()
+        return error_answer(200, -400, NETWORK_DISABLED)
+    # `preload` is accepted and ignored: our preloading happens before confinement, server-side.
+    record = RunRecord()
+    request.state.record = record
+    timeout = service.config.worker_timeout
+    try:
+        outcome = await unless_disconnected(request, service.runner.run(
+            values["code"], network=network, timeout=timeout, record=record))
+    except KernelUnavailable as exc:  # dify-sandbox answers a runner failure so, too
+        log.error(json_line(event="kernel_unavailable", error=str(exc)))
+        return error_answer(200, -500, str(exc))
+    if outcome is None:  # the client left; its kernel is already being shut down
+        service.metrics.runs.labels(api="dify", outcome="abandoned").inc()
+        return Response(status_code=499)
+    execution, _ = outcome
+    service.count_run("dify", execution)
+    return success(run_data(execution))
+
+
+@functools.lru_cache(maxsize=1)
+def _installed() -> list[dict[str, str]]:
+    """Every distribution the kernel's interpreter (this one: kernels run sys.executable) has."""
+    found: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name and name not in found:
+            found[name] = dist.version
+    return [{"name": name, "version": found[name]} for name in sorted(found, key=str.lower)]
+
+
+def _dependencies(service: Service) -> list[dict[str, str]]:
+    """What dify-sandbox lists: its requirements file's lines, here the runtime's."""
+    if not service.config.runtime:
+        return _installed()
+    runtime = runtimes.find(service.config.runtime)
+    return dependencies.listed(runtime.requirements.read_text())
+
+
+async def _dependency_route(request: Request, service: Service, data: Any) -> Response:
+    if (denied := _refused(request, service)) is not None:
+        return denied
+    values, refusal = await bind(request, ("language",), ("language",))
+    if refusal is not None:
+        return refusal
+    assert values is not None
+    if values["language"] != "python3":
+        return error_answer(400, -400, "unsupported language")
+    try:
+        return success(await data())
+    except runtimes.RuntimesError as exc:  # dify-sandbox answers a failed install so, too
+        log.error(json_line(event="runtime_failed", error=str(exc)))
+        return error_answer(200, -500, str(exc))
+
+
+@router.get("/v1/sandbox/dependencies")
+async def list_dependencies(request: Request, service: ServiceDep) -> Response:
+    async def listed() -> dict[str, Any]:
+        return {"dependencies": _dependencies(service)}
+    return await _dependency_route(request, service, listed)
+
+
+@router.post("/v1/sandbox/dependencies/update")
+async def update_dependencies(request: Request, service: ServiceDep) -> Response:
+    """dify-sandbox prepares its environment again; here new kernels take the runtime's
+    current build (one `sandbox-kernel runtime update` made since the service started)."""
+    async def switched() -> dict[str, Any]:
+        if service.config.runtime:
+            await service.use_current_runtime()
+        return {}
+    return await _dependency_route(request, service, switched)
+
+
+@router.get("/v1/sandbox/dependencies/refresh")
+async def refresh_dependencies(request: Request, service: ServiceDep) -> Response:
+    """dify-sandbox installs its requirements file again; here the runtime is rebuilt from the
+    operator's file (running kernels keep theirs) and new kernels take the new build."""
+    async def rebuilt() -> dict[str, Any]:
+        if service.config.runtime:
+            await asyncio.to_thread(runtimes.update, service.config.runtime, force=True)
+            await service.use_current_runtime()
+        else:
+            _installed.cache_clear()
+        return {"dependencies": _dependencies(service)}
+    return await _dependency_route(request, service, rebuilt)

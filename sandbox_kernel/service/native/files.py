@@ -1,0 +1,112 @@
+"""Files in a session's scratch directory, moved through the session's own kernel.
+
+Not through the scratch directory from outside: the scratch is a private mount of the kernel,
+and a service that followed paths (and symlinks) the kernel's code planted there would read and
+write with the service's rights. The operation runs in the kernel (`files_in_kernel.py`, sent
+as source text), where it can reach only what the kernel's own code could.
+"""
+
+from __future__ import annotations
+
+import base64
+import posixpath
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request
+from starlette.responses import Response
+
+from ..auth import ApiKey
+from ..core import Service
+from ..deps import Key, ServiceDep, session_of
+from ..runs import RunRecord, bounded
+from ..sessions import SessionError
+from ..validation import sendable
+from .schemas import FileShape
+
+router = APIRouter()
+FILE_HELPER = "__sandbox_files__"  # the function files_in_kernel.py defines
+FILE_CODE = Path(__file__).with_name("files_in_kernel.py").read_text(encoding="utf-8")
+FILE_TIMEOUT = 60.0  # seconds a file transfer may take inside the kernel
+_FILE_ERRORS = {"FileNotFoundError": 404, "IsADirectoryError": 400, "NotADirectoryError": 400,
+                "PermissionError": 403, "ValueError": 413, "FileExistsError": 409}
+
+
+def scratch_path(path: str) -> str:
+    """A relative path inside the scratch directory, or 400."""
+    if not path or "\x00" in path or len(path) > 1024:
+        raise HTTPException(400, "the file path must be 1-1024 characters without NUL")
+    try:
+        sendable(path)
+    except ValueError as exc:
+        raise HTTPException(400, f"the file path {exc}") from None
+    normal = posixpath.normpath(path)
+    if path.startswith("/") or normal == "." or normal.startswith("..") \
+            or ".." in path.split("/"):
+        raise HTTPException(400, f"{path!r} is not a path inside the session's scratch "
+                            "directory: give it relative, without '..'")
+    return normal
+
+
+async def _file_op(request: Request, service: Service, key: ApiKey, session_id: str,
+                   inputs: dict) -> dict:
+    session = session_of(request, service, key, session_id)
+    timeout = min(service.config.max_timeout, FILE_TIMEOUT)
+    try:
+        async with service.sessions.using(session) as sandbox:
+            execution, lost = await bounded(
+                sandbox.run(FILE_CODE, inputs, timeout=timeout, entrypoint=FILE_HELPER),
+                timeout, 2 * service.config.kernel_grace + service.restart_allowance,
+                RunRecord(), service.runner.stopping)
+            if lost:
+                service.sessions.mark_dead(session, "it did not stop after its time limit")
+    except SessionError:  # busy or gone: the app's handler answers it
+        raise
+    except Exception as exc:
+        # Deleted or culled while the operation ran, or its kernel's restart failed: the
+        # session cannot be trusted to work again.
+        if session.dead is None:
+            service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
+        raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}"
+                           ) from None
+    if execution.error is not None:
+        status = _FILE_ERRORS.get(execution.error.name, 500)
+        text = f"{execution.error.name}: {execution.error.value}"
+        raise HTTPException(status, text.encode("utf-8", "replace").decode("utf-8"))
+    if not isinstance(execution.result, dict):
+        raise HTTPException(502, "the kernel did not answer the file operation")
+    return execution.result
+
+
+@router.put("/sessions/{session_id}/files/{path:path}", status_code=201,
+            response_model=FileShape, summary="Upload a file (the raw body) to the scratch")
+async def upload(session_id: str, path: str, request: Request, key: Key,
+                 service: ServiceDep) -> Any:
+    limit = service.config.max_file_bytes
+    relative = scratch_path(path)
+    content = bytearray()
+    async for chunk in request.stream():
+        content += chunk
+        if len(content) > limit:
+            raise HTTPException(413, f"the file is larger than {limit} bytes (--max-file)")
+    result = await _file_op(request, service, key, session_id, {
+        "op": "write", "path": relative, "data": base64.b64encode(bytes(content)).decode()})
+    return {"path": relative, "size": int(result.get("size", -1))}
+
+
+@router.get("/sessions/{session_id}/files/{path:path}", summary="Download a file from the scratch",
+            responses={200: {"content": {"application/octet-stream": {}}}})
+async def download(session_id: str, path: str, request: Request, key: Key,
+                   service: ServiceDep) -> Response:
+    limit = service.config.max_file_bytes
+    result = await _file_op(request, service, key, session_id,
+                            {"op": "read", "path": scratch_path(path), "limit": limit})
+    data = result.get("data")
+    # Never trust the kernel: its answer is checked here, not only by the code that made it.
+    if not isinstance(data, str) or len(data) > 4 * (limit // 3 + 1):
+        raise HTTPException(502, "the kernel's answer is not a file within the size limit")
+    try:
+        content = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise HTTPException(502, "the kernel's answer is not base64") from None
+    return Response(content, media_type="application/octet-stream")

@@ -1,0 +1,43 @@
+"""The operational face: the OpenAPI schema, metrics, readiness, the access log."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .helpers import DIFY_KEY, RUN, http
+
+
+def test_openapi_schema_documents_the_native_api(server):
+    schema = http.get(server.url + "/openapi.json").json()
+    for path in ("/api/v1/execute", "/api/v1/sessions", "/api/v1/sessions/{session_id}/execute",
+                 "/api/v1/sessions/{session_id}/files/{path}", "/v1/sandbox/run"):
+        assert path in schema["paths"], path
+    assert "ExecutionShape" in schema["components"]["schemas"]
+
+
+def test_metrics_and_readiness(server):
+    # What the metrics below count, so this test does not rely on the tests that ran before it.
+    http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+              json={"language": "python3", "code": "print(1)"})
+    http.post(server.url + RUN, headers={"X-Api-Key": "wrong"}, json={})
+    text = http.get(server.url + "/metrics").text
+    assert 'sandbox_requests_total{route="/v1/sandbox/run",status="200"}' in text
+    assert "sandbox_kernels_live" in text and "sandbox_kernels_pooled" in text
+    assert 'sandbox_denials_total{reason="bad_key"}' in text
+    ready = server.ready()
+    assert ready["ready"] is True and set(ready["pool"]) == {"offline", "network"}
+
+
+def test_log_lines_never_carry_code(server):
+    secret = "print('do-not-log-this-123')"
+    http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+              json={"language": "python3", "code": secret})
+    time.sleep(0.2)
+    lines = server.log.read_text().splitlines()
+    assert "do-not-log-this" not in "\n".join(lines)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    runs = [r for r in records if r.get("route") == RUN and r.get("status") == 200]
+    assert runs[-1]["kernel"] and runs[-1]["duration"] > 0 and runs[-1]["key"] is None
+    native = [r for r in records if r.get("route", "").startswith("/api/v1")]
+    assert {r["key"] for r in native} <= {"team-a", "team-b", None}

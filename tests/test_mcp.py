@@ -1,0 +1,368 @@
+"""`sandbox-kernel mcp` driven by the MCP SDK's own client, over stdio and Streamable HTTP.
+
+One server per transport for the module (stdio: a subprocess the client started; HTTP: a
+subprocess on 127.0.0.1 with a keys file); every call runs real sandboxed kernels.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import threading
+
+import pytest
+
+pytest.importorskip("mcp")
+import httpx2
+import jsonschema
+
+from sandbox_kernel.confine import denials
+from tests.mcp_clients import HttpServer, stdio
+
+KEY_A = "mcp-key-a-0123456789abcdef"
+KEY_B = "mcp-key-b-0123456789abcdef"
+KEY_ONE = "mcp-key-one-0123456789abcdef"
+FLAGS_SEEN = re.compile(r"--[a-z]+-[a-z-]+|install|kernelspec")  # operator advice
+PLOT = ("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_inline')\n"
+        "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()\n")
+
+
+@pytest.fixture(scope="module")
+def keys_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mcp-keys") / "keys.json"
+    path.write_text(json.dumps({"keys": [
+        {"id": "team-a", "key": KEY_A}, {"id": "team-b", "key": KEY_B},
+        {"id": "team-one", "key": KEY_ONE, "max_sessions": 1}]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory, keys_file):
+    server = HttpServer(tmp_path_factory.mktemp("mcp-http"), keys_file)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def stdio_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("mcp-stdio") / "server.log"
+
+
+@pytest.fixture(scope="module", params=["stdio", "http"])
+def mcp(request, stdio_log):
+    """A connected client of the transport's server."""
+    if request.param == "stdio":
+        client = stdio(stdio_log)
+    else:
+        client = request.getfixturevalue("http_server").client(KEY_A)
+    client.transport = request.param
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def session(mcp):
+    """A session of its own for one test, closed after it."""
+    answer = mcp.tool("create_session")
+    assert not answer.is_error, answer.content
+    session_id = answer.structured_content["session"]
+    yield session_id
+    mcp.tool("close_session", {"session": session_id})
+
+
+def text(answer) -> str:
+    return "\n".join(block.text for block in answer.content if block.type == "text")
+
+
+# --- tools and schemas ---------------------------------------------------------------------
+
+def test_tools_are_listed_with_valid_input_and_output_schemas(mcp):
+    tools = {tool.name: tool for tool in mcp.call(lambda c: c.list_tools()).tools}
+    assert {"run_python", "wait_run", "create_session", "close_session", "list_sessions",
+            "restart_session", "interrupt", "list_files", "read_file",
+            "write_file"} <= set(tools)
+    for tool in tools.values():
+        jsonschema.Draft202012Validator.check_schema(tool.input_schema)
+        assert tool.output_schema is not None, tool.name
+        jsonschema.Draft202012Validator.check_schema(tool.output_schema)
+        assert tool.description
+    assert tools["run_python"].input_schema["required"] == ["code"]
+    answer = mcp.tool("run_python", {"code": "print('x')"})
+    jsonschema.validate(answer.structured_content, tools["run_python"].output_schema)
+
+
+def test_the_policy_resource_tells_a_model_what_it_may_do(mcp):
+    listed = [str(r.uri) for r in mcp.call(lambda c: c.list_resources()).resources]
+    assert "sandbox://policy" in listed
+    policy = json.loads(mcp.call(lambda c: c.read_resource("sandbox://policy")).contents[0].text)
+    assert policy["network"] is False and policy["subprocesses"] is False
+    assert "no network" in policy["summary"]
+    assert {"numpy", "matplotlib"} <= {name.lower() for name in policy["packages"]}
+
+
+# --- running code --------------------------------------------------------------------------
+
+def test_run_returns_output_in_order_and_the_value(mcp):
+    code = "import sys\nprint('one')\nprint('two', file=sys.stderr, flush=True)\n" \
+           "print('three')\n6 * 7"
+    answer = mcp.tool("run_python", {"code": code})
+    data = answer.structured_content
+    assert not answer.is_error and data["status"] == "ok" and data["state"] == "fresh"
+    assert [(c["stream"], c["text"]) for c in data["output"]] == [
+        ("stdout", "one\n"), ("stderr", "two\n"), ("stdout", "three\n")]
+    assert data["value"] == "42" and data["result"] is None
+    assert text(answer).index("one") < text(answer).index("two") < text(answer).index("42")
+
+
+def test_main_with_inputs_returns_its_dict(mcp):
+    code = "def main(x, name):\n    print('log line')\n    return {'y': x * 2, 'hi': name}\n"
+    answer = mcp.tool("run_python", {"code": code, "inputs": {"x": 21, "name": "é"}})
+    data = answer.structured_content
+    assert data["result"] == {"y": 42, "hi": "é"} and data["stdout"] == "log line\n"
+    assert data["value"] is None
+
+
+def test_each_call_without_a_session_starts_fresh(mcp):
+    mcp.tool("run_python", {"code": "leaked = 1\nopen('left.txt', 'w').write('x')"})
+    answer = mcp.tool("run_python", {"code": "import os\n('leaked' in globals(), "
+                                             "os.path.exists('left.txt'))"})
+    assert answer.structured_content["value"] == "(False, False)"
+
+
+def test_a_chart_comes_back_as_image_content(mcp):
+    answer = mcp.tool("run_python", {"code": PLOT})
+    images = [block for block in answer.content if block.type == "image"]
+    assert len(images) == 1 and images[0].mime_type == "image/png"
+    assert base64.b64decode(images[0].data).startswith(b"\x89PNG\r\n\x1a\n")
+    assert answer.structured_content["displays"] == [{"mime_type": "image/png", "text": None}]
+
+
+def test_an_error_has_its_name_message_and_the_users_line(mcp):
+    answer = mcp.tool("run_python", {"code": "x = 1\n\ndef f():\n    return undefined_name\nf()"})
+    error = answer.structured_content["error"]
+    assert answer.is_error and error["name"] == "NameError" and not error["refused"]
+    assert "undefined_name" in error["message"]
+    assert any("return undefined_name" in line for line in error["traceback"])
+
+
+def test_a_fresh_runs_small_files_come_back_embedded(mcp):
+    answer = mcp.tool("run_python", {"code": "open('report.csv', 'w').write('a,b\\n1,2\\n')"})
+    embedded = [block for block in answer.content if block.type == "resource"]
+    assert len(embedded) == 1 and embedded[0].resource.text == "a,b\n1,2\n"
+    assert answer.structured_content["files"] == [
+        {"path": "report.csv", "size": 8, "uri": None, "embedded": True}]
+
+
+def test_huge_output_is_capped_with_a_marker_for_a_model(mcp):
+    answer = mcp.tool("run_python", {"code": "print('y' * 5_000_000)\nprint('end')"})
+    data = answer.structured_content
+    assert data["status"] == "ok"
+    assert 1000 < len(data["stdout"]) < 6000  # --max-text 4000, plus the marker
+    assert "characters cut here" in data["stdout"]  # the server's cut, head and tail kept
+    assert data["stdout"].startswith("yyy") and data["stdout"].endswith("yyy")
+    assert "[output cut:" in data["stderr"]  # the kernel's cap (1 MiB), said for a model
+    assert "--max-output" not in text(answer) and "sandbox-kernel client" not in text(answer)
+
+
+# --- what the sandbox refuses, said for a model --------------------------------------------
+
+@pytest.mark.parametrize(("code", "said"), [
+    ("import subprocess\nsubprocess.run(['ls'])", "no subprocesses in this sandbox"),
+    ("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=2)",
+     "the network is off in this sandbox: you cannot download"),
+    ("open('/etc/shadow').read()", "outside what this sandbox may read"),
+])
+def test_a_refused_call_is_explained_for_a_model_without_operator_flags(mcp, stdio_log,
+                                                                        code, said):
+    answer = mcp.tool("run_python", {"code": code})
+    error = answer.structured_content["error"]
+    assert answer.is_error and error["refused"] and said in error["message"]
+    shown = text(answer) + json.dumps(answer.structured_content)
+    assert not FLAGS_SEEN.search(shown), shown
+    if mcp.transport == "stdio":  # the operator's wording (with its fix) is in the log
+        rule = next(rule for rule in denials.RULES if said in rule.for_model)
+        assert rule.why in stdio_log.read_text()
+
+
+# --- sessions ------------------------------------------------------------------------------
+
+def test_a_session_keeps_state_and_files_across_calls(mcp, session):
+    mcp.tool("run_python", {"code": "import math\ntotal = 40", "session": session})
+    answer = mcp.tool("run_python", {"code": "total + int(math.sqrt(4))", "session": session})
+    assert answer.structured_content["value"] == "42"
+    assert answer.structured_content["state"] == "kept"
+    listed = mcp.tool("list_sessions").structured_content["sessions"]
+    assert session in [s["session"] for s in listed]
+
+
+def test_files_written_read_listed_and_linked(mcp, session):
+    wrote = mcp.tool("write_file", {"session": session, "path": "data/in.txt",
+                                    "content": "hello from the agent"})
+    assert wrote.structured_content["size"] == 20
+    answer = mcp.tool("run_python", {"session": session, "code":
+                                     "text = open('data/in.txt').read()\n"
+                                     "open('out.txt', 'w').write(text.upper())"})
+    links = [block for block in answer.content if block.type == "resource_link"]
+    assert [link.name for link in links] == ["out.txt"]
+    linked = mcp.call(lambda c: c.read_resource(str(links[0].uri))).contents[0]
+    assert linked.text == "HELLO FROM THE AGENT"
+    read = mcp.tool("read_file", {"session": session, "path": "out.txt"})
+    assert read.structured_content["content"] == "HELLO FROM THE AGENT"
+    listed = mcp.tool("list_files", {"session": session}).structured_content["files"]
+    assert {f["path"] for f in listed} == {"data/in.txt", "out.txt"}
+
+
+def test_binary_files_and_images_round_trip(mcp, session):
+    png = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+                           "z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+    mcp.tool("write_file", {"session": session, "path": "dot.png",
+                            "content": base64.b64encode(png).decode(), "encoding": "base64"})
+    read = mcp.tool("read_file", {"session": session, "path": "dot.png"})
+    images = [block for block in read.content if block.type == "image"]
+    assert base64.b64decode(images[0].data) == png
+    blob = bytes(range(256))
+    mcp.tool("write_file", {"session": session, "path": "blob.bin",
+                            "content": base64.b64encode(blob).decode(), "encoding": "base64"})
+    read = mcp.tool("read_file", {"session": session, "path": "blob.bin"}).structured_content
+    assert read["encoding"] == "base64" and base64.b64decode(read["content"]) == blob
+
+
+@pytest.mark.parametrize("path", ["../outside.txt", "/etc/passwd", "a/../../b"])
+def test_file_paths_outside_the_working_directory_are_refused(mcp, session, path):
+    answer = mcp.tool("read_file", {"session": session, "path": path})
+    assert answer.is_error and "not inside the working directory" in text(answer)
+    answer = mcp.tool("write_file", {"session": session, "path": path, "content": "x"})
+    assert answer.is_error and "not inside the working directory" in text(answer)
+
+
+def test_a_symlink_out_of_the_working_directory_is_not_followed(mcp, session):
+    mcp.tool("run_python", {"session": session, "code":
+                            "import os\nos.symlink('/etc/hostname', 'link')"})
+    answer = mcp.tool("read_file", {"session": session, "path": "link"})
+    assert answer.is_error and "outside the working directory" in text(answer)
+
+
+def test_a_long_run_returns_early_and_can_be_interrupted(mcp, session):
+    mcp.tool("run_python", {"session": session, "code": "kept = 'yes'"})
+    code = "import time\nfor i in range(1000):\n    print(i, flush=True)\n    time.sleep(0.02)\n"
+    first = mcp.tool("run_python", {"session": session, "code": code})  # --patience 3
+    data = first.structured_content
+    assert data["status"] == "running" and "wait_run" in text(first)
+    assert data["stdout"].startswith("0\n1\n")
+    busy = mcp.tool("run_python", {"session": session, "code": "1"})
+    assert busy.is_error and "still busy" in text(busy)
+    stopped = mcp.tool("interrupt", {"session": session}).structured_content
+    assert stopped["ok"], stopped
+    rest = mcp.tool("wait_run", {"run": data["run"]}).structured_content
+    assert rest["status"] == "error" and rest["error"]["name"] == "KeyboardInterrupt"
+    assert "variables are kept" in rest["error"]["message"] and rest["state"] == "kept"
+    assert not rest["stdout"].startswith("0\n")  # only what the first answer did not carry
+    after = mcp.tool("run_python", {"session": session, "code": "kept"})
+    assert after.structured_content["value"] == "'yes'"
+
+
+def test_a_timeout_says_the_session_state_survived(mcp, session):
+    mcp.tool("run_python", {"session": session, "code": "x = 7"})
+    answer = mcp.tool("run_python", {"session": session, "code": "while True:\n    pass",
+                                     "timeout": 1})
+    data = answer.structured_content
+    assert data["timed_out"] and data["error"]["name"] == "ExecutionTimeout"
+    assert data["state"] == "kept" and "variables and imports are kept" in \
+        data["error"]["message"]
+    assert "--timeout" not in text(answer)
+    assert mcp.tool("run_python", {"session": session, "code": "x"}
+                    ).structured_content["value"] == "7"
+
+
+def test_a_kernel_that_dies_says_the_session_lost_its_state_and_goes_on(mcp, session):
+    mcp.tool("run_python", {"session": session, "code": "before = 1"})
+    answer = mcp.tool("run_python", {"session": session, "code":
+                                     "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"})
+    data = answer.structured_content
+    assert data["error"]["name"] == "KernelDied" and data["state"] == "lost"
+    assert "variables and imports are gone" in data["error"]["message"]
+    assert "LOST" in text(answer)
+    after = mcp.tool("run_python", {"session": session, "code": "'before' in globals()"})
+    assert after.structured_content["value"] == "False"  # a fresh kernel, same session
+
+
+def test_restart_clears_a_session(mcp, session):
+    mcp.tool("run_python", {"session": session, "code": "gone = 1"})
+    assert mcp.tool("restart_session", {"session": session}).structured_content["ok"]
+    answer = mcp.tool("run_python", {"session": session, "code": "gone"})
+    assert answer.structured_content["error"]["name"] == "NameError"
+
+
+def test_an_unknown_session_is_refused_with_what_to_do(mcp):
+    answer = mcp.tool("run_python", {"code": "1", "session": "nope"})
+    assert answer.is_error and "create_session" in text(answer)
+
+
+def test_a_network_session_is_refused_on_an_offline_server(mcp):
+    answer = mcp.tool("create_session", {"network": True})
+    assert answer.is_error and "network is off" in text(answer)
+
+
+def test_a_session_asking_for_missing_packages_is_refused_naming_them(mcp):
+    answer = mcp.tool("create_session", {"packages": ["numpy", "no_such_pkg_xyz"]})
+    assert answer.is_error and "no_such_pkg_xyz" in text(answer) and "numpy" not in \
+        text(answer).split("available in this sandbox:")[1].split(";")[0]
+
+
+# --- Streamable HTTP: keys, owners, limits -------------------------------------------------
+
+def test_two_clients_in_two_sessions_see_nothing_of_each_other(http_server):
+    a, b = http_server.client(KEY_A), http_server.client(KEY_B)
+    try:
+        sessions = {}
+        for name, client in (("a", a), ("b", b)):
+            sessions[name] = client.tool("create_session").structured_content["session"]
+        answers = {}
+
+        def work(name, client):
+            answers[name] = client.tool("run_python", {"session": sessions[name], "code": (
+                f"import os, glob\nmine = {name!r}\nopen('{name}.txt', 'w').write('{name}')\n"
+                "import time; time.sleep(1)\n"
+                "(sorted(k for k in ('a', 'b') if os.path.exists(k + '.txt')), mine)")})
+
+        threads = [threading.Thread(target=work, args=item)
+                   for item in (("a", a), ("b", b))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert answers["a"].structured_content["value"] == "(['a'], 'a')"
+        assert answers["b"].structured_content["value"] == "(['b'], 'b')"
+        seen_by_b = [s["session"] for s in b.tool("list_sessions"
+                                                  ).structured_content["sessions"]]
+        assert sessions["b"] in seen_by_b and sessions["a"] not in seen_by_b
+        stolen = b.tool("run_python", {"session": sessions["a"], "code": "mine"})
+        assert stolen.is_error and "no session" in text(stolen)
+        stolen = b.tool("read_file", {"session": sessions["a"], "path": "a.txt"})
+        assert stolen.is_error
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_keys_session_limit_is_kept(http_server):
+    one = http_server.client(KEY_ONE)
+    try:
+        assert not one.tool("create_session").is_error
+        again = one.tool("create_session")
+        assert again.is_error and "you may hold 1 sessions" in text(again)
+    finally:
+        one.close()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong-key-0123456789abcdef", "Basic abc"])
+def test_a_wrong_or_missing_key_is_refused(http_server, header):
+    headers = {"Accept": "application/json, text/event-stream"}
+    if header:
+        headers["Authorization"] = header
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    answer = httpx2.post(http_server.url, json=body, headers=headers, timeout=30)
+    assert answer.status_code == 401
+    with pytest.raises(Exception):  # noqa: B017  # the SDK's client cannot connect at all
+        http_server.client("wrong-key-0123456789abcdef")

@@ -1,0 +1,136 @@
+"""Runtimes: an environment built from a requirements file, a kernelspec whose kernels run on
+it (read-only to them, its modules preloaded by the fork server), updated without disturbing
+the kernels running on it. Everything goes through the `sandbox-kernel runtime` command."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+
+from sandbox_kernel.client import Sandbox
+
+from .packages import make_wheel
+
+CLI = [sys.executable, "-m", "sandbox_kernel", "runtime"]
+NAME = "rt"
+
+
+def runtime_cli(*args: str) -> subprocess.CompletedProcess:
+    """`sandbox-kernel runtime ARGS` as an operator runs it."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+def write_requirements(path: Path, wheels: Path, version: str) -> Path:
+    path.write_text(f"--find-links {wheels}\nrtpkg=={version}\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """Runtime `rt` with rtpkg 1.0, preloaded; removed at the end."""
+    base = tmp_path_factory.mktemp("runtimes")
+    wheels = base / "wheels"
+    wheels.mkdir()
+    for version in ("1.0", "2.0"):
+        make_wheel(wheels, "rtpkg", version, {"rtpkg/__init__.py": f"VERSION = {version!r}\n",
+                                              "rtpkg/extra.py": f"VERSION = {version!r}\n"})
+    saved = os.environ.get("SANDBOX_KERNEL_RUNTIMES")
+    os.environ["SANDBOX_KERNEL_RUNTIMES"] = str(base / "store")
+    done = runtime_cli("create", NAME, "-r", str(write_requirements(
+        base / "requirements.txt", wheels, "1.0")), "--preload", "rtpkg", "--user")
+    assert done.returncode == 0, done.stderr[-2000:]
+    yield {"base": base, "wheels": wheels, "created": done}
+    runtime_cli("remove", NAME, "--force")
+    if saved is None:
+        os.environ.pop("SANDBOX_KERNEL_RUNTIMES")
+    else:
+        os.environ["SANDBOX_KERNEL_RUNTIMES"] = saved
+
+
+def test_create_installs_a_kernelspec_and_records_the_packages(runtime):
+    assert "Created runtime rt" in runtime["created"].stdout
+    spec = KernelSpecManager().get_kernel_spec(f"sandbox-{NAME}")
+    assert spec.display_name == "Python 3 (sandbox: rt)"
+    assert spec.argv[0] == str(runtime["base"] / "store" / NAME / "builds" / "1" / "bin"
+                               / "python")
+    assert spec.metadata["kernel_provisioner"]["config"]["preload"] == ["rtpkg"]
+    assert spec.metadata["sandbox_kernel"]["runtime"] == NAME
+    shown = json.loads(runtime_cli("show", NAME).stdout)
+    assert "rtpkg==1.0" in shown["packages"]
+    assert any(line.startswith("ipykernel==") for line in shown["packages"])
+    assert shown["requirements"][-1] == "rtpkg==1.0"
+    listed = json.loads(runtime_cli("list", "--json").stdout)
+    assert [(row["name"], row["build"], row["kernels"]) for row in listed] == [(NAME, 1, 0)]
+
+
+def test_a_kernel_on_the_runtime_imports_its_preloaded_package_and_cannot_change_it(runtime):
+    with Sandbox(f"sandbox-{NAME}") as sb:
+        done = sb.run("import sys\npreloaded = 'rtpkg' in sys.modules\nimport rtpkg\n"
+                      "print(preloaded, rtpkg.VERSION)\n"
+                      "open(rtpkg.__file__, 'a')")
+        assert done.stdout == "True 1.0\n"
+        assert done.error.name == "PermissionError"
+        assert "Errno 13" in done.error.value
+        done = sb.run("import os, rtpkg\nos.mkdir(os.path.join(os.path.dirname("
+                      "rtpkg.__file__), 'planted'))")
+        assert done.error.name == "PermissionError"
+        assert sb.run("print(1 + 1)").stdout == "2\n"  # alive
+    site = next((runtime["base"] / "store" / NAME / "builds" / "1").glob(
+        "lib/python*/site-packages"))
+    assert not (site / "rtpkg" / "planted").exists()
+
+
+def test_the_default_kernel_does_not_see_the_runtimes_packages(runtime, sandbox):
+    done = sandbox.run("import rtpkg")
+    assert done.error.name == "ModuleNotFoundError"
+
+
+def test_update_refuses_under_a_running_kernel_then_forced_new_kernels_get_the_new(runtime):
+    requirements = write_requirements(runtime["base"] / "requirements-2.txt",
+                                      runtime["wheels"], "2.0")
+    with Sandbox(f"sandbox-{NAME}") as old:
+        assert old.run("import rtpkg; print(rtpkg.VERSION)").stdout == "1.0\n"
+        refused = runtime_cli("update", NAME, "-r", str(requirements))
+        assert refused.returncode == 1
+        assert "1 kernel(s) run on runtime 'rt'" in refused.stderr
+        assert "--force" in refused.stderr
+        assert json.loads(runtime_cli("show", NAME).stdout)["build"] == 1
+
+        forced = runtime_cli("update", NAME, "-r", str(requirements), "--force")
+        assert forced.returncode == 0, forced.stderr[-2000:]
+        assert "+ rtpkg==2.0" in forced.stdout and "- rtpkg==1.0" in forced.stdout
+        with Sandbox(f"sandbox-{NAME}") as new:
+            assert new.run("import rtpkg; print(rtpkg.VERSION)").stdout == "2.0\n"
+        # The running kernel keeps its environment, down to modules it had not imported yet.
+        assert old.run("import rtpkg.extra; print(rtpkg.extra.VERSION)").stdout == "1.0\n"
+    shown = json.loads(runtime_cli("show", NAME).stdout)
+    assert shown["build"] == 2 and "rtpkg==2.0" in shown["packages"]
+    assert shown["builds"] == [1, 2]  # build 1 stays until no kernel runs on it
+    shown_list = json.loads(runtime_cli("list", "--json").stdout)
+    assert shown_list[0]["kernels"] == 0
+
+
+def test_bad_names_and_missing_files_are_refused_and_leave_nothing(runtime, tmp_path):
+    bad = runtime_cli("create", "Bad/Name", "-r", str(tmp_path / "none.txt"))
+    assert bad.returncode == 1 and "invalid runtime name 'Bad/Name'" in bad.stderr
+    missing = runtime_cli("create", "other", "-r", str(tmp_path / "none.txt"))
+    assert missing.returncode == 1
+    assert "cannot read the requirements file" in missing.stderr
+    assert not (runtime["base"] / "store" / "other").exists()
+    again = runtime_cli("create", NAME, "-r", str(tmp_path / "none.txt"))
+    assert again.returncode == 1 and "exists already" in again.stderr
+    unknown = runtime_cli("show", "nope")
+    assert unknown.returncode == 1 and "no runtime named 'nope'" in unknown.stderr
+
+
+def test_remove_takes_the_kernelspec_and_the_environment(runtime):  # runs last: ends rt
+    done = runtime_cli("remove", NAME)
+    assert done.returncode == 0, done.stderr
+    assert f"sandbox-{NAME}" not in KernelSpecManager().find_kernel_specs()
+    assert not (runtime["base"] / "store" / NAME).exists()
+    assert json.loads(runtime_cli("list", "--json").stdout) == []

@@ -1,0 +1,100 @@
+"""Per-execution usage: what each run cost, measured from outside a real sandboxed kernel."""
+
+import asyncio
+import json
+import os
+
+from sandbox_kernel.client import AsyncSandbox
+from sandbox_kernel.client.meter import KernelProcess
+from tests.helpers import evaluate, ok
+
+MiB = 2**20
+HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
+        "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
+        "refused_syscalls": "kernel"}
+# Spins until the kernel process has used `cpu` seconds of CPU, whatever else the machine runs
+# (two cores shared by many processes: its wall time may be longer, never shorter).
+# It looks at the clock every 10^5 iterations: a CPU clock read is a system call.
+BUSY = ("import time\nstart = time.process_time()\n"
+        "while time.process_time() - start < {cpu}:\n    for _ in range(10**5): pass")
+TICK = 0.01  # /proc/<pid>/stat counts CPU in clock ticks
+
+
+def cpu(usage):
+    return usage.cpu_user_seconds + usage.cpu_system_seconds
+
+
+def test_a_busy_loop_costs_its_cpu_time_measured_by_the_host(sandbox):
+    usage = ok(sandbox.run(BUSY.format(cpu=0.5))).usage
+    assert usage.source == HOST
+    assert 0.5 - 2 * TICK <= cpu(usage) <= 0.5 + 0.15
+    assert cpu(usage) <= usage.wall_seconds + 2 * TICK  # one thread: CPU never exceeds wall
+    assert usage.cpu_user_seconds >= 0.4  # a Python loop runs in user space
+    idle = ok(sandbox.run("pass")).usage
+    assert cpu(idle) <= 0.05
+
+
+def test_peak_memory_is_reset_for_each_execution(sandbox):
+    # The kernel runs as a uid of its own; the caller (root here) resets its high-water mark.
+    assert evaluate(sandbox, "__import__('os').getuid()") != os.getuid()
+    baseline = ok(sandbox.run("pass")).usage.peak_memory_bytes
+    big = ok(sandbox.run("x = b'1' * (200 * 2**20)\ndel x")).usage
+    assert big.peak_memory_bytes >= 200 * MiB + baseline // 2
+    after = ok(sandbox.run("y = 1 + 1")).usage
+    assert after.peak_memory_bytes < baseline + 20 * MiB
+    assert after.source["peak_memory_bytes"] == "host"
+
+
+def test_output_and_result_bytes_are_exact(sandbox):
+    code = "def main(n):\n    print('é' * n)\n    return {'s': 'x' * 1000, 'n': n}\n"
+    usage = ok(sandbox.run(code, inputs={"n": 10})).usage
+    assert usage.output_bytes == len(("é" * 10 + "\n").encode())
+    assert usage.result_bytes == len(json.dumps({"s": "x" * 1000, "n": 10},
+                                                separators=(",", ":")))
+    expression = ok(sandbox.run("import sys\nsys.stderr.write('ab')\n'hello'")).usage
+    assert (expression.output_bytes, expression.result_bytes) == (2, len("'hello'"))
+
+
+def test_refused_calls_are_counted_per_execution(sandbox):
+    code = ("import errno, os, socket\nfor attempt in (os.fork, socket.socket):\n"
+            "    try:\n        attempt()\n    except PermissionError as exc:\n"
+            "        assert exc.errno == errno.EPERM\n")
+    assert ok(sandbox.run(code)).usage.refused_syscalls == 2
+    assert ok(sandbox.run("pass")).usage.refused_syscalls == 0
+    assert evaluate(sandbox, "1 + 1") == 2  # the kernel lives on
+
+
+def test_host_figures_ignore_what_user_code_makes_the_kernel_report(fresh_sandbox):
+    ok(fresh_sandbox.run(
+        "k = get_ipython().kernel\n"
+        "k.usage.report = lambda: {'cpu_user_seconds': 999.0, 'cpu_system_seconds': 999.0,"
+        " 'peak_memory_bytes': 1, 'refused_syscalls': 7}"))
+    usage = ok(fresh_sandbox.run("pass")).usage
+    assert cpu(usage) < 1 and usage.peak_memory_bytes > 10 * MiB  # the host's, not the lie
+    assert (usage.refused_syscalls, usage.source["refused_syscalls"]) == (7, "kernel")
+
+
+def test_a_kernel_without_a_local_process_reports_its_own(sandbox, monkeypatch):
+    monkeypatch.setattr(sandbox, "_kernel_process", lambda: None)  # as a remote kernel
+    usage = ok(sandbox.run(BUSY.format(cpu=0.3))).usage
+    assert {usage.source[name] for name in ("cpu_user_seconds", "peak_memory_bytes")} \
+        == {"kernel"}
+    assert 0.3 <= cpu(usage) <= 0.3 + 0.15  # getrusage: microseconds, no ticks
+    assert usage.peak_memory_bytes > 10 * MiB  # the process's high-water mark so far
+
+
+def test_peak_memory_is_sampled_where_it_cannot_be_reset(sandbox, monkeypatch):
+    monkeypatch.setattr(KernelProcess, "reset_peak", lambda self: False)
+    usage = ok(sandbox.run("import time\nx = b'1' * (200 * 2**20)\ntime.sleep(0.6)\ndel x")).usage
+    assert usage.source["peak_memory_bytes"] == "sampled"
+    assert usage.peak_memory_bytes >= 200 * MiB
+
+
+def test_the_async_sandbox_measures_the_same_way(kernelspecs):
+    async def scenario():
+        async with AsyncSandbox("sandbox") as sandbox:
+            return (await sandbox.run(BUSY.format(cpu=0.2))).usage
+
+    usage = asyncio.run(scenario())
+    assert usage.source == HOST
+    assert 0.2 - 2 * TICK <= cpu(usage) <= 0.2 + 0.15
