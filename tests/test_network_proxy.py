@@ -7,6 +7,8 @@ tests/test_network.py drives it from real sandboxed kernels.)
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 import ssl
 import threading
@@ -231,3 +233,28 @@ def test_server_name_of_a_real_client_hello():
     assert tls.server_name(hello) == "a.files.example.org"
     with pytest.raises(tls.NotTLS):
         tls.hello_length(b"GET / HTTP/1.1\r\n")
+
+
+def test_audit_sink_writes_json_lines_and_log_lines(tmp_path):
+    from sandbox_kernel.confine.egress.proxy import AuditSink
+
+    class Log:
+        def __init__(self) -> None:
+            self.lines: list[bytes] = []
+
+        def write(self, line: bytes) -> None:
+            self.lines.append(line)
+
+    path = tmp_path / "audit.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        log = Log()
+        sink = AuditSink(fd, log)
+        sink(Connection("k9", method="CONNECT", host="ix.example.org", port=443, reason="refused x"))
+    finally:
+        os.close(fd)
+    (entry,) = map(json.loads, path.read_text().splitlines())
+    assert (entry["kernel"], entry["event"], entry["host"], entry["allowed"]) == (
+        "k9", "egress", "ix.example.org", False)
+    assert log.lines == [b"sandbox-kernel audit: kernel k9: egress refused CONNECT ix.example.org:443: "
+                         b"refused x\n"]

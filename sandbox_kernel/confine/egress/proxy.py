@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import h11
 
+from ..logrelay import LineSink, TokenBucket
 from . import tls
 from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
 
@@ -376,9 +377,7 @@ async def _answer(writer: asyncio.StreamWriter, status: int, text: str) -> None:
 class AuditSink:
     """Egress records to the operator's audit file and the launcher's log, rate-limited."""
 
-    def __init__(self, audit_file: int | None, log: Any) -> None:
-        from ..reaper import TokenBucket
-
+    def __init__(self, audit_file: int | None, log: LineSink) -> None:
         self.audit_file, self.log = audit_file, log
         self.budget = TokenBucket(100, 10.0)
         self.suppressed = 0
