@@ -200,29 +200,32 @@ except ssl.SSLError as exc:
 def test_udp_raw_sockets_and_direct_connections_go_nowhere(hosts_kernel, served):
     code = f"""
 import errno, socket
+def attempt(call):
+    try:
+        call()
+        return 'done'
+    except OSError as exc:
+        return (type(exc).__name__, errno.errorcode.get(exc.errno, exc.errno), str(exc))
 udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-try:
-    udp.sendto(b'x', ('192.0.2.1', 53))
-    udp_outcome = 'sent'
-except OSError as exc:
-    udp_outcome = errno.errorcode[exc.errno]
-try:
-    socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
-    raw_outcome = 'made'
-except OSError as exc:
-    raw_outcome = errno.errorcode[exc.errno]
-direct = socket.socket()
-host_loopback = errno.errorcode[direct.connect_ex(('127.0.0.1', {served['listener'].port}))]
-outside = socket.socket()
-public = errno.errorcode[outside.connect_ex(('192.0.2.1', 80))]
-try:
-    socket.getaddrinfo('localhost.example', 80)
-    resolved = 'resolved'
-except socket.gaierror:
-    resolved = 'gaierror'
-(udp_outcome, raw_outcome, host_loopback, public)
+outcomes = [
+    attempt(lambda: udp.sendto(b'x', ('192.0.2.1', 53))),
+    attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)),
+    attempt(lambda: socket.create_connection(('192.0.2.1', 80), timeout=5)),
+    attempt(lambda: socket.getaddrinfo('example.com', 80)),
+    errno.errorcode[socket.socket().connect_ex(('127.0.0.1', {served['listener'].port}))],
+]
+outcomes
 """
-    assert _value(hosts_kernel, code) == ("ENETUNREACH", "EPERM", "ECONNREFUSED", "ENETUNREACH")
+    udp, raw, direct, lookup, host_loopback = _value(hosts_kernel, code)
+    explained = "do not leave the kernel's own network namespace; use an HTTP client"
+    assert udp[:2] == direct[:2] == ("OSError", "ENETUNREACH")
+    assert udp[2].startswith("[Errno 101] Network is unreachable: the sandbox blocked "
+                             "socket.sendto(): user code's network reaches only the sandbox's "
+                             "egress proxy (HTTP_PROXY)") and explained in udp[2]
+    assert "the sandbox blocked socket.connect()" in direct[2] and explained in direct[2]
+    assert raw[:2] == ("PermissionError", "EPERM") and "creating a socket" in raw[2]
+    assert lookup[0] == "gaierror" and "the sandbox resolves no names itself" in lookup[2]
+    assert host_loopback == "ECONNREFUSED"  # 127.0.0.1 is the namespace's own loopback
     assert not served["listener"].was_reached()
 
 

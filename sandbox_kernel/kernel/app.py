@@ -128,7 +128,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
         apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
-        denials.install(self.policy.allow_network)
+        denials.install(self.policy.allow_network,
+                        proxy=bool(self.layers.get("network", {}).get("egress")))
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
