@@ -218,9 +218,10 @@ def check(config: ServiceConfig) -> None:
         raise TraitError(str(exc)) from None
 
 
-def network_env(config: ServiceConfig) -> dict[str, str]:
-    """The proxy variables network kernels get, by dify-sandbox's rule."""
+def upstream_proxy(config: ServiceConfig) -> str:
+    """The proxy the kernels' egress proxy chains to: the deployment's HTTPS_PROXY, else its
+    HTTP_PROXY (dify-sandbox's variables; user code itself always sees the egress proxy)."""
     if config.socks5_proxy:
-        return {"HTTPS_PROXY": config.socks5_proxy, "HTTP_PROXY": config.socks5_proxy}
-    return {name: value for name, value in (("HTTPS_PROXY", config.https_proxy),
-                                            ("HTTP_PROXY", config.http_proxy)) if value}
+        raise TraitError("SOCKS5_PROXY: the egress proxy chains to an HTTP proxy only; give "
+                         "the deployment's HTTP proxy as HTTPS_PROXY / --https-proxy instead")
+    return config.https_proxy or config.http_proxy

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..client import AsyncSandbox
 from .access import json_line
 from .auth import ApiKey
-from .kernels import Kernels, kernel_id, policy_name
+from .kernels import Kernels, Network, NetworkChoice, kernel_id, policy_name
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -32,7 +32,7 @@ class Session:
 
     id: str
     owner: str
-    network: bool
+    network: Network
     idle_timeout: float
     sandbox: AsyncSandbox
     created: float = field(default_factory=time.time)
@@ -48,7 +48,10 @@ class Session:
 
     def describe(self) -> dict[str, object]:
         idle = 0.0 if self.busy else time.monotonic() - self.last_used
-        return {"id": self.id, "network": self.network, "policy": policy_name(self.network),
+        hosts = self.network.hosts if isinstance(self.network, NetworkChoice) \
+            and self.network.mode == "hosts" else None
+        return {"id": self.id, "network": bool(self.network), "allow_hosts": hosts,
+                "policy": policy_name(self.network),
                 "idle_timeout": self.idle_timeout, "created": self.created,
                 "idle_seconds": round(idle, 3), "busy": self.busy,
                 "alive": self.dead is None, "dead_reason": self.dead}
@@ -69,7 +72,7 @@ class Sessions:
     def owned_by(self, owner: str) -> list[Session]:
         return [s for s in self._sessions.values() if s.owner == owner]
 
-    async def create(self, key: ApiKey, network: bool, idle_timeout: float) -> Session:
+    async def create(self, key: ApiKey, network: Network, idle_timeout: float) -> Session:
         """A new session with a fresh kernel; 429 past the key's or the service's limit."""
         if len(self._sessions) + self._reserved >= self.max_sessions:
             raise SessionError(429, f"the service holds its limit of {self.max_sessions} "

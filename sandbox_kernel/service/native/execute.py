@@ -26,7 +26,13 @@ from ..runs import (
     unless_disconnected,
 )
 from ..sessions import Session, SessionError
-from .schemas import ExecuteRequest, ExecutionShape, InstallRequest, OneShotRequest
+from .schemas import (
+    ExecuteRequest,
+    ExecutionShape,
+    InstallRequest,
+    OneShotRequest,
+    network_choice,
+)
 from .stream import SSE, EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
@@ -38,7 +44,8 @@ router = APIRouter()
 async def execute(body: OneShotRequest, request: Request, key: Key,
                   service: ServiceDep) -> Response:
     timeout = run_timeout(service, body.timeout)
-    if body.network and not service.config.enable_network:
+    network = network_choice(body.network)
+    if network and not service.config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
     try:
         release = service.admission.enter()
@@ -52,7 +59,7 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     async def work(on_output: Any = None) -> Execution:
         try:
             execution, _ = await service.runner.run(
-                body.code, network=body.network, timeout=timeout, inputs=body.inputs,
+                body.code, network=network, timeout=timeout, inputs=body.inputs,
                 record=record, on_output=on_output)
             service.count_run("native", execution)
             return execution
