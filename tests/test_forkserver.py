@@ -91,7 +91,9 @@ def test_a_kernel_carries_nothing_of_an_earlier_kernels_code():
                 (hasattr(json, 'PLANTED'), hasattr(builtins, 'PLANTED'), 'planted' in sys.modules,
                  tempfile.gettempdir() == os.getcwd(), os.listdir('.'), random.random())
                 """))
-    assert state[:5] == (False, False, False, True, ['.ipython'])  # IPython's own, new
+    assert state[:4] == (False, False, False, True)
+    # IPython's own, new, and matplotlib's font list copied from the server (launch/fontcache)
+    assert set(state[4]) <= {".ipython", ".config"} and ".ipython" in state[4]
     assert state[5] != seeded  # not the sequence the earlier kernel seeded
 
 
