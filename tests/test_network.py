@@ -270,6 +270,20 @@ def test_every_thread_of_the_kernel_is_in_its_private_namespace(hosts_kernel, se
     assert not served["listener"].was_reached()
 
 
+def test_a_cold_kernel_and_each_fork_served_kernel_have_namespaces_of_their_own(
+        hosts_kernel, net_sandbox, served):
+    """The same order holds for a kernel that is not fork-served; no two kernels share one."""
+    policy = SandboxPolicy(network="hosts", allow_hosts=["localhost"])
+    with Sandbox(None, policy=policy, cold_start=True) as cold:
+        probes, tasks, names, _ = _value(cold, PER_THREAD.format(port=served["listener"].port))
+    (private,) = tasks
+    assert {tuple(rest) for _, *rest in probes} == {(private, "ECONNREFUSED", "connected")}
+    assert "Heartbeat" in names
+    spaces = {private, *(_value(kernel, "__import__('os').readlink('/proc/self/ns/net')")
+                         for kernel in (hosts_kernel, net_sandbox))}
+    assert len(spaces) == 3 and os.readlink("/proc/self/ns/net") not in spaces
+
+
 OTHER_KERNEL = """
 import errno, socket, time, zmq
 ports = {ports!r}
