@@ -28,7 +28,10 @@ def index(tmp_path_factory):
 
 
 def pip_policy(index: LocalIndex) -> SandboxPolicy:
-    return SandboxPolicy(allow_network=True, package_index=index.url, scratch_size=SCRATCH)
+    # The index listens on the host's loopback, which the egress proxy refuses unless granted.
+    port = index.server.server_address[1]
+    return SandboxPolicy(allow_network=True, package_index=index.url, scratch_size=SCRATCH,
+                         allow_addresses=[f"127.0.0.1:{port}"])
 
 
 @pytest.fixture(scope="module")
