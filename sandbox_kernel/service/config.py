@@ -216,6 +216,8 @@ def check(config: ServiceConfig) -> None:
         auth.check_dify_key(config.api_key)
     except ValueError as exc:
         raise TraitError(str(exc)) from None
+    if config.enable_network:
+        upstream_proxy(config)  # refuses what the egress proxy cannot chain to
 
 
 def upstream_proxy(config: ServiceConfig) -> str:
@@ -224,4 +226,12 @@ def upstream_proxy(config: ServiceConfig) -> str:
     if config.socks5_proxy:
         raise TraitError("SOCKS5_PROXY: the egress proxy chains to an HTTP proxy only; give "
                          "the deployment's HTTP proxy as HTTPS_PROXY / --https-proxy instead")
-    return config.https_proxy or config.http_proxy
+    url = config.https_proxy or config.http_proxy
+    if url:
+        from ..confine.egress.rules import Upstream
+
+        try:
+            Upstream.parse(url)
+        except ValueError as exc:
+            raise TraitError(f"HTTPS_PROXY / HTTP_PROXY: {exc}") from None
+    return url

@@ -110,7 +110,9 @@ def index_server(tmp_path_factory):
     make_wheel(root / "dist", "testpkg", "1.0", {"testpkg/__init__.py": "VALUE = 42\n"})
     write_simple_index(root / "dist", root)
     with LocalIndex(root) as index:
+        # The index is on the host's loopback: granted, or the egress proxy refuses it.
         server = Server(root, "--enable-network", "--package-index", index.url,
+                        "--allow-address", f"127.0.0.1:{index.server.server_address[1]}",
                         "--pool-size", "0", env={"API_KEY": DIFY_KEY})
         yield server
         server.stop()
