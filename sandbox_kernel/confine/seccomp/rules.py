@@ -43,13 +43,13 @@ ALLOWED = (
     # files (Landlock decides which paths)
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
     "preadv2", "pwritev2", "open", "openat", "creat", "close", "close_range",
-    "lseek", "dup", "dup2", "dup3", "flock", "ioctl",
+    "lseek", "dup", "dup2", "dup3", "ioctl",
     "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs",
     "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getcwd", "chdir", "fchdir",
     "getdents", "getdents64", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat",
     "rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat",
     "ftruncate", "fallocate", "fadvise64", "readahead",
-    "fsync", "fdatasync", "sync_file_range", "syncfs",
+    "fsync", "fdatasync", "sync_file_range",
     "utime", "utimes", "utimensat", "futimesat",
     "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
     "sendfile", "splice", "tee", "vmsplice", "copy_file_range",
@@ -97,6 +97,9 @@ NEVER = (
     "bind", "listen",
     # inotify watches paths Landlock does not check and takes from a per-user instance quota.
     "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
+    # Writes back every dirty page of a whole file system, the host's included (and sync, all
+    # of them): I/O that other tenants pay for, on any file the kernel can merely open.
+    "syncfs", "sync",
 )
 
 # What a kernel that fails the architecture check gets (program.py maps it to libseccomp's).
@@ -169,6 +172,11 @@ _FCNTL_COMMANDS = (
 )
 _F_SETOWN = 8
 _F_SETOWN_EX = 15
+# flock() may only unlock: a shared or exclusive lock needs no more than a file opened for
+# reading, and Landlock lets user code read the interpreter, system libraries and read grants,
+# so it could hold a lock that host processes wait for. (fcntl record locks stay: SQLite needs
+# them, and their type lives in memory a filter cannot read; docs/SECURITY.md says what remains.)
+_LOCK_UN, _LOCK_NB = 8, 4
 
 # ioctls refused on any descriptor: keystroke injection, and the ones that make a descriptor or
 # a terminal signal a process (the owner of a socket, a terminal's process group and session).
@@ -214,6 +222,7 @@ def allowlist_rules(pid: int, allow_network: bool, landlock_abi: int = 0) -> lis
         # would be signalled by the descriptor (F_SETSIG + O_ASYNC) whatever kill() allows.
         rules.append(Rule("fcntl", args=(_masked(1, _F_SETOWN), _masked(2, target))))
     rules += [Rule("fcntl", args=(_masked(1, command),)) for command in _FCNTL_COMMANDS]
+    rules.append(Rule("flock", args=(_masked(1, _LOCK_UN, _LOW32 & ~_LOCK_NB),)))
     # Every new libzmq thread sets its own policy to SCHED_OTHER by its thread id, which a filter
     # cannot tell from another process's pid; SCHED_OTHER can only demote, never boost.
     rules.append(Rule("sched_setscheduler", args=(_masked(1, _SCHED_OTHER),)))
@@ -273,9 +282,17 @@ class Filter:
     allow: tuple[Rule, ...]
     deny: tuple[Rule, ...]
 
+    @functools.cached_property
+    def _allowed(self) -> dict[str, list[Rule]]:
+        by_name: dict[str, list[Rule]] = {}
+        for rule in self.allow:
+            if rule.action == "allow":
+                by_name.setdefault(rule.syscall, []).append(rule)
+        return by_name
+
     def allowing(self, name: str) -> list[Rule]:
         """The allowlist's rules that let name through (under their argument conditions)."""
-        return [rule for rule in self.allow if rule.syscall == name and rule.action == "allow"]
+        return self._allowed.get(name, [])
 
     def refuses(self, *names: str) -> bool:
         """No rule lets any of these calls through: the allowlist's default refuses them."""
@@ -375,18 +392,34 @@ GUARANTEES = {
 _DESCRIBED_PID = 2**22 + 1
 
 
-@functools.cache
+def _rules_abi(landlock_abi: int) -> int:
+    """The one Landlock ABI fact the rules depend on: whether it handles truncation."""
+    return LANDLOCK_TRUNCATE_ABI if landlock_abi >= LANDLOCK_TRUNCATE_ABI else 0
+
+
 def described(allow_network: bool, landlock_abi: int = 0) -> Filter:
-    """The rules a kernel with these settings loads (cached: a fork server warms it)."""
-    abi = LANDLOCK_TRUNCATE_ABI if landlock_abi >= LANDLOCK_TRUNCATE_ABI else 0
+    """The rules a kernel with these settings loads (made once per process)."""
+    return _described(allow_network, _rules_abi(landlock_abi))
+
+
+@functools.cache
+def _described(allow_network: bool, abi: int) -> Filter:
     return Filter(_DESCRIBED_PID, tuple(allowlist_rules(_DESCRIBED_PID, allow_network, abi)),
                   tuple(denylist_rules(allow_network)))
 
 
 def keeps(key: str, allow_network: bool, landlock_abi: int = 0) -> str | None:
     """The words for GUARANTEES[key] when the rules for these settings keep it; else None."""
-    guarantee = GUARANTEES[key]
-    return guarantee.text if guarantee.holds(described(allow_network, landlock_abi)) else None
+    return _kept(allow_network, _rules_abi(landlock_abi)).get(key)
+
+
+@functools.cache
+def _kept(allow_network: bool, abi: int) -> dict[str, str]:
+    """The guarantees these rules keep, in words (read once per process: a fork server's
+    kernels find them read)."""
+    rules = _described(allow_network, abi)
+    return {key: guarantee.text for key, guarantee in GUARANTEES.items()
+            if guarantee.holds(rules)}
 
 
 _FAMILIES: dict[int | None, str] = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}
@@ -424,5 +457,11 @@ def summarize(rules: Filter, notify: bool = False) -> dict[str, Any]:
 def describe(allow_network: bool, notify: bool = False, *, landlock_abi: int = 0
              ) -> dict[str, Any]:
     """What the filter allows, for kernel_info_reply and `sandbox-kernel check`."""
-    return summarize(described(allow_network, landlock_abi), notify)
+    summary = _summary(allow_network, _rules_abi(landlock_abi), notify)
+    return {**summary, "never": list(summary["never"])}  # the caller's own copy
+
+
+@functools.cache
+def _summary(allow_network: bool, abi: int, notify: bool) -> dict[str, Any]:
+    return summarize(_described(allow_network, abi), notify)
 
