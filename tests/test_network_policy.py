@@ -90,3 +90,48 @@ def test_curve_keys_from_the_launcher_encrypt_the_channels(tmp_path):
             kc.stop_channels()
         for km in managers:
             km.shutdown_kernel(now=True)
+
+
+def test_without_root_the_namespace_is_owned_by_a_user_namespace():
+    """The unprivileged path of netns.py, in a child that drops root first: its own uid kept,
+    loopback up, the egress listener made, every capability dropped afterwards."""
+    import ctypes
+    import os
+
+    from sandbox_kernel.confine import netns
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - reports through the pipe
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            # As a process started by that user is: dumpable (a uid change made it not, and
+            # /proc/self/uid_map would then belong to root).
+            ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+            layer = netns.enter()
+            netns.loopback_up()
+            listener = netns.egress_listener(3128)
+            netns.drop_capabilities()
+            status = dict(line.split(":\t", 1) for line in
+                          open("/proc/self/status").read().splitlines() if ":\t" in line)
+            report = {"owner": layer["owner"], "uid": os.getuid(),
+                      "uid_map": open("/proc/self/uid_map").read().split(),
+                      "listening": listener.getsockname(),
+                      "cap_eff": status["CapEff"].strip(), "cap_prm": status["CapPrm"].strip(),
+                      "moved": layer["namespace"] != layer["launcher"]}
+        except OSError as exc:
+            report = {"error": str(exc)}
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        report = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    if "error" in report:
+        pytest.skip(f"this host has no unprivileged user namespaces: {report['error']}")
+    assert report == {"owner": "user namespace", "uid": 65534,
+                      "uid_map": ["65534", "65534", "1"], "listening": ["127.0.0.1", 3128],
+                      "cap_eff": "0000000000000000", "cap_prm": "0000000000000000",
+                      "moved": True}
