@@ -377,7 +377,7 @@ class AuditSink:
     """Egress records to the operator's audit file and the launcher's log, rate-limited."""
 
     def __init__(self, audit_file: int | None, log: Any) -> None:
-        from ..reaper import TokenBucket
+        from ..logrelay import TokenBucket
 
         self.audit_file, self.log = audit_file, log
         self.budget = TokenBucket(100, 10.0)
