@@ -308,8 +308,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             repeatable = isinstance(trait, (List, Dict))
             # A flag with a `flag_const` may be given bare: `--grant-cwd` means `--grant-cwd ro`.
-            optional = {"nargs": "?", "const": trait.metadata["flag_const"]} \
+            optional: dict[str, Any] = {"nargs": "?", "const": trait.metadata["flag_const"]} \
                 if "flag_const" in trait.metadata else {}
+            if isinstance(trait, Enum):
+                optional["choices"] = [value for value in trait.values if value]
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
                                help=help_text, **optional)

@@ -121,6 +121,26 @@ PTRACE_ATTACH, PTRACE_SEIZE, SYS_ptrace, SYS_pidfd_open = 16, 0x4206, 101, 434
     assert evaluate(sandbox, ATTACKS) == ("EPERM", "EPERM", "EPERM")  # and still answering
 
 
+def test_user_code_cannot_make_the_reaper_fault_through_the_shared_count(fresh_sandbox):
+    """The count of refused calls is a memfd the reaper maps writable: shrinking it under the
+    reaper's mapping would kill the reaper (SIGBUS) at the next refusal. It is sealed."""
+    pid = reaper_of(fresh_sandbox)
+    code = OUTCOME + """
+import os
+fds = [int(fd) for fd in os.listdir('/proc/self/fd') if os.path.exists(f'/proc/self/fd/{fd}')
+       and os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd:sandbox-kernel-refusals')]
+(len(fds), [outcome(lambda: os.ftruncate(fd, 0)) for fd in fds],
+ [outcome(lambda: os.ftruncate(fd, 1 << 20)) for fd in fds])
+"""
+    count, shrink, grow = evaluate(fresh_sandbox, code)
+    assert (count, shrink, grow) == (1, ["EPERM"], ["EPERM"])
+    assert evaluate(fresh_sandbox, ATTACKS) == ("EPERM", "EPERM", "EPERM")  # answered, counted
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state == "S"  # the reaper is alive
+    execution = fresh_sandbox.run(ATTACKS)
+    assert execution.error is None and execution.usage.refused_syscalls == 3
+
+
 def test_refused_calls_still_fail_without_the_reaper(tmp_path):
     path = tmp_path / "denials.jsonl"
     with Sandbox(None, policy=SandboxPolicy(audit_log=str(path))) as sb:

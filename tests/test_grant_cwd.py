@@ -190,6 +190,16 @@ def test_a_folder_holding_secrets_is_never_granted(folder, holds):
     with started_in(folder, "ro") as sandbox:
         if "runtime" in holds:  # where this client writes its kernels' connection files
             assert os.path.dirname(sandbox.manager.connection_file) == folder
+            with tempfile.NamedTemporaryFile(dir=folder, suffix=".csv") as beside:
+                os.chmod(beside.name, 0o644)
+                name = os.path.basename(beside.name)
+                error = sandbox.run(f"open({name!r})").error
+            assert error.name == "FileNotFoundError"
+            assert error.value.endswith(
+                f"which has {name!r}; --grant-cwd could not grant that folder: the folder "
+                f"{folder} holds {holds}, which user code must never see: move the notebook and "
+                "its data into a folder of their own, or open the file by an absolute path "
+                "granted with --read-path")
         assert evaluate(sandbox, "import os\nos.getcwd() == os.environ['HOME']") is True
         assert errno_of(sandbox, f"import os\nos.listdir({folder!r})") == "EACCES"
         banner = sandbox.client.kernel_info(reply=True)["content"]["banner"]

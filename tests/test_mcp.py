@@ -71,6 +71,14 @@ def session(mcp):
     mcp.tool("close_session", {"session": session_id})
 
 
+def finished(mcp, answer) -> list:
+    """Every answer about a run until it ended (a slow one returns early, then wait_run)."""
+    answers = [answer]
+    while answers[-1].structured_content.get("status") == "running":
+        answers.append(mcp.tool("wait_run", {"run": answer.structured_content["run"]}))
+    return answers
+
+
 def text(answer) -> str:
     return "\n".join(block.text for block in answer.content if block.type == "text")
 
@@ -131,18 +139,20 @@ def test_each_call_without_a_session_starts_fresh(mcp):
 
 
 def test_a_chart_comes_back_as_image_content(mcp):
-    answer = mcp.tool("run_python", {"code": PLOT})
-    images = [block for block in answer.content if block.type == "image"]
+    answers = finished(mcp, mcp.tool("run_python", {"code": PLOT}))  # matplotlib may be slow
+    images = [block for answer in answers for block in answer.content if block.type == "image"]
     assert len(images) == 1 and images[0].mime_type == "image/png"
     assert base64.b64decode(images[0].data).startswith(b"\x89PNG\r\n\x1a\n")
-    assert answer.structured_content["displays"] == [{"mime_type": "image/png", "text": None}]
+    assert [display for answer in answers for display in answer.structured_content[
+        "displays"]] == [{"mime_type": "image/png", "text": None}]
+    assert answers[-1].structured_content["status"] == "ok"
 
 
 def test_an_error_has_its_name_message_and_the_users_line(mcp):
     answer = mcp.tool("run_python", {"code": "x = 1\n\ndef f():\n    return undefined_name\nf()"})
     error = answer.structured_content["error"]
     assert answer.is_error and error["name"] == "NameError" and not error["refused"]
-    assert "undefined_name" in error["message"]
+    assert "undefined_name" in error["value"]
     assert any("return undefined_name" in line for line in error["traceback"])
 
 
@@ -165,6 +175,35 @@ def test_huge_output_is_capped_with_a_marker_for_a_model(mcp):
     assert "--max-output" not in text(answer) and "sandbox-kernel client" not in text(answer)
 
 
+# --- what each run cost ---------------------------------------------------------------------
+
+MiB = 2**20
+BUSY = ("import time\nstart = time.process_time()\n"
+        "while time.process_time() - start < 0.4:\n    for _ in range(10**5): pass")
+HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
+        "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
+        "refused_syscalls": "kernel"}
+
+
+def test_usage_reports_cpu_memory_and_refusals_as_the_client_measures_them(mcp, session):
+    def usage(code):
+        return mcp.tool("run_python", {"code": code, "session": session}
+                        ).structured_content["usage"]
+
+    baseline = usage("pass")["peak_memory_bytes"]
+    busy = usage(BUSY)
+    assert busy["source"] == HOST
+    cpu = busy["cpu_user_seconds"] + busy["cpu_system_seconds"]
+    assert 0.4 - 0.02 <= cpu <= 0.4 + 0.15 and cpu <= busy["wall_seconds"] + 0.02
+    big = usage("x = b'1' * (200 * 2**20)\ndel x")
+    assert big["peak_memory_bytes"] >= 200 * MiB + baseline // 2
+    assert usage("y = 1 + 1")["peak_memory_bytes"] < baseline + 20 * MiB  # reset per run
+    refused = mcp.tool("run_python", {"session": session, "code": "import os\nos.fork()"})
+    assert refused.structured_content["usage"]["refused_syscalls"] == 1
+    assert "[usage] wall" in text(refused)
+    assert usage("print('ab')")["output_bytes"] == 3
+
+
 # --- what the sandbox refuses, said for a model --------------------------------------------
 
 @pytest.mark.parametrize(("code", "said"), [
@@ -177,7 +216,7 @@ def test_a_refused_call_is_explained_for_a_model_without_operator_flags(mcp, std
                                                                         code, said):
     answer = mcp.tool("run_python", {"code": code})
     error = answer.structured_content["error"]
-    assert answer.is_error and error["refused"] and said in error["message"]
+    assert answer.is_error and error["refused"] and said in error["value"]
     shown = text(answer) + json.dumps(answer.structured_content)
     assert not FLAGS_SEEN.search(shown), shown
     if mcp.transport == "stdio":  # the operator's wording (with its fix) is in the log
@@ -256,7 +295,7 @@ def test_a_long_run_returns_early_and_can_be_interrupted(mcp, session):
     assert stopped["ok"], stopped
     rest = mcp.tool("wait_run", {"run": data["run"]}).structured_content
     assert rest["status"] == "error" and rest["error"]["name"] == "KeyboardInterrupt"
-    assert "variables are kept" in rest["error"]["message"] and rest["state"] == "kept"
+    assert "variables are kept" in rest["error"]["value"] and rest["state"] == "kept"
     assert not rest["stdout"].startswith("0\n")  # only what the first answer did not carry
     after = mcp.tool("run_python", {"session": session, "code": "kept"})
     assert after.structured_content["value"] == "'yes'"
@@ -269,7 +308,7 @@ def test_a_timeout_says_the_session_state_survived(mcp, session):
     data = answer.structured_content
     assert data["timed_out"] and data["error"]["name"] == "ExecutionTimeout"
     assert data["state"] == "kept" and "variables and imports are kept" in \
-        data["error"]["message"]
+        data["error"]["value"]
     assert "--timeout" not in text(answer)
     assert mcp.tool("run_python", {"session": session, "code": "x"}
                     ).structured_content["value"] == "7"
@@ -281,7 +320,7 @@ def test_a_kernel_that_dies_says_the_session_lost_its_state_and_goes_on(mcp, ses
                                      "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"})
     data = answer.structured_content
     assert data["error"]["name"] == "KernelDied" and data["state"] == "lost"
-    assert "variables and imports are gone" in data["error"]["message"]
+    assert "variables and imports are gone" in data["error"]["value"]
     assert "LOST" in text(answer)
     after = mcp.tool("run_python", {"session": session, "code": "'before' in globals()"})
     assert after.structured_content["value"] == "False"  # a fresh kernel, same session

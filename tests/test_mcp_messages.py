@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("mcp")
 
-from sandbox_kernel.client import Execution, ExecutionError
+from sandbox_kernel.client import ErrorInfo, Execution
 from sandbox_kernel.confine import denials
 from sandbox_kernel.mcp import messages
 
@@ -21,7 +21,7 @@ OPERATOR_WORDS = ("--", "kernelspec", "install", "policy flag")
 
 def said(name: str, value: str, in_session: bool = False, state_lost: bool = False,
          timeout: float | None = 5.0, network: bool = False) -> messages.Said:
-    error = ExecutionError(name, value, ["Cell In[1], line 1", f"{name}: {value}"])
+    error = ErrorInfo(name, value, ["Cell In[1], line 1", f"{name}: {value}"])
     found = messages.for_model(Execution(error=error, state_lost=state_lost), timeout,
                                in_session, 2**30, network)
     assert found is not None
@@ -73,6 +73,7 @@ def test_a_timeout_says_whether_state_survived(in_session, lost, expected):
     ("MemoryError", "ran out of memory (this sandbox allows 1,024 MiB)"),
     ("KernelDied", "The session was restarted"),
     ("ResultTooLarge", "write the data to a file"),
+    ("PackageInstallError", "use the packages that are installed"),
     ("KeyboardInterrupt", "interrupted. The session's variables are kept."),
 ])
 def test_limits_are_said_with_what_to_do(name, expected):
@@ -130,6 +131,7 @@ def test_print_tools_gives_openai_function_definitions(form):
     (["--keys", "k.json"], "--keys is for --http"),
     (["--http", "127.0.0.1:1", "--keys", "/nonexistent/keys.json"], "cannot read the API keys"),
     (["--http", "nonsense"], "expected HOST:PORT"),
+    (["--runtime", "no-such-runtime"], "no runtime named 'no-such-runtime'"),
 ])
 def test_bad_command_lines_are_refused_saying_why(args, says):
     done = _mcp(*args)

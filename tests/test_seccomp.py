@@ -155,10 +155,15 @@ def test_a_promise_whose_rule_is_gone_is_no_longer_claimed(monkeypatch):
     servers = "servers: listen on no address or port"
     before = {p.name: p for p in promises.evaluate(host)}[servers]
     assert before.enforced_by == ["seccomp: " + rules.GUARANTEES["servers"].text]
-    real = rules.described
-    monkeypatch.setattr(rules, "described", lambda network, abi=0: _changed(
+    real = rules._described
+    monkeypatch.setattr(rules, "_described", lambda network, abi: _changed(
         real(network, abi), allow=(Rule("listen"),)))
-    after = {p.name: p for p in promises.evaluate(host)}[servers]
+    rules._kept.cache_clear()  # read again, from the changed rules
+    try:
+        after = {p.name: p for p in promises.evaluate(host)}[servers]
+    finally:
+        monkeypatch.undo()
+        rules._kept.cache_clear()
     assert after.enforced_by == [] and after.missing
     assert "its rules here do not keep it" in promises.refusal([after])
 

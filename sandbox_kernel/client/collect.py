@@ -9,7 +9,7 @@ from typing import Any
 
 from .. import jsonwire
 from .execution import ErrorInfo, Execution, error_from
-from .receive import Budget, CallerLimits, unpack_frames
+from .receive import Budget, CallerLimits, raw_result, unpack_frames
 
 POLL = 0.2  # seconds between looks at the kernel while no message comes
 _DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's exit
@@ -24,7 +24,7 @@ class Collector:
 
     def __init__(self, msg_id: str, on_stdout: Callback, on_stderr: Callback,
                  on_display: Callback, limits: CallerLimits | None = None,
-                 session: Any = None) -> None:
+                 session: Any = None, raw_result: bool = False) -> None:
         self.msg_id = msg_id
         self.execution = Execution()
         self.callbacks = {"stdout": on_stdout, "stderr": on_stderr, "display": on_display}
@@ -32,6 +32,7 @@ class Collector:
         self.budget = Budget(limits or CallerLimits())
         self.session = session
         self.result_bytes = 0
+        self.raw_result = raw_result  # keep a main() result as its JSON bytes (receive.raw_result)
 
     def feed_frames(self, frames: list[Any]) -> None:
         """Take one message as it came off the socket (content parsed only if it is ours)."""
@@ -68,6 +69,9 @@ class Collector:
             self._add_markers()
 
     def _result(self, content: Any, size: int) -> None:
+        if self.raw_result and isinstance(content, (bytes, memoryview)):
+            self._raw_result(content, size)
+            return
         ex = self.execution
         problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
         if problem is None:
@@ -83,6 +87,22 @@ class Collector:
         ex.text = data.get("text/plain")
         ex.result = json_data if isinstance(json_data, dict) else None
         self.result_bytes = _result_bytes(ex.result, ex.text)
+
+    def _raw_result(self, content: bytes | memoryview, size: int) -> None:
+        ex = self.execution
+        problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
+        if problem is None:
+            try:
+                raw, text = raw_result(content)
+            except ValueError as exc:
+                ex.error = ErrorInfo("InvalidResult", str(exc), [f"InvalidResult: {exc}"])
+                return
+            problem = None if raw is None else self.budget.json_problem(len(raw))
+        if problem is not None:
+            ex.error = ErrorInfo("ResultTooLarge", problem, [f"ResultTooLarge: {problem}"])
+            return
+        ex.result_json, ex.text = raw, text if isinstance(text, str) else None
+        self.result_bytes = len(raw) if raw is not None else _result_bytes(None, ex.text)
 
     def _add_markers(self) -> None:
         for marker in (self.budget.output_marker(), self.budget.display_marker()):

@@ -68,6 +68,9 @@ class Execution:
     duration: float = 0.0
     state_lost: bool = False
     usage: Usage = field(default_factory=Usage)
+    # With run(..., raw_result=True): the main() result as the kernel's JSON bytes, checked to
+    # be one well-formed JSON object but never turned into Python objects (`result` stays None).
+    result_json: bytes | None = field(default=None, repr=False)
 
     @property
     def stdout(self) -> str:
@@ -80,8 +83,13 @@ class Execution:
         return "".join(chunk["text"] for chunk in self.logs if chunk["name"] == "stderr")
 
     def to_dict(self) -> dict[str, Any]:
-        """The whole execution as JSON-able values."""
-        return {**asdict(self), "stdout": self.stdout, "stderr": self.stderr}
+        """The whole execution as JSON-able values (sharing, not copying, result and outputs:
+        a deep copy of a large result cost the service seconds and its size again in memory)."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__
+                  if name != "result_json"}
+        fields["error"] = None if self.error is None else asdict(self.error)
+        fields["usage"] = asdict(self.usage)
+        return {**fields, "stdout": self.stdout, "stderr": self.stderr}
 
     def save_displays(self, directory: str | Path) -> list[str]:
         """Write each display to directory as display-N.EXT in its richest format; the paths."""

@@ -392,13 +392,17 @@ class _SandboxCore:
 
     def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
              on_stdout: Callback = None, on_stderr: Callback = None,
-             on_display: Callback = None, entrypoint: str = "main") -> Steps[Execution]:
-        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict."""
+             on_display: Callback = None, entrypoint: str = "main",
+             raw_result: bool = False) -> Steps[Execution]:
+        """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict.
+
+        raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
+        parsed into objects), for a caller that only passes it on (the service)."""
         watchdog = Watchdog(timeout, self.grace, self.one_shot)
         msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                self.timeout_source)
         meter = Meter(self._kernel_process())
-        collector, inbox = self._send(msg, on_stdout, on_stderr, on_display)
+        collector, inbox = self._send(msg, on_stdout, on_stderr, on_display, raw_result)
         lost = None
         while not collector.idle and not lost:
             frames = yield (inbox.receive, POLL)
@@ -439,10 +443,11 @@ class _SandboxCore:
         return None
 
     def _send(self, msg: dict[str, Any], on_stdout: Callback = None, on_stderr: Callback = None,
-              on_display: Callback = None) -> tuple[Collector, Any]:
+              on_display: Callback = None, raw_result: bool = False
+              ) -> tuple[Collector, Any]:
         """Send an execute request; return what collects its output and the inbox to read."""
         collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
-                              self.limits, self.client.session)
+                              self.limits, self.client.session, raw_result)
         inbox = self._current_inbox()  # before the send: nothing of the reply may be missed
         self.client.shell_channel.send(msg)
         return collector, inbox

@@ -167,7 +167,8 @@ class Reaper:
         counted = None
         if settings.get("tally") and files:  # the count of refused calls comes first
             tally_fd, *files = files
-            counted = Tally(tally_fd, writable=True)
+            # Only a count whose size is sealed: a shrunk one would fault this process.
+            counted = Tally(tally_fd, writable=True) if Tally.sealed(tally_fd) else None
             os.close(tally_fd)
         self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
                                      kernel_id=str(settings.get("kernel", "")),

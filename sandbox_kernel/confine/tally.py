@@ -5,16 +5,20 @@ each execution's cost in its execute_reply. One shared page carries the count be
 memfd the kernel creates before its filter is loaded, maps read-only and hands to the reaper,
 which maps it writable and adds one before it answers each refused call, so a refused call has
 been counted by the time it returns in the kernel. User code could only falsify its own report,
-which it can do anyway: a figure the kernel reports is labelled as the kernel's.
+which it can do anyway: a figure the kernel reports is labelled as the kernel's. It cannot
+shrink the memfd (its own descriptor is mmap's, which keeps one): the memfd is sealed against
+resizing, since a page cut from under the reaper's mapping would kill the reaper (SIGBUS).
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
 
 _COUNT = struct.Struct("=Q")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class Tally:
@@ -26,10 +30,25 @@ class Tally:
 
     @staticmethod
     def create() -> int:
-        """A new zeroed count's descriptor (close-on-exec), for Tally and the reaper."""
-        fd = os.memfd_create("sandbox-kernel-refusals", os.MFD_CLOEXEC)
-        os.ftruncate(fd, _COUNT.size)
+        """A new zeroed count's descriptor (close-on-exec, its size sealed), for Tally and the
+        reaper."""
+        fd = os.memfd_create("sandbox-kernel-refusals", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, _COUNT.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        except OSError:
+            os.close(fd)
+            raise
         return fd
+
+    @staticmethod
+    def sealed(fd: int) -> bool:
+        """Whether fd is a count no one can resize: the only kind the reaper may map."""
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:  # not a memfd
+            return False
+        return seals & _SEALS == _SEALS and os.fstat(fd).st_size >= _COUNT.size
 
     def add(self) -> None:
         """Count one refused call (the reaper's side)."""

@@ -210,8 +210,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.reaper_channel = int(channel) if channel.isdigit() else None
         policy = self.policy
         refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
-        if refusal:
-            self.refuse_to_start(refusal)
+        if refusal:  # the reason names the flag that allows these variables
+            raise ConfinementError(refusal, layer="environment")
         cwd = self.init_cwd_grant(launch_dir)
         try:
             granted = paths.check_grants(policy.read_paths), paths.check_grants(policy.write_paths)
@@ -238,7 +238,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             if self.layers["landlock"]["active"]
             else denials.FileAccess(False, scratch=scratch_dir, launch_dir=launch_dir))
         self.layers["files"] = paths.describe_grants(
-            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "")
+            *granted, cwd["path"], policy.grant_cwd, self.layers["cwd"]["refused"] or "") \
+            if self.layers["landlock"]["active"] else [
+                "everything this kernel's uid may reach: no file-system confinement "
+                f"({self.layers['landlock'].get('reason', 'Landlock is off')})"]
         self.file_access = dataclasses.replace(
             self.file_access, cwd_mode=self.policy.grant_cwd,
             cwd_refused=self.layers["cwd"]["refused"] or "")
@@ -268,7 +271,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             try:
                 listeners = netns.prebind(self.ip, channels)
             except netns.NamespaceError as exc:
-                self.refuse_to_start(str(exc))
+                raise ConfinementError(str(exc), layer="network") from exc
             for name, listener in listeners.items():
                 setattr(self, f"{name}_port", listener.getsockname()[1])
             self.prebound.update({lsn.getsockname()[1]: lsn for lsn in listeners.values()})
@@ -276,11 +279,11 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             layer = netns.enter()
         except netns.NamespaceError as exc:
             if policy.network != "off":
-                self.refuse_to_start(
+                raise ConfinementError(
                     f"network {policy.network}: {exc.strerror}. Without a namespace of its own "
                     "user code could reach the host's loopback and other kernels: run the "
                     "kernel as root or where unprivileged user namespaces are enabled, or use "
-                    "--network off")
+                    "--network off", layer="network") from exc
             self.layers["network"] = {"active": False, "mode": "off", "reason": exc.strerror}
             return
         layer["mode"] = policy.network
@@ -294,15 +297,15 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         """The egress listener on the namespace's loopback, served by the reaper from outside."""
         policy = self.policy
         if self.reaper_channel is None:
-            self.refuse_to_start(f"network {policy.network} needs the reaper to serve the "
-                                 "egress proxy: start the kernel with `python -I -m "
-                                 "sandbox_kernel`")
+            raise ConfinementError(f"network {policy.network} needs the reaper to serve the "
+                                   "egress proxy: start the kernel with `python -I -m "
+                                   "sandbox_kernel`", layer="network")
         try:
             netns.loopback_up()
             listener = netns.egress_listener(EGRESS_PORT)
         except OSError as exc:
-            self.refuse_to_start(f"network {policy.network}: cannot set up the egress "
-                                 f"listener: {exc}")
+            raise ConfinementError(f"network {policy.network}: cannot set up the egress "
+                                   f"listener: {exc}", layer="network") from exc
         settings = {"kernel": self.kernel_id, "mode": policy.network,
                     "allow_hosts": policy.allow_hosts,
                     "allow_addresses": policy.allow_addresses,
@@ -408,9 +411,9 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                                       landlock_abi=abi, notify=notify)
             if listener is not None:
                 self.hand_listener(listener, tally_fd)
-        except OSError as exc:
-            raise seccomp.SeccompError(f"handing its listener to the reaper failed: {exc}"
-                                       ) from exc
+        except OSError as exc:  # the count's memfd, or the handover to the reaper
+            raise seccomp.SeccompError("preparing the reaper's answers to refused calls "
+                                       f"failed: {exc}") from exc
         finally:
             if tally_fd is not None:
                 os.close(tally_fd)

@@ -67,6 +67,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     limits.add_argument("--embed-files", type=_size, default=defaults.embed_bytes,
                         metavar="SIZE", help="files a fresh run wrote up to SIZE come back "
                         "in its result")
+    command.add_argument("--runtime", metavar="NAME", default="",
+                         help="run kernels on this runtime (`sandbox-kernel runtime create`)")
     add_launch_arguments(command)
     policy.add_arguments(command)
     command.set_defaults(handler=main)
@@ -76,7 +78,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> McpConfig:
     """The server's settings from its flags."""
     return McpConfig(
-        policy=policy.from_arguments(args), preload=list(args.preload),
+        policy=policy.from_arguments(args), preload=list(args.preload), runtime=args.runtime,
         cold_start=args.cold_start, pool_size=max(0, args.pool_size),
         patience=max(1.0, args.patience), max_timeout=args.max_timeout,
         max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
@@ -88,7 +90,8 @@ def _sdk_missing() -> str | None:
     try:
         import mcp.server.mcpserver  # noqa: F401
     except ImportError:
-        return ("the MCP SDK is not installed: pip install 'sandbox-kernel[mcp]'")
+        return ("the MCP SDK is not installed: install this package with its [mcp] extra "
+                "(pip install -e '.[mcp]' in the checkout)")
     return None
 
 
@@ -98,6 +101,14 @@ def main(args: argparse.Namespace) -> int:
     if missing:
         print(f"sandbox-kernel mcp: {missing}", file=sys.stderr)
         return 2
+    if args.runtime:
+        from ..runtimes import RuntimesError, find
+
+        try:
+            find(args.runtime)
+        except RuntimesError as exc:
+            print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
+            return 2
     config = config_from(args)
     if args.print_tools:
         from .openai import definitions
@@ -127,5 +138,6 @@ def main(args: argparse.Namespace) -> int:
     except KeyFileError as exc:
         print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
         return 2
-    server.run_http(config, *args.http, keys)
+    host, port = args.http
+    server.run_http(config, host, port, keys)
     return 0

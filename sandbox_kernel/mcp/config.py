@@ -15,6 +15,7 @@ class McpConfig:
 
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
     preload: list[str] = field(default_factory=list)
+    runtime: str = ""  # an operator-built runtime kernels run on (`sandbox-kernel runtime`)
     cold_start: bool = False
     pool_size: int = 1  # started kernels kept ready per network setting
     patience: float = 20.0  # seconds a call waits for its run before answering with a handle

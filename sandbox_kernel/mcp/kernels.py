@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +39,19 @@ class KernelSource:
     def __init__(self, config: McpConfig) -> None:
         self.config = config
         self.pools: dict[bool, KernelPool] = {}
+        self.python, self.preload = sys.executable, list(config.preload)
+        if config.runtime:  # its current build, its own modules preloaded too
+            from ..runtimes import find
+
+            record = find(config.runtime)
+            self.python = str(record.python())
+            self.preload = list(dict.fromkeys([*record.preload, *config.preload]))
 
     def options(self, network: bool) -> dict[str, Any]:
         """The AsyncSandbox options of a kernel with network on or off."""
         return {"kernel_name": None, "policy": _with_network(self.config.policy, network),
-                "preload": self.config.preload, "cold_start": self.config.cold_start}
+                "python": self.python, "preload": self.preload,
+                "cold_start": self.config.cold_start}
 
     def _pool(self, network: bool) -> KernelPool | None:
         if self.config.pool_size < 1:
@@ -75,7 +84,7 @@ class KernelSource:
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         if not self.config.cold_start:
-            ForkServerClient(preload=tuple(self.config.preload)).stop_server()
+            ForkServerClient(python=self.python, preload=tuple(self.preload)).stop_server()
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from ..client import Execution, ExecutionError
+from ..client import ErrorInfo, Execution
 from ..confine import denials
 
 log = logging.getLogger("sandbox_kernel.mcp")
@@ -34,7 +34,7 @@ class Said:
     refused: bool = False
 
 
-def _refusal(error: ExecutionError) -> Said | None:
+def _refusal(error: ErrorInfo) -> Said | None:
     rule = denials.rule_in(error.value)
     if rule is None:
         return None
@@ -54,14 +54,14 @@ _LOOKUP_FAILED = re.compile(r"name resolution|Name or service not known|"
                             r"No address associated with hostname|nodename nor servname")
 
 
-def _offline_lookup(error: ExecutionError) -> Said | None:
+def _offline_lookup(error: ErrorInfo) -> Said | None:
     if not _LOOKUP_FAILED.search(error.value):
         return None
     said = f"{error.name}: {denials.NETWORK_OFF.for_model}"
     return Said(error.name, said, [*error.traceback[:-1], said], refused=True)
 
 
-def _timeout(error: ExecutionError, timeout: float | None, scope: str) -> str:
+def _timeout(error: ErrorInfo, timeout: float | None, scope: str) -> str:
     limit = f"its {timeout:g} s" if timeout else "its"
     kept = {"session": " The session's variables and imports are kept.",
             "lost": " The session had to be restarted: its variables and imports are gone, so "
@@ -93,6 +93,9 @@ def for_model(execution: Execution, timeout: float | None, in_session: bool,
             "of memory or crashed)." + (" The session was restarted: its variables and imports "
                                         "are gone, so run your set-up code again."
                                         if in_session else ""),
+        "PackageInstallError": lambda: "the package could not be installed in this "
+            "sandbox: use the packages that are installed (the sandbox://policy resource lists "
+            "them).",
         "ResultTooLarge": lambda: "the result was too large to return: return a summary, or "
             "write the data to a file and read the part you need.",
         "MessageTooLarge": lambda: "the code produced a message too large to return (a huge "

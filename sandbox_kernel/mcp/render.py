@@ -7,7 +7,7 @@ import base64
 import dataclasses
 import json
 import mimetypes
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote
 
 from mcp.types import (
@@ -21,10 +21,11 @@ from mcp.types import (
     TextResourceContents,
 )
 
+from ..client import Execution
 from . import messages
 from .config import McpConfig
 from .runs import Run
-from .shapes import Chunk, Display, ErrorInfo, FileInfo, RunResult
+from .shapes import Chunk, Display, ErrorInfo, FileInfo, RunResult, Usage
 
 IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 TEXT_DISPLAYS = ("image/svg+xml", "text/html", "text/markdown", "text/latex", "application/json",
@@ -40,14 +41,21 @@ def mime_of(path: str) -> str:
     return mimetypes.guess_type(path)[0] or "application/octet-stream"
 
 
-def usage_of(execution: Any) -> dict[str, Any] | None:
-    """The execution's usage as JSON values, where the client measured one."""
-    usage = getattr(execution, "usage", None)
-    if usage is None:
-        return None
-    if dataclasses.is_dataclass(usage):
-        return dataclasses.asdict(usage)  # type: ignore[arg-type]
-    return dict(usage) if isinstance(usage, dict) else None
+def usage_of(execution: Execution) -> Usage:
+    """The execution's usage, as the client measured it."""
+    return Usage(**dataclasses.asdict(execution.usage))
+
+
+def _usage_line(usage: Usage) -> str:
+    parts = [f"wall {usage.wall_seconds:.3f} s"]
+    if usage.cpu_user_seconds is not None and usage.cpu_system_seconds is not None:
+        parts.append(f"cpu {usage.cpu_user_seconds + usage.cpu_system_seconds:.2f} s")
+    if usage.peak_memory_bytes is not None:
+        parts.append(f"peak memory {usage.peak_memory_bytes / 2**20:.1f} MiB")
+    parts.append(f"output {usage.output_bytes:,} B")
+    if usage.refused_syscalls:
+        parts.append(f"refused calls {usage.refused_syscalls}")
+    return "[usage] " + ", ".join(parts)
 
 
 def _output(chunks: list[dict[str, str]], limit: int) -> list[Chunk]:
@@ -59,9 +67,9 @@ def _output(chunks: list[dict[str, str]], limit: int) -> list[Chunk]:
         else:
             merged.append(Chunk(stream=chunk["stream"], text=chunk["text"]))  # type: ignore[arg-type]
     total = sum(len(c.text) for c in merged) or 1
-    for chunk in merged:
-        chunk.text = messages.cut(messages.plain_output(chunk.text),
-                                  max(200, limit * len(chunk.text) // total))
+    for part in merged:
+        part.text = messages.cut(messages.plain_output(part.text),
+                                 max(200, limit * len(part.text) // total))
     return merged
 
 
@@ -82,7 +90,8 @@ def _display(bundle: dict[str, Any], limit: int) -> tuple[Display, ContentBlock 
 
 
 def _files(run: Run, config: McpConfig) -> tuple[list[FileInfo], list[ContentBlock]]:
-    infos, blocks = [], []
+    infos: list[FileInfo] = []
+    blocks: list[ContentBlock] = []
     for path, size, _ in run.written:
         mime = mime_of(path)
         if run.session is not None:
@@ -105,7 +114,7 @@ def _files(run: Run, config: McpConfig) -> tuple[list[FileInfo], list[ContentBlo
     return infos, blocks
 
 
-def _state(run: Run) -> str:
+def _state(run: Run) -> Literal["kept", "lost", "fresh"]:
     if run.session is None:
         return "fresh"
     return "lost" if run.execution is not None and run.execution.state_lost else "kept"
@@ -134,7 +143,7 @@ def result(run: Run, config: McpConfig) -> CallToolResult:
         elif shape.value is not None:
             shape.value = messages.cut(shape.value, config.max_text)
         if said is not None:
-            shape.error = ErrorInfo(name=said.name, message=said.message,
+            shape.error = ErrorInfo(name=said.name, value=said.message,
                                     traceback=said.traceback, refused=said.refused)
             shape.timed_out = said.name == "ExecutionTimeout"
         shape.files, file_blocks = _files(run, config)
@@ -158,13 +167,15 @@ def summary(shape: RunResult) -> str:
         lines.append(f"[display {number}: {display.mime_type}]" + (
             "" if display.text is None else f"\n{display.text}"))
     if shape.error is not None:
-        lines.append(f"[error] {shape.error.name}: {shape.error.message}")
+        lines.append(f"[error] {shape.error.name}: {shape.error.value}")
         if not shape.error.refused and shape.error.traceback:
             lines.append("\n".join(shape.error.traceback[-12:]))
     for file in shape.files:
         where = file.uri or ("content below" if file.embedded else
                              "too large to return: run in a session to keep it")
         lines.append(f"[file] {file.path} ({file.size:,} bytes): {where}")
+    if shape.usage is not None:
+        lines.append(_usage_line(shape.usage))
     if shape.status == "running":
         lines.append(f"[running] run {shape.run} is still going: call wait_run with run="
                      f"{shape.run!r} for the rest, or interrupt to stop it")

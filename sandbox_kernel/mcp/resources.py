@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from typing import Any
 
 from mcp.server.mcpserver import MCPServer
@@ -16,10 +17,17 @@ from .state import State
 POLICY_URI = "sandbox://policy"
 
 
-def _installed() -> list[str]:
-    """The distributions the kernels' interpreter has (they run this server's Python)."""
-    names = {dist.metadata["Name"] for dist in importlib.metadata.distributions()
-             if dist.metadata["Name"]}
+def _installed(runtime: str) -> list[str]:
+    """The distributions kernels can import: the runtime's, else this server's interpreter's."""
+    if runtime:
+        from ..runtimes import find
+
+        lines = find(runtime).frozen()
+        names = {re.split(r"[=<>~!; \[]", line, maxsplit=1)[0] for line in lines
+                 if line and not line.startswith("-")}
+    else:
+        names = {dist.metadata["Name"] for dist in importlib.metadata.distributions()
+                 if dist.metadata["Name"]}
     return sorted(names, key=str.lower)
 
 
@@ -44,8 +52,13 @@ def policy(state: State) -> dict[str, Any]:
         "writable_folders": ["the working directory", *rules.write_paths],
         "sessions": {"max_open": config.max_sessions,
                      "idle_timeout_seconds": config.session_idle_timeout or None},
-        "preloaded_modules": list(config.preload),
-        "packages": _installed(),
+        "runtime": config.runtime or None,
+        "preloaded_modules": state.source.preload,
+        "packages": _installed(config.runtime),
+        "installing_packages": (
+            "create_session(packages=[...]) installs wheels from the package index into the "
+            "session" if rules.allow_network else "not possible: the network is off; use the "
+            "packages listed here"),
     }
 
 

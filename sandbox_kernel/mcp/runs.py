@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client import AsyncSandbox, Execution, ExecutionError
+from ..client import AsyncSandbox, ErrorInfo, Execution
 from . import files
 from .config import McpConfig
 from .kernels import KernelSource, Session, SessionProblem, Sessions
@@ -126,12 +126,12 @@ class Runs:
                 await self._fresh(run, code, inputs)
         except Exception as exc:  # the kernel could not be had, or was lost under the run
             log.warning("run %s failed: %s", run.id, exc)
-            run.execution = Execution(error=ExecutionError(
+            run.execution = Execution(error=ErrorInfo(
                 "KernelUnavailable", f"the sandbox could not run the code: {exc}"),
                 state_lost=True)
         finally:
             if run.execution is None:  # cancelled at shutdown
-                run.execution = Execution(error=ExecutionError(
+                run.execution = Execution(error=ErrorInfo(
                     "KernelUnavailable", "the server is shutting down"), state_lost=True)
             run.finished_at = time.monotonic()
 

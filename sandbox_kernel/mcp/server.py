@@ -11,6 +11,7 @@ from typing import Any
 from mcp.server.auth.provider import AccessToken
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import MCPServer
+from pydantic import AnyHttpUrl
 
 from .. import __version__
 from ..service.auth import ApiKey, BearerKeys
@@ -56,7 +57,8 @@ def build(config: McpConfig, keys: list[ApiKey] | None = None,
     auth: dict[str, Any] = {}
     if keys is not None:
         auth = {"token_verifier": KeyVerifier(keys),
-                "auth": AuthSettings(issuer_url=url, resource_server_url=f"{url}/mcp",
+                "auth": AuthSettings(issuer_url=AnyHttpUrl(url),
+                                     resource_server_url=AnyHttpUrl(f"{url}/mcp"),
                                      validate_token_resource=False)}
     network = "" if config.policy.allow_network else " and no network"
     server = MCPServer("sandbox-kernel", title="Python sandbox", version=__version__,

@@ -16,13 +16,13 @@ class Display(BaseModel):
     """One rich output (a chart, a table); images also come back as image content."""
 
     mime_type: str = Field(description="Its richest form, e.g. image/png, text/html.")
-    text: str | None = Field(None, description="Its text form (SVG, HTML, JSON, plain text), "
-                             "cut to the server's size cap; None for images.")
+    text: str | None = Field(default=None, description="Its text form (SVG, HTML, JSON, plain "
+                             "text), cut to the server's size cap; None for images.")
 
 
 class ErrorInfo(BaseModel):
     name: str = Field(description="The exception's name, e.g. NameError, ExecutionTimeout.")
-    message: str = Field(description="What happened and what the code can do instead.")
+    value: str = Field(description="What happened and what the code can do instead.")
     traceback: list[str] = Field(description="Where it happened, ending at the code's line.")
     refused: bool = Field(description="The sandbox refused something the code tried.")
 
@@ -30,8 +30,24 @@ class ErrorInfo(BaseModel):
 class FileInfo(BaseModel):
     path: str = Field(description="Relative to the working directory.")
     size: int
-    uri: str | None = Field(None, description="A resource to read it by (sessions only).")
-    embedded: bool = Field(False, description="Its content is in this result.")
+    uri: str | None = Field(default=None, description="A resource to read it by (sessions only).")
+    embedded: bool = Field(default=False, description="Its content is in this result.")
+
+
+class Usage(BaseModel):
+    """What one run cost (the client's `Execution.usage`); None where nobody could measure."""
+
+    wall_seconds: float
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
+    peak_memory_bytes: int | None = Field(default=None, description="The kernel's peak "
+                                          "memory during this run.")
+    output_bytes: int = Field(description="Bytes of stdout and stderr.")
+    result_bytes: int = Field(description="Bytes of the result (its JSON, or its text).")
+    refused_syscalls: int | None = Field(default=None, description="System calls the sandbox "
+                                         "refused during this run.")
+    source: dict[str, str] = Field(description="Who measured each figure: host, sampled, "
+                                   "kernel or caller.")
 
 
 class RunResult(BaseModel):
@@ -40,14 +56,15 @@ class RunResult(BaseModel):
     status: Literal["ok", "error", "running"] = Field(
         description="running: not finished yet; call wait_run with `run` for the rest.")
     run: str = Field(description="The run's id, for wait_run and interrupt.")
-    session: str | None = Field(None, description="The session it ran in; None: a fresh "
+    session: str | None = Field(default=None, description="The session it ran in; None: a fresh "
                                 "sandbox that is gone now.")
     output: list[Chunk] = Field(description="stdout and stderr in the order written (new "
                                 "since the last answer about this run).")
     stdout: str
     stderr: str
-    result: dict[str, Any] | None = Field(None, description="main(**inputs)'s returned dict.")
-    value: str | None = Field(None, description="The last expression's value, as text.")
+    result: dict[str, Any] | None = Field(default=None,
+                                          description="main(**inputs)'s returned dict.")
+    value: str | None = Field(default=None, description="The last expression's value, as text.")
     displays: list[Display] = Field(default_factory=list)
     error: ErrorInfo | None = None
     timed_out: bool = False
@@ -56,16 +73,16 @@ class RunResult(BaseModel):
         "restarted and its variables are gone; fresh: the run had a sandbox of its own.")
     files: list[FileInfo] = Field(default_factory=list,
                                   description="Files the run wrote or changed.")
-    usage: dict[str, Any] | None = Field(None, description="What the run cost: wall and CPU "
-                                         "seconds, peak memory, output bytes, refusals.")
-    duration: float | None = Field(None, description="Seconds the run took.")
+    usage: Usage | None = Field(default=None, description="What the run cost: wall and CPU "
+                                "seconds, peak memory, output and result bytes, refusals.")
+    duration: float | None = Field(default=None, description="Seconds the run took.")
 
 
 class SessionInfo(BaseModel):
     session: str
     network: bool = Field(description="Whether code in it may use the network.")
     busy: bool
-    running: str | None = Field(None, description="The id of the run in progress.")
+    running: str | None = Field(default=None, description="The id of the run in progress.")
     created: float = Field(description="Unix time it was created.")
     idle_seconds: float
 
@@ -94,7 +111,7 @@ class FileContent(BaseModel):
     path: str
     size: int
     encoding: Literal["text", "base64"]
-    content: str | None = Field(None, description="The text, or base64 for binary files "
+    content: str | None = Field(default=None, description="The text, or base64 for binary files "
                                 "(images come back as image content instead).")
     mime_type: str
 

@@ -14,6 +14,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 from pydantic import Field
 
+from ..client.sandbox import install_code
 from . import files, messages, render
 from .kernels import Session, SessionProblem
 from .shapes import (
@@ -97,8 +98,9 @@ def register(server: MCPServer, state: State) -> None:
             description="Let its code use the network (only where this server allows it).")
         ] = None,
         packages: Annotated[list[str] | None, Field(
-            description="Packages the code will import; the session is refused, naming them, "
-            "if any is missing (packages cannot be installed here).")] = None,
+            description="Packages the code will import: those missing are installed (wheels "
+            "from the package index, where the network is allowed); the session is refused, "
+            "naming them, if any is still missing.")] = None,
     ) -> SessionInfo:
         """Open a session: a sandbox of its own that keeps variables, imports and files between
         run_python calls until closed (or idle too long)."""
@@ -110,12 +112,14 @@ def register(server: MCPServer, state: State) -> None:
             session = await state.sessions.create(owner, wanted, state.owner_limit(owner))
         except SessionProblem as exc:
             raise ToolError(str(exc)) from None
-        missing = await _missing_packages(session, packages or [])
+        missing = await _provide_packages(session, packages or [], config.max_timeout)
         if missing:
             await state.sessions.close(session)
-            raise ToolError(f"not available in this sandbox: {', '.join(missing)}; packages "
-                            "cannot be installed here. Read the sandbox://policy resource for "
-                            "what is installed, and use those instead.")
+            how = "they could not be installed" if session.network else \
+                "packages cannot be installed here (the network is off)"
+            raise ToolError(f"not available in this sandbox: {', '.join(missing)}; {how}. Read "
+                            "the sandbox://policy resource for what is installed, and use "
+                            "those instead.")
         return SessionInfo(**session.describe())
 
     async def close_session(session: SessionId) -> Done:
@@ -154,7 +158,8 @@ def register(server: MCPServer, state: State) -> None:
             if held.run_id is None:
                 return Done(ok=False, message=f"session {held.id} is not running anything")
             run = held.run_id
-        found = _check(lambda: state.runs.get(owner, run))
+        wanted: str = run  # type: ignore[assignment]  # one of the two is given
+        found = _check(lambda: state.runs.get(owner, wanted))
         if found.done:
             return Done(ok=False, message=f"run {found.id} has already finished: collect it "
                         "with wait_run")
@@ -205,14 +210,17 @@ def register(server: MCPServer, state: State) -> None:
         relative = files.relative(path)
         return FileWritten(path=relative, size=size, uri=render.file_uri(held.id, relative))
 
-    hint = {"openWorldHint": config.policy.allow_network}
     server.add_tool(run_python, description=RUN_PYTHON.format(
         network=network, patience=config.patience), title="Run Python in a sandbox",
-        annotations=ToolAnnotations(destructive_hint=False, **hint))
+        annotations=ToolAnnotations(destructive_hint=False,
+                                    open_world_hint=config.policy.allow_network))
     server.add_tool(wait_run, annotations=ToolAnnotations(read_only_hint=True))
-    for tool in (create_session, close_session, restart_session, interrupt, write_file):
+    changing: tuple[Any, ...] = (create_session, close_session, restart_session, interrupt,
+                                 write_file)
+    for tool in changing:
         server.add_tool(tool, annotations=ToolAnnotations(open_world_hint=False))
-    for tool in (list_sessions, list_files, read_file):
+    reading: tuple[Any, ...] = (list_sessions, list_files, read_file)
+    for tool in reading:
         server.add_tool(tool, annotations=ToolAnnotations(read_only_hint=True,
                                                           open_world_hint=False))
 
@@ -229,19 +237,47 @@ async def _file_op(state: State, session: Session, operation: Any) -> Any:
             raise ToolError(str(exc)) from None
 
 
-async def _missing_packages(session: Session, names: list[str]) -> list[str]:
-    if not names:
-        return []
-    code = ("def main(names):\n    import importlib.metadata, importlib.util\n"
-            "    def there(name):\n        try:\n            importlib.metadata.distribution"
-            "(name)\n            return True\n        except Exception:\n            pass\n"
-            "        try:\n            return importlib.util.find_spec(name) is not None\n"
-            "        except Exception:\n            return False\n"
-            "    return {'missing': [n for n in names if not there(n)]}\n")
-    async with session.lock:
-        execution = await session.sandbox.run(code, {"names": names[:100]}, timeout=30)
+_CHECK_PACKAGES = (
+    "def main(names):\n"
+    "    import importlib, importlib.metadata, importlib.util\n"
+    "    importlib.invalidate_caches()\n"
+    "    def there(name):\n"
+    "        try:\n"
+    "            importlib.metadata.distribution(name)\n"
+    "            return True\n"
+    "        except Exception:\n"
+    "            pass\n"
+    "        try:\n"
+    "            return importlib.util.find_spec(name) is not None\n"
+    "        except Exception:\n"
+    "            return False\n"
+    "    return {'missing': [n for n in names if not there(n)]}\n")
+
+
+async def _missing(session: Session, names: list[str]) -> list[str]:
+    execution = await session.sandbox.run(_CHECK_PACKAGES, {"names": names}, timeout=30)
     missing = (execution.result or {}).get("missing")
     return [str(name) for name in missing] if isinstance(missing, list) else list(names)
+
+
+async def _provide_packages(session: Session, wanted: list[str], timeout: float) -> list[str]:
+    """Install what the session lacks (%pip, where the network allows); what is still missing."""
+    names = [name.split("==")[0].strip() for name in wanted[:50]]
+    if not names:
+        return []
+    async with session.lock:
+        missing = await _missing(session, names)
+        if not missing or not session.network:
+            return missing
+        try:
+            code = install_code([w for w, n in zip(wanted, names, strict=False) if n in missing])
+        except ValueError as exc:
+            raise ToolError(str(exc)) from None
+        installed = await session.sandbox.run(code, timeout=timeout)
+        if installed.error is not None:
+            messages.log.info("installing %s failed: %s: %s", missing, installed.error.name,
+                              installed.error.value)
+        return await _missing(session, missing)
 
 
 def _file_result(path: str, content: bytes, max_text: int) -> CallToolResult:

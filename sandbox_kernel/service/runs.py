@@ -167,7 +167,8 @@ class Runner:
                 on = callbacks(record, OutputBudget(self.output_limit), on_output)
                 return await bounded(
                     sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
-                                on_stderr=on["stderr"], on_display=on["display"]),
+                                on_stderr=on["stderr"], on_display=on["display"],
+                                raw_result=True),
                     timeout, self.grace, record, self.stopping)
             except OutputLimit as exc:
                 return output_limited(record, str(exc), state_lost=True), False

@@ -169,7 +169,11 @@ def precompile() -> None:
     for allow_network in (False, True):
         denylist(allow_network)
         for truncate in (False, True):
-            _rules.described(allow_network, LANDLOCK_TRUNCATE_ABI if truncate else 0)
+            # What the rules keep, and their description: each kernel states both.
+            abi = LANDLOCK_TRUNCATE_ABI if truncate else 0
+            _rules.keeps("processes", allow_network, abi)
+            for notify in (False, True):
+                _rules.describe(allow_network, notify, landlock_abi=abi)
             for notify in (False, True):
                 settings = (allow_network, truncate, notify)
                 if settings not in templates:

@@ -273,9 +273,17 @@ class Filter:
     allow: tuple[Rule, ...]
     deny: tuple[Rule, ...]
 
+    @functools.cached_property
+    def _allowed(self) -> dict[str, list[Rule]]:
+        by_name: dict[str, list[Rule]] = {}
+        for rule in self.allow:
+            if rule.action == "allow":
+                by_name.setdefault(rule.syscall, []).append(rule)
+        return by_name
+
     def allowing(self, name: str) -> list[Rule]:
         """The allowlist's rules that let name through (under their argument conditions)."""
-        return [rule for rule in self.allow if rule.syscall == name and rule.action == "allow"]
+        return self._allowed.get(name, [])
 
     def refuses(self, *names: str) -> bool:
         """No rule lets any of these calls through: the allowlist's default refuses them."""
@@ -375,18 +383,34 @@ GUARANTEES = {
 _DESCRIBED_PID = 2**22 + 1
 
 
-@functools.cache
+def _rules_abi(landlock_abi: int) -> int:
+    """The one Landlock ABI fact the rules depend on: whether it handles truncation."""
+    return LANDLOCK_TRUNCATE_ABI if landlock_abi >= LANDLOCK_TRUNCATE_ABI else 0
+
+
 def described(allow_network: bool, landlock_abi: int = 0) -> Filter:
-    """The rules a kernel with these settings loads (cached: a fork server warms it)."""
-    abi = LANDLOCK_TRUNCATE_ABI if landlock_abi >= LANDLOCK_TRUNCATE_ABI else 0
+    """The rules a kernel with these settings loads (made once per process)."""
+    return _described(allow_network, _rules_abi(landlock_abi))
+
+
+@functools.cache
+def _described(allow_network: bool, abi: int) -> Filter:
     return Filter(_DESCRIBED_PID, tuple(allowlist_rules(_DESCRIBED_PID, allow_network, abi)),
                   tuple(denylist_rules(allow_network)))
 
 
 def keeps(key: str, allow_network: bool, landlock_abi: int = 0) -> str | None:
     """The words for GUARANTEES[key] when the rules for these settings keep it; else None."""
-    guarantee = GUARANTEES[key]
-    return guarantee.text if guarantee.holds(described(allow_network, landlock_abi)) else None
+    return _kept(allow_network, _rules_abi(landlock_abi)).get(key)
+
+
+@functools.cache
+def _kept(allow_network: bool, abi: int) -> dict[str, str]:
+    """The guarantees these rules keep, in words (read once per process: a fork server's
+    kernels find them read)."""
+    rules = _described(allow_network, abi)
+    return {key: guarantee.text for key, guarantee in GUARANTEES.items()
+            if guarantee.holds(rules)}
 
 
 _FAMILIES: dict[int | None, str] = {socket.AF_INET: "inet", socket.AF_INET6: "inet6"}
@@ -424,5 +448,11 @@ def summarize(rules: Filter, notify: bool = False) -> dict[str, Any]:
 def describe(allow_network: bool, notify: bool = False, *, landlock_abi: int = 0
              ) -> dict[str, Any]:
     """What the filter allows, for kernel_info_reply and `sandbox-kernel check`."""
-    return summarize(described(allow_network, landlock_abi), notify)
+    summary = _summary(allow_network, _rules_abi(landlock_abi), notify)
+    return {**summary, "never": list(summary["never"])}  # the caller's own copy
+
+
+@functools.cache
+def _summary(allow_network: bool, abi: int, notify: bool) -> dict[str, Any]:
+    return summarize(_described(allow_network, abi), notify)
 

@@ -65,7 +65,7 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     execution = await unless_disconnected(request, work())
     if execution is None:
         return Response(status_code=499)
-    return ExecutionJSON(execution.to_dict())
+    return ExecutionJSON(execution)
 
 
 async def _session_run(service: Service, session: Session, sandbox: AsyncSandbox,
@@ -82,7 +82,7 @@ async def _session_run(service: Service, session: Session, sandbox: AsyncSandbox
     try:
         execution, lost = await bounded(
             sandbox.run(body.code, body.inputs, timeout=timeout, on_stdout=on["stdout"],
-                        on_stderr=on["stderr"], on_display=on["display"]),
+                        on_stderr=on["stderr"], on_display=on["display"], raw_result=True),
             timeout, 2 * service.config.kernel_grace + service.restart_allowance, record,
             service.runner.stopping)
     except OutputLimit as exc:
@@ -151,7 +151,7 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
     if await client_left(request, task):
         left(task)
         return Response(status_code=499)
-    return ExecutionJSON(task.result().to_dict())
+    return ExecutionJSON(task.result())
 
 
 @router.post("/sessions/{session_id}/packages", response_model=ExecutionShape,

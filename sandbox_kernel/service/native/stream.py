@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ...client import ErrorInfo, Execution
 from ..kernels import KernelUnavailable
@@ -27,11 +27,33 @@ def wants_events(request: Request) -> bool:
     return SSE in request.headers.get("accept", "")
 
 
-class ExecutionJSON(JSONResponse):
-    """JSON with non-ASCII escaped: kernel output may hold lone surrogates, which UTF-8 cannot."""
+def _with_result(fields: dict[str, Any], execution: Execution) -> bytes:
+    """fields as JSON (non-ASCII escaped: kernel output may hold lone surrogates, which UTF-8
+    cannot carry), its "result" the kernel's JSON bytes as they came when the run kept them
+    (Execution.result_json: checked, never parsed into objects by the service)."""
+    raw = execution.result_json
+    encoded = json.dumps({"result": None if raw is not None else execution.result, **fields},
+                         separators=(",", ":")).encode("ascii")
+    if raw is None:
+        return encoded
+    head = b'{"result":null'
+    return b"".join((b'{"result":', raw, encoded[len(head):]))
+
+
+def execution_json(execution: Execution) -> bytes:
+    """The whole execution as the JSON the API answers with."""
+    fields = execution.to_dict()
+    del fields["result"]
+    return _with_result(fields, execution)
+
+
+class ExecutionJSON(Response):
+    """An execution as JSON (see execution_json)."""
+
+    media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, separators=(",", ":")).encode("ascii")
+        return execution_json(content)
 
 
 def _event(name: str, data: Any) -> ServerSentEvent:
@@ -42,9 +64,11 @@ def _final_events(execution: Execution) -> list[ServerSentEvent]:
     events = []
     if execution.error is not None:
         events.append(_event("error", execution.to_dict()["error"]))
-    elif execution.result is not None or execution.text is not None:
-        events.append(_event("result", {"result": execution.result, "text": execution.text}))
-    events.append(_event("done", execution.to_dict()))
+    elif execution.result_json is not None or execution.result is not None \
+            or execution.text is not None:
+        result = _with_result({"text": execution.text}, execution)
+        events.append(ServerSentEvent(data=result.decode(), event="result"))
+    events.append(ServerSentEvent(data=execution_json(execution).decode(), event="done"))
     return events
 
 
