@@ -122,6 +122,10 @@ def test_options_that_would_leave_the_sandbox_are_refused(pip_kernel):
         assert done.error.name == "PackageInstallError", line
         assert "not available in the sandbox" in done.error.value
     assert pip_kernel.run("%pip freeze").error.name == "PackageInstallError"
+    done = pip_kernel.run("open('reqs.txt', 'w').write('testpkg\\n--index-url http://x/\\n')\n"
+                          "%pip install -r reqs.txt")
+    assert done.error.name == "PackageInstallError"
+    assert "options in requirements files are not available" in done.error.value
 
 
 def test_sandbox_install_is_pip_install_in_the_session(index):

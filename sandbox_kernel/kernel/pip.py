@@ -152,6 +152,24 @@ def check_wheels_only(requirements: list[str]) -> None:
             raise PackageInstallError(SDIST_REFUSED.format(what=requirement))
 
 
+def check_requirement_files(paths: list[str]) -> None:
+    """Hold -r files to the magic's own rules: requirements only, no options, no sources."""
+    for path in paths:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise PackageInstallError(f"cannot read the requirements file {path}: "
+                                      f"{exc.strerror or exc}") from None
+        for line in lines:
+            requirement = line.split(" #", 1)[0].strip()
+            if requirement.startswith("-"):
+                raise PackageInstallError(
+                    f"{path}: {requirement}: options in requirements files are not available "
+                    "in the sandbox (the index, target and build are set by the sandbox)")
+            if requirement and not requirement.startswith("#"):
+                check_wheels_only([requirement])
+
+
 def pip_arguments(args: argparse.Namespace, target: Path, index: str) -> list[str]:
     """pip's command line: the user's choices inside the sandbox's fixed ones."""
     command = ["install", "--target", str(target), "--only-binary", ":all:", "--isolated",
@@ -288,6 +306,7 @@ def install(line: str, policy: Any, scratch: str) -> dict[str, str]:
     if args.command == "list":
         return _installed(session_dir(scratch))
     check_wheels_only(args.requirements)
+    check_requirement_files(args.files)
     refusal = index_refusal(policy)
     if refusal:
         raise PackageInstallError(refusal)
