@@ -58,6 +58,7 @@ def dify_runtime(tmp_path_factory):
     saved = os.environ.get("SANDBOX_KERNEL_RUNTIMES")
     os.environ["SANDBOX_KERNEL_RUNTIMES"] = environ["SANDBOX_KERNEL_RUNTIMES"]
     server = Server(base, "--pool-size", "1", env={"SANDBOX_RUNTIME": "dify"})
+    server.requirements = requirements
     yield server
     server.stop()
     subprocess.run([sys.executable, "-m", "sandbox_kernel", "runtime", "remove", "dify",
@@ -100,6 +101,23 @@ def test_a_python_node_imports_requests_from_the_runtime(dify_runtime):
     result = client.execute(code, {})
     assert result["version"] == requests.__version__
     assert result["prefix"].endswith("/store/dify/builds/1")
+
+
+def test_refresh_rebuilds_the_runtime_from_the_operators_file(dify_runtime, tmp_path):
+    """As dify-sandbox installs its python-requirements.txt again on refresh."""
+    make_wheel(tmp_path, "refreshpkg", "1.0", {"refreshpkg.py": "VALUE = 'new'\n"})
+    with dify_runtime.requirements.open("a") as requirements:
+        requirements.write(f"--find-links {tmp_path}\nrefreshpkg==1.0\n")
+    refreshed = http.get(dify_runtime.url + "/v1/sandbox/dependencies/refresh?language=python3",
+                         headers={"X-Api-Key": DIFY_KEY}, timeout=600)
+    assert refreshed.status_code == 200
+    listed = refreshed.json()["data"]["dependencies"]
+    assert listed[-1] == {"name": "refreshpkg", "version": "1.0"}
+    assert [entry["name"] for entry in listed] == ["jinja2", "requests", "refreshpkg"]
+    code = ("def main() -> dict:\n    import refreshpkg, sys\n"
+            "    return {'value': refreshpkg.VALUE, 'prefix': sys.prefix}\n")
+    result = PlatformClient(dify_runtime.url).execute(code, {})
+    assert result["value"] == "new" and result["prefix"].endswith("/store/dify/builds/2")
 
 
 @pytest.fixture(scope="module")
