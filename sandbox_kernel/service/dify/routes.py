@@ -20,6 +20,7 @@ from ..runs import Busy, RunRecord, unless_disconnected
 from . import dependencies
 from .answers import run_data
 from .gin import GoJSON, bind, error_answer, success
+from .nodejs import run_nodejs
 
 log = logging.getLogger("sandbox_kernel.service")
 router = APIRouter(tags=["dify-sandbox"])
@@ -61,12 +62,11 @@ async def _run_admitted(request: Request, service: Service) -> Response:
         return refusal
     assert values is not None
     language = values["language"]
-    if language != "python3":
+    if language == "nodejs":
+        return await run_nodejs(request, service)
+    if language != "python3":  # neither this service nor dify-sandbox knows it
         service.metrics.denials.labels(reason="bad_input").inc()
-        message = "unsupported language"
-        if language == "nodejs":
-            message += ": nodejs is not available in sandbox-kernel, which runs python3 only"
-        return error_answer(400, -400, message)
+        return error_answer(400, -400, "unsupported language")
     network = bool(values.get("enable_network"))
     if network and not service.config.enable_network:
         service.metrics.denials.labels(reason="network_disabled").inc()
@@ -86,7 +86,7 @@ async def _run_admitted(request: Request, service: Service) -> Response:
         return Response(status_code=499)
     execution, _ = outcome
     service.count_run("dify", execution)
-    return success(run_data(execution))
+    return success(run_data(execution, values["code"]))
 
 
 @functools.lru_cache(maxsize=1)

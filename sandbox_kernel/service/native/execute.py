@@ -126,7 +126,7 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
     session = session_of(request, service, key, session_id)
-    timeout = run_timeout(service, body.timeout)
+    timeout = run_timeout(service, body.timeout, in_session=True)
     sandbox = await service.sessions.acquire(session)
     abandon = _stop_when_abandoned(service, sandbox)
     caller_left = False
