@@ -16,6 +16,7 @@ from ..access import json_line
 from ..core import Service
 from ..deps import ServiceDep
 from ..kernels import KernelUnavailable
+from ..openapi import DEPENDENCIES_DOC, RUN_DOC
 from ..runs import Busy, RunRecord, unless_disconnected
 from . import dependencies
 from .answers import run_data
@@ -41,8 +42,8 @@ def _refused(request: Request, service: Service) -> Response | None:
     return Response(status_code=401)
 
 
-@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel: body {language, code, "
-             "preload, enable_network}, header X-Api-Key")
+@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel (dify-sandbox's API)",
+             **RUN_DOC)
 async def run(request: Request, service: ServiceDep) -> Response:
     if (refusal := _refused(request, service)) is not None:
         return refusal
@@ -124,14 +125,15 @@ async def _dependency_route(request: Request, service: Service, data: Any) -> Re
         return error_answer(200, -500, str(exc))
 
 
-@router.get("/v1/sandbox/dependencies")
+@router.get("/v1/sandbox/dependencies", summary="The packages kernels have", **DEPENDENCIES_DOC)
 async def list_dependencies(request: Request, service: ServiceDep) -> Response:
     async def listed() -> dict[str, Any]:
         return {"dependencies": _dependencies(service)}
     return await _dependency_route(request, service, listed)
 
 
-@router.post("/v1/sandbox/dependencies/update")
+@router.post("/v1/sandbox/dependencies/update", summary="New kernels take the runtime's build",
+             **DEPENDENCIES_DOC)
 async def update_dependencies(request: Request, service: ServiceDep) -> Response:
     """dify-sandbox prepares its environment again; here new kernels take the runtime's
     current build (one `sandbox-kernel runtime update` made since the service started)."""
@@ -142,7 +144,8 @@ async def update_dependencies(request: Request, service: ServiceDep) -> Response
     return await _dependency_route(request, service, switched)
 
 
-@router.get("/v1/sandbox/dependencies/refresh")
+@router.get("/v1/sandbox/dependencies/refresh", summary="Rebuild the runtime; list its packages",
+            **DEPENDENCIES_DOC)
 async def refresh_dependencies(request: Request, service: ServiceDep) -> Response:
     """dify-sandbox installs its requirements file again; here the runtime is rebuilt from the
     operator's file (running kernels keep theirs) and new kernels take the new build."""

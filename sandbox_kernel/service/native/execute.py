@@ -14,6 +14,7 @@ from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
+from ..openapi import EVENT_STREAM
 from ..runs import (
     Busy,
     OutputBudget,
@@ -27,14 +28,14 @@ from ..runs import (
 )
 from ..sessions import Session, SessionError
 from .schemas import ExecuteRequest, ExecutionShape, InstallRequest, OneShotRequest
-from .stream import SSE, EventStream, ExecutionJSON, wants_events
+from .stream import EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
 
 
 @router.post("/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) on a fresh kernel",
-             responses={200: {"content": {SSE: {}}}, 503: {"description": "too many runs"}})
+             responses={200: EVENT_STREAM, 503: {"description": "too many runs"}})
 async def execute(body: OneShotRequest, request: Request, key: Key,
                   service: ServiceDep) -> Response:
     timeout = run_timeout(service, body.timeout)
@@ -121,7 +122,7 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
 
 @router.post("/sessions/{session_id}/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) in the session's kernel",
-             responses={200: {"content": {SSE: {}}}, 409: {"description": "session busy"},
+             responses={200: EVENT_STREAM, 409: {"description": "session busy"},
                         410: {"description": "the session's kernel died"}})
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
