@@ -21,11 +21,11 @@ def test_allow_network_is_network_on_and_network_decides():
     assert SandboxPolicy(network="hosts").allow_network is True
     assert SandboxPolicy(network="off").allow_network is False
     assert SandboxPolicy(allow_network=True, network="hosts").network == "hosts"
-    argv = SandboxPolicy(network="hosts", allow_hosts=["index.example.org", "*.files.example.org:443"],
+    argv = SandboxPolicy(network="hosts", allow_hosts=["idx.example.org", "*.dl.example.org:443"],
                          allow_addresses=["10.0.0.5:5432"],
                          upstream_proxy="http://proxy:3128").to_argv()
     assert "--SandboxPolicy.network=hosts" in argv
-    assert "--SandboxPolicy.allow_hosts=*.files.example.org:443" in argv
+    assert "--SandboxPolicy.allow_hosts=*.dl.example.org:443" in argv
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -47,10 +47,10 @@ def _check(*flags: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_check_reports_the_namespace_and_what_the_network_lets_through():
-    done = _check("--network", "hosts", "--allow-host", "index.example.org", "--allow-address",
+    done = _check("--network", "hosts", "--allow-host", "idx.example.org", "--allow-address",
                   "10.1.2.3")
     assert "  network namespace per kernel: available (root)" in done.stdout
-    assert ("  network: hosts: only index.example.org through the egress proxy; private addresses "
+    assert ("  network: hosts: only idx.example.org through the egress proxy; private addresses "
             "granted: 10.1.2.3") in done.stdout
     report = json.loads(_check("--json", "--allow-network").stdout)
     assert report["network"] == {"mode": "on", "namespace": {"available": True,

@@ -250,11 +250,12 @@ def test_audit_sink_writes_json_lines_and_log_lines(tmp_path):
     try:
         log = Log()
         sink = AuditSink(fd, log)
-        sink(Connection("k9", method="CONNECT", host="index.example.org", port=443, reason="refused x"))
+        sink(Connection("k9", method="CONNECT", host="ix.example.org", port=443,
+                        reason="refused x"))
     finally:
         os.close(fd)
     (entry,) = map(json.loads, path.read_text().splitlines())
     assert (entry["kernel"], entry["event"], entry["host"], entry["allowed"]) == (
-        "k9", "egress", "index.example.org", False)
-    assert log.lines == [b"sandbox-kernel audit: kernel k9: egress refused CONNECT index.example.org:443: "
-                         b"refused x\n"]
+        "k9", "egress", "ix.example.org", False)
+    assert log.lines == [b"sandbox-kernel audit: kernel k9: egress refused CONNECT "
+                         b"ix.example.org:443: refused x\n"]

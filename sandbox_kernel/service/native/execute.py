@@ -14,6 +14,7 @@ from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
+from ..openapi import EVENT_STREAM
 from ..runs import (
     Busy,
     OutputBudget,
@@ -33,14 +34,14 @@ from .schemas import (
     OneShotRequest,
     network_choice,
 )
-from .stream import SSE, EventStream, ExecutionJSON, wants_events
+from .stream import EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
 
 
 @router.post("/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) on a fresh kernel",
-             responses={200: {"content": {SSE: {}}}, 503: {"description": "too many runs"}})
+             responses={200: EVENT_STREAM, 503: {"description": "too many runs"}})
 async def execute(body: OneShotRequest, request: Request, key: Key,
                   service: ServiceDep) -> Response:
     timeout = run_timeout(service, body.timeout)
@@ -128,12 +129,12 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
 
 @router.post("/sessions/{session_id}/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) in the session's kernel",
-             responses={200: {"content": {SSE: {}}}, 409: {"description": "session busy"},
+             responses={200: EVENT_STREAM, 409: {"description": "session busy"},
                         410: {"description": "the session's kernel died"}})
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
     session = session_of(request, service, key, session_id)
-    timeout = run_timeout(service, body.timeout)
+    timeout = run_timeout(service, body.timeout, in_session=True)
     sandbox = await service.sessions.acquire(session)
     abandon = _stop_when_abandoned(service, sandbox)
     caller_left = False

@@ -18,7 +18,8 @@ class ExecuteRequest(BaseModel):
         None, description="main()'s arguments by name; omit to run the code as a cell.")
     timeout: float | None = Field(
         None, gt=0, description="Seconds the execution may run (default: the service's "
-        "--worker-timeout; at most --max-timeout).")
+        "--session-timeout in a session, --worker-timeout on a fresh kernel; at most "
+        "--max-timeout).")
 
 
 def _host_entries(hosts: list[str]) -> list[str]:
@@ -69,7 +70,7 @@ class InstallRequest(BaseModel):
     upgrade: bool = Field(False, description="Upgrade packages the session has already.")
     timeout: float | None = Field(
         None, gt=0, description="Seconds the install may take (default: the service's "
-        "--worker-timeout; at most --max-timeout).")
+        "--session-timeout; at most --max-timeout).")
 
 
 class SessionRequest(BaseModel):
