@@ -4,7 +4,7 @@
 returns a started AsyncSandbox of that network policy that no one has used. `PoolSource` takes
 them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it.
 
-`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, closes them
+`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, kills them
 in the background so a response never waits for a shutdown, and at shutdown closes them all.
 """
 
@@ -96,8 +96,9 @@ def with_network(base: SandboxPolicy, network: bool, upstream_proxy: str = "",
 class PoolSource:
     """Kernels from a warm pool per network policy (launch/pool.py), else started on demand.
 
-    When a pool has nothing ready (or pooling is off), the kernel is started here with the
-    pool's own options rather than waiting for its refill, so a burst of runs starts kernels
+    A run takes the pool's kernel when one is ready or already starting unclaimed (it comes
+    sooner than a new one). Otherwise the kernel is started here with the pool's own options
+    rather than waiting behind other runs for the refill, so a burst of runs starts kernels
     side by side.
     """
 
@@ -119,7 +120,7 @@ class PoolSource:
         if hosts is not None:  # an allowlist of the caller's: started for it, never pooled
             pool = None
             options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
-        if pool is not None and pool.ready:
+        if pool is not None and pool.coming:
             return await pool.get()
         sandbox = AsyncSandbox(**options)
         try:
@@ -214,8 +215,11 @@ class Kernels:
 
     @staticmethod
     async def _close(sandbox: AsyncSandbox) -> None:
+        # Killed, not asked to shut down: whatever it ran has answered or been given up, and
+        # its state goes with it. Its reaper still removes the scratch directory; a graceful
+        # shutdown only cost a control round trip and the kernel's own clean-up, per request.
         try:
-            await sandbox.close()
+            await sandbox.close(now=True)
         except Exception as exc:
             log.warning("closing kernel %s failed: %s", kernel_id(sandbox), exc)
 
