@@ -143,8 +143,10 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="open-files-limit", metavar="N")
 
     max_threads = Int(
-        512, help="Most threads the kernel process may run at once (RLIMIT_NPROC of the uid "
-        "user code runs as); past it, starting a thread raises RuntimeError. 0 for no bound.",
+        512, help="Most threads user code may run at once; past it, starting a thread raises "
+        "RuntimeError. Kept by RLIMIT_NPROC of the uid user code runs as; uid 0 is exempt from "
+        "it, so a kernel whose code would run as uid 0 refuses to start unless this is 0 "
+        "(no bound).",
     ).tag(config=True, flag="max-threads", metavar="N")
 
     landlock_abi = Int(
@@ -180,11 +182,6 @@ class SandboxPolicy(Configurable):
         "also the gid) kernels take one each of: FIRST-LAST. Ids of accounts, groups and "
         "/etc/subuid ranges are skipped.",
     ).tag(config=True, flag="uid-range", metavar="FIRST-LAST")
-
-    max_threads = Int(
-        512, help="Most threads user code may run at once; more fail with RuntimeError "
-        "(RLIMIT_NPROC when the kernel has a uid of its own).",
-    ).tag(config=True, flag="max-threads", metavar="N")
 
     audit_log = Unicode(
         "", help="Append one JSON line per system call the filter refused (kernel id, call, "
