@@ -22,6 +22,7 @@ class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
+        """Bytes from a command-line value such as 512M or 2G (-1 where the default is -1)."""
         if s.strip() == "-1" and self.default_value == -1:  # "choose for me", where it may
             return -1
         try:

@@ -24,7 +24,8 @@ AUDIT_PREFIX = b"sandbox-kernel audit:"
 class LineSink(Protocol):
     """Where relayed lines go (a LauncherLog)."""
 
-    def write(self, line: bytes) -> None: ...
+    def write(self, line: bytes) -> None:
+        """Send one line on (or drop it when the sink is full)."""
 
 
 class LauncherLog:

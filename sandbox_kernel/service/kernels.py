@@ -46,6 +46,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def policy_name(network: bool) -> str:
+    """The name metrics and sessions give kernels with or without network."""
     return "network" if network else "offline"
 
 
@@ -73,10 +74,12 @@ class PoolSource:
                       for network, kwargs in options.items()} if pool_size > 0 else {}
 
     async def start(self) -> None:
+        """Start filling the pools."""
         for pool in self.pools.values():
             pool.start()
 
     async def get(self, network: bool) -> AsyncSandbox:
+        """A started kernel of that kind: from its pool when one is ready, else a new one."""
         if network not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
         pool = self.pools.get(network)
@@ -92,10 +95,12 @@ class PoolSource:
         return sandbox
 
     def ready(self) -> dict[str, int]:
+        """How many kernels of each kind are ready now."""
         return {policy_name(network): self.pools[network].ready if network in self.pools else 0
                 for network in self.options}
 
     async def close(self) -> None:
+        """Close the pools and stop the fork servers their kernels came from."""
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         # No process outlives the service: the fork server its kernels came from ends too (a
@@ -182,6 +187,7 @@ class Kernels:
 
     @property
     def closing(self) -> int:
+        """How many kernels are being shut down now."""
         return len(self._closing)
 
     async def close(self) -> None:

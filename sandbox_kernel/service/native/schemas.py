@@ -21,6 +21,8 @@ class ExecuteRequest(BaseModel):
 
 
 class OneShotRequest(ExecuteRequest):
+    """Code to run on a fresh kernel, and whether it may use the network."""
+
     network: bool = Field(False, description="Run on a kernel that may open network sockets.")
 
 
@@ -36,6 +38,8 @@ class InstallRequest(BaseModel):
 
 
 class SessionRequest(BaseModel):
+    """A session to open: its network and idle timeout."""
+
     network: bool = Field(False, description="Let the session's kernel open network sockets.")
     idle_timeout: float | None = Field(
         None, gt=0, description="Seconds idle before the session is closed (default: "
@@ -43,6 +47,8 @@ class SessionRequest(BaseModel):
 
 
 class ErrorShape(BaseModel):
+    """The exception the code raised."""
+
     name: str
     value: str
     traceback: list[str]
@@ -63,6 +69,8 @@ class ExecutionShape(BaseModel):
 
 
 class SessionShape(BaseModel):
+    """A session the caller holds."""
+
     id: str
     network: bool
     policy: str
@@ -75,5 +83,7 @@ class SessionShape(BaseModel):
 
 
 class FileShape(BaseModel):
+    """A file written into a session."""
+
     path: str
     size: int
