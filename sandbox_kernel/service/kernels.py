@@ -46,7 +46,6 @@ class KernelUnavailable(RuntimeError):
 
 
 def policy_name(network: bool) -> str:
-    """The name metrics and sessions give kernels with or without network."""
     return "network" if network else "offline"
 
 
@@ -74,12 +73,10 @@ class PoolSource:
                       for network, kwargs in options.items()} if pool_size > 0 else {}
 
     async def start(self) -> None:
-        """Start filling the pools."""
         for pool in self.pools.values():
             pool.start()
 
     async def get(self, network: bool) -> AsyncSandbox:
-        """A started kernel of that kind: from its pool when one is ready, else a new one."""
         if network not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
         pool = self.pools.get(network)

@@ -21,8 +21,6 @@ class ExecuteRequest(BaseModel):
 
 
 class OneShotRequest(ExecuteRequest):
-    """Code to run on a fresh kernel, and whether it may use the network."""
-
     network: bool = Field(False, description="Run on a kernel that may open network sockets.")
 
 
@@ -38,8 +36,6 @@ class InstallRequest(BaseModel):
 
 
 class SessionRequest(BaseModel):
-    """A session to open: its network and idle timeout."""
-
     network: bool = Field(False, description="Let the session's kernel open network sockets.")
     idle_timeout: float | None = Field(
         None, gt=0, description="Seconds idle before the session is closed (default: "
