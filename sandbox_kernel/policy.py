@@ -309,7 +309,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             optional: dict[str, Any] = {"nargs": "?", "const": trait.metadata["flag_const"]} \
                 if "flag_const" in trait.metadata else {}
             if isinstance(trait, Enum):
-                optional["choices"] = [value for value in trait.values if value]
+                optional["choices"] = [value for value in trait.values or () if value]
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
                                help=help_text, **optional)
