@@ -92,6 +92,13 @@ def test_the_private_calls_we_make_still_exist():
         assert hasattr(LocalProvisioner, name)
 
 
+def test_ipykernels_iopub_pipe_warning_is_worded_as_we_filter_it():
+    # kernel/app.py filters this warning by its text: reworded, it would print at every start.
+    import ipykernel.iostream
+
+    assert "Couldn't bind IOPub Pipe" in inspect.getsource(ipykernel.iostream.IOPubThread)
+
+
 def test_jupyter_client_still_wraps_start_and_shutdown_in_its_pending_state():
     # client/managers.py unwraps these to leave out in_pending_state's 10 ms sleep.
     for manager in (KernelManager, AsyncKernelManager):
