@@ -140,6 +140,12 @@ def many_files(count):
     finally:
         for i in made:
             os.unlink(f'empty-{i}')
+def lock_host_file(operation):
+    fd = os.open(os.__file__, os.O_RDONLY)  # the stdlib: readable, and the host's
+    try:
+        return trap(lambda: __import__('fcntl').flock(fd, operation))
+    finally:
+        os.close(fd)
 def fill_scratch(megabytes):
     try:
         return trap(lambda: [open(f'fill-{i}', 'wb').write(bytes(2**20)) for i in range(megabytes)])
@@ -370,6 +376,16 @@ CASES = [
          ["0000000000000000"] * 2, "privilege drop"),
     # --- kernel attack surface ---
     Case("K01", "kernel", "io_uring", f"raw({nr('io_uring_setup')}, 8, cstr('x' * 120))", EPERM,
+         "seccomp"),
+    Case("K22", "kernel", "flock(LOCK_EX) on a readable host file (the stdlib's os.py)",
+         "lock_host_file(2)", DENIED, "seccomp: flock LOCK_UN only"),
+    Case("K23", "kernel", "flock(LOCK_SH | LOCK_NB) on a readable host file",
+         "lock_host_file(1 | 4)", DENIED, "seccomp: flock LOCK_UN only"),
+    Case("K24", "kernel", "raw flock(LOCK_EX) with high bits set",
+         f"raw({nr('flock')}, 0, {HIGH} | 2)", EPERM, "seccomp: flock LOCK_UN only"),
+    Case("K25", "kernel", "syncfs: write back the host's file system",
+         f"raw({nr('syncfs')}, 0)", EPERM, "seccomp"),
+    Case("K26", "kernel", "sync: write back every file system", f"raw({nr('sync')})", EPERM,
          "seccomp"),
     Case("K02", "kernel", "bpf", f"raw({nr('bpf')}, 0, 0, 0)", EPERM, "seccomp"),
     Case("K03", "kernel", "userfaultfd", f"raw({nr('userfaultfd')}, 0)", EPERM, "seccomp"),

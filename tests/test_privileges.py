@@ -234,8 +234,8 @@ def planted_library(tmp_path):
 
 def _run_with_env(tmp_path, *flags):
     code = tmp_path / "show.py"
-    code.write_text("import os\ndef main():\n    return {'LD_PRELOAD': os.environ.get('LD_PRELOAD'),"
-                    " 'uid': os.getuid()}\n")
+    code.write_text("import os\ndef main():\n"
+                    "    return {'LD_PRELOAD': os.environ.get('LD_PRELOAD'), 'uid': os.getuid()}\n")
     return subprocess.run([sys.executable, "-m", "sandbox_kernel", "run", *flags, str(code)],
                           capture_output=True, text=True, timeout=120)
 
@@ -268,3 +268,4 @@ def test_loader_variables_in_pass_env_are_refused(tmp_path, planted_library, mon
     done = _run_with_env(tmp_path, "--cold-start", "--pass-env", "PYTHONSTARTUP")
     assert done.returncode == 3, done
     assert "--env/--pass-env PYTHONSTARTUP" in done.stderr and "--allow-loader-env" in done.stderr
+    assert list(marks.iterdir()) == []

@@ -8,7 +8,7 @@ import sandbox_kernel.client as client
 
 PUBLIC = ["GRACE_SECONDS", "AsyncSandbox", "CallerLimits", "ErrorInfo", "Execution", "Sandbox",
           "Usage"]
-METHODS = ["start", "close", "restart", "interrupt", "kernel_info", "warm_up", "run"]
+METHODS = ["start", "close", "restart", "interrupt", "kernel_info", "warm_up", "run", "install"]
 
 
 def test_all_lists_the_public_names():
@@ -45,7 +45,7 @@ def test_both_sandboxes_have_each_method_with_one_signature(name):
 def test_run_keeps_its_arguments():
     parameters = list(inspect.signature(client.Sandbox.run).parameters)
     assert parameters == ["self", "code", "inputs", "timeout", "on_stdout", "on_stderr",
-                          "on_display", "entrypoint"]
+                          "on_display", "entrypoint", "raw_result"]
 
 
 def test_settings_are_constructor_arguments():

@@ -4,7 +4,7 @@ import asyncio
 import json
 import os
 
-from sandbox_kernel.client import AsyncSandbox
+from sandbox_kernel.client import AsyncSandbox, Sandbox
 from sandbox_kernel.client.meter import KernelProcess
 from tests.helpers import evaluate, ok
 
@@ -29,7 +29,8 @@ def test_a_busy_loop_costs_its_cpu_time_measured_by_the_host(sandbox):
     assert usage.source == HOST
     assert 0.5 - 2 * TICK <= cpu(usage) <= 0.5 + 0.15
     assert cpu(usage) <= usage.wall_seconds + 2 * TICK  # one thread: CPU never exceeds wall
-    assert usage.cpu_user_seconds >= 0.4  # a Python loop runs in user space
+    # A Python loop runs in user space (the split is sampled at each tick: not exact).
+    assert usage.cpu_user_seconds > usage.cpu_system_seconds
     idle = ok(sandbox.run("pass")).usage
     assert cpu(idle) <= 0.05
 
@@ -98,3 +99,65 @@ def test_the_async_sandbox_measures_the_same_way(kernelspecs):
     usage = asyncio.run(scenario())
     assert usage.source == HOST
     assert 0.2 - 2 * TICK <= cpu(usage) <= 0.2 + 0.15
+
+
+def test_a_timed_out_run_still_reports_what_it_cost(sandbox):
+    execution = sandbox.run("while True: pass", timeout=0.3)
+    assert (execution.error.name, execution.state_lost) == ("ExecutionTimeout", False)
+    assert execution.usage.source == HOST
+    # Stopped by wall time: on a busy machine it got less CPU than that, never more.
+    assert 0 < cpu(execution.usage) <= execution.usage.wall_seconds + 2 * TICK
+
+
+def test_a_lost_kernel_is_measured_before_it_is_replaced(kernelspecs):
+    # Ignores the time limit and the interrupt: only a restart ends it.
+    unstoppable = ("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                   "sum(range(10**18))")
+    with Sandbox("sandbox", grace=0.3) as sandbox:
+        first_pid = sandbox.manager.provisioner.pid
+        execution = sandbox.run(unstoppable, timeout=0.3)
+        assert (execution.error.name, execution.state_lost) == ("ExecutionTimeout", True)
+        assert sandbox.manager.provisioner.pid != first_pid
+        usage = execution.usage
+        assert usage.source["cpu_user_seconds"] == "host"  # read before the restart
+        assert 0 < cpu(usage) <= usage.wall_seconds + 2 * TICK
+        assert "refused_syscalls" not in usage.source and usage.refused_syscalls is None
+        after = ok(sandbox.run("pass")).usage  # the new kernel's process is the one measured
+        assert after.source == HOST and cpu(after) <= 0.05
+
+
+# Makes the kernel's read-only view of the refusal count writable and fills it with ones.
+TAMPER = """
+import ctypes, mmap
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+line = next(l for l in open('/proc/self/maps') if 'sandbox-kernel-refusals' in l)
+start = int(line.split('-')[0], 16)
+assert libc.mprotect(start, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+ctypes.memmove(start, b'\\xff' * 8, 8)
+"""
+
+
+def test_a_forged_refusal_count_reaches_only_the_kernels_own_report(fresh_sandbox):
+    ok(fresh_sandbox.run(TAMPER))
+    code = ("import errno, os\ntry:\n    os.fork()\nexcept PermissionError as exc:\n"
+            "    print(exc.errno == errno.EPERM)")
+    # The reaper counts on its own (it never reads the page), answers EPERM and lives on. The
+    # first report is 1 - (2**64 - 1), negative: the client drops it; the next is right again.
+    for count in (None, 1):
+        execution = ok(fresh_sandbox.run(code))
+        assert execution.stdout == "True\n"
+        assert execution.usage.refused_syscalls == count
+    assert evaluate(fresh_sandbox, "1 + 1") == 2
+
+
+def test_a_process_name_cannot_fake_the_peak_memory(sandbox):
+    # The status file's first line is the name user code chooses (prctl PR_SET_NAME).
+    rename = ("import ctypes\nctypes.CDLL(None).prctl(15, b'VmHWM: 1 kB', 0, 0, 0)\n"
+              "open('/proc/self/comm').read()")
+    assert evaluate(sandbox, rename) == "VmHWM: 1 kB\n"
+    try:
+        usage = ok(sandbox.run("x = b'1' * (50 * 2**20)\ndel x")).usage
+        assert usage.peak_memory_bytes >= 50 * MiB
+    finally:
+        ok(sandbox.run("import ctypes\nctypes.CDLL(None).prctl(15, b'python', 0, 0, 0)"))

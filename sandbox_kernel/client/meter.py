@@ -44,7 +44,8 @@ class KernelProcess:
     def memory(self, key: bytes) -> int:
         """A Vm* line of the status file (VmHWM, VmRSS) in bytes."""
         status = os.pread(self.status, 8192, 0)
-        start = status.index(key) + len(key) + 1
+        # At a line's start: the first line is the process's name, which user code chooses.
+        start = status.index(b"\n" + key + b":") + len(key) + 2
         return int(status[start:status.index(b"kB", start)]) * 1024
 
     def reset_peak(self) -> bool:
@@ -75,13 +76,14 @@ def open_process(pid: Any) -> KernelProcess | None:
 
 
 class Meter:
-    """One execution's usage: started before the request goes out, finished at idle."""
+    """One execution's usage: started before the request goes out, stopped at idle."""
 
     def __init__(self, process: KernelProcess | None) -> None:
         self.process = process
         self.cpu: tuple[int, int] | None = None
         self.peak: int | None = None
         self.sampling = False
+        self.host = Usage()
         if process is not None:
             try:
                 self.sampling = not process.reset_peak()
@@ -98,31 +100,31 @@ class Meter:
             except (OSError, ValueError):
                 self.process = None
 
-    def finish(self, wall: float, output: int, result: int,
-               reply: dict[str, Any] | None) -> Usage:
-        """The Usage, host figures first, the kernel's own where the host has none."""
-        usage = Usage(wall_seconds=wall, output_bytes=output, result_bytes=result,
-                      source={"wall_seconds": "caller", "output_bytes": "caller",
-                              "result_bytes": "caller"})
-        self._host_figures(usage)
-        reported = ((reply or {}).get("metadata") or {}).get("sandbox") or {}
-        _kernel_figures(usage, reported.get("usage") if isinstance(reported, dict) else None)
-        return usage
-
-    def _host_figures(self, usage: Usage) -> None:
+    def stop(self) -> None:
+        """Take the host's figures: at idle, or before a lost kernel is replaced."""
+        self.host = Usage()
         if self.process is None or self.cpu is None:
             return
         try:
             user, system = self.process.cpu_ticks()
-            peak = self.process.memory(b"VmRSS") if self.sampling else \
-                self.process.memory(b"VmHWM")
+            peak = self.process.memory(b"VmRSS" if self.sampling else b"VmHWM")
         except (OSError, ValueError):  # died meanwhile
             return
-        usage.cpu_user_seconds = (user - self.cpu[0]) / _TICK
-        usage.cpu_system_seconds = (system - self.cpu[1]) / _TICK
-        usage.peak_memory_bytes = max(peak, self.peak or 0)
-        usage.source.update(cpu_user_seconds="host", cpu_system_seconds="host",
-                            peak_memory_bytes="sampled" if self.sampling else "host")
+        self.host.cpu_user_seconds = (user - self.cpu[0]) / _TICK
+        self.host.cpu_system_seconds = (system - self.cpu[1]) / _TICK
+        self.host.peak_memory_bytes = max(peak, self.peak or 0)
+        self.host.source.update(cpu_user_seconds="host", cpu_system_seconds="host",
+                                peak_memory_bytes="sampled" if self.sampling else "host")
+
+    def finish(self, wall: float, output: int, result: int,
+               reply: dict[str, Any] | None) -> Usage:
+        """The Usage: the host's figures, the kernel's own where the host has none."""
+        usage = self.host
+        usage.wall_seconds, usage.output_bytes, usage.result_bytes = wall, output, result
+        usage.source.update(wall_seconds="caller", output_bytes="caller", result_bytes="caller")
+        reported = ((reply or {}).get("metadata") or {}).get("sandbox") or {}
+        _kernel_figures(usage, reported.get("usage") if isinstance(reported, dict) else None)
+        return usage
 
 
 def _kernel_figures(usage: Usage, reported: Any) -> None:

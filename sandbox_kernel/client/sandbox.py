@@ -173,7 +173,8 @@ def _blocking(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Ca
     @functools.wraps(operation)
     def method(self: Sandbox, *args: Any, **kwargs: Any) -> T:
         with self._lock if locked else _NO_LOCK:
-            steps, outcome = operation(self, *args, **kwargs), (None, None)
+            steps = operation(self, *args, **kwargs)
+            outcome: tuple[Any, Exception | None] = (None, None)
             while (call := _advance(steps, *outcome))[0] is not _DONE:
                 outcome = _blocking_answer(call)
             return call[1]  # type: ignore[no-any-return]
@@ -187,7 +188,8 @@ def _awaiting(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Ca
     @functools.wraps(operation)
     async def method(self: AsyncSandbox, *args: Any, **kwargs: Any) -> T:
         async with self._lock if locked else _NO_ASYNC_LOCK:
-            steps, outcome = operation(self, *args, **kwargs), (None, None)
+            steps = operation(self, *args, **kwargs)
+            outcome: tuple[Any, Exception | None] = (None, None)
             while (call := _advance(steps, *outcome))[0] is not _DONE:
                 outcome = await _awaited_answer(call)
             return call[1]  # type: ignore[no-any-return]
@@ -212,7 +214,8 @@ class _Operation:
         cls = cls or type(sandbox)
         method = self.methods.get(cls)
         if method is None:  # made once per class
-            method = self.methods[cls] = cls._driver(self.steps, self.locked, self.name)
+            driver = getattr(cls, "_driver")  # noqa: B009  (each sandbox class has its own)
+            method = self.methods[cls] = driver(self.steps, self.locked, self.name)
         return method if sandbox is None else method.__get__(sandbox, cls)
 
 
@@ -391,9 +394,9 @@ class _SandboxCore:
         return (yield from self._run_steps(install_code(packages, upgrade), timeout=timeout))
 
     def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
-             on_stdout: Callback = None, on_stderr: Callback = None,
-             on_display: Callback = None, entrypoint: str = "main",
-             raw_result: bool = False) -> Steps[Execution]:
+                   on_stdout: Callback = None, on_stderr: Callback = None,
+                   on_display: Callback = None, entrypoint: str = "main",
+                   raw_result: bool = False) -> Steps[Execution]:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict.
 
         raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
@@ -412,6 +415,7 @@ class _SandboxCore:
                     continue
             meter.sample()
             lost = yield from watchdog.verdict(self.manager, inbox)
+        meter.stop()
         execution = self._finish(watchdog, collector, lost)
         jsonwire.thaw()
         reply = None
@@ -434,6 +438,8 @@ class _SandboxCore:
                 reply = queued_reply(self.client, (yield (
                     functools.partial(socket.recv_multipart, flags=zmq.NOBLOCK, copy=False),)))
             except zmq.Again:
+                reply = None
+            if reply is None:
                 try:
                     reply = yield (self.client.get_shell_msg, left)
                 except queue.Empty:

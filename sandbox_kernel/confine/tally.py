@@ -18,6 +18,7 @@ import os
 import struct
 
 _COUNT = struct.Struct("=Q")
+_MAX = 2**64 - 1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -27,6 +28,9 @@ class Tally:
     def __init__(self, fd: int, writable: bool) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         self.map = mmap.mmap(fd, _COUNT.size, flags=mmap.MAP_SHARED, prot=prot)
+        # The writer keeps its own count and never reads the page: whatever user code writes
+        # there (it can make its read-only view writable) reaches only the kernel's report.
+        self.count = 0
 
     @staticmethod
     def create() -> int:
@@ -52,7 +56,8 @@ class Tally:
 
     def add(self) -> None:
         """Count one refused call (the reaper's side)."""
-        _COUNT.pack_into(self.map, 0, _COUNT.unpack_from(self.map)[0] + 1)
+        self.count += 1
+        _COUNT.pack_into(self.map, 0, self.count & _MAX)
 
     def value(self) -> int:
         """How many calls were refused so far."""

@@ -81,6 +81,7 @@ class Service:
         outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
                    else "lost" if execution.state_lost else "error")
         self.metrics.runs.labels(api=api, outcome=outcome).inc()
+        self.metrics.observe_usage(api, execution.usage)
 
     async def start(self) -> None:
         """Start the kernel source and the session culler."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -11,6 +12,19 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+)
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+_BYTES = tuple(float(2**n) for n in range(10, 34, 2))  # 1 KiB .. 8 GiB, by fours
+# Each execution's usage (client.Usage), measured from outside the kernel where it is local.
+_USAGE = (
+    ("wall_seconds", "Wall time of one execution, by API.", _SECONDS),
+    ("cpu_seconds", "CPU (user + system) the kernel used in one execution, by API.", _SECONDS),
+    ("peak_memory_bytes", "The kernel's peak memory during one execution, by API.", _BYTES),
+    ("output_bytes", "Bytes of stream output one execution wrote, by API.", _BYTES),
+    ("result_bytes", "Bytes of one execution's result, by API.", _BYTES),
+    ("refused_syscalls", "System calls the filter refused in one execution, by API.",
+     (0, 1, 2, 5, 10, 100, 1000)),
 )
 
 
@@ -45,7 +59,23 @@ class Metrics:
         self.in_flight = Gauge(
             "sandbox_runs_in_flight", "Stateless runs running or waiting for a worker.",
             registry=self.registry)
+        self.usage = {
+            figure: Histogram(f"sandbox_execution_{figure}", help_text, ["api"],
+                              registry=self.registry, buckets=buckets)
+            for figure, help_text, buckets in _USAGE}
         self._pooled: Callable[[], dict[str, int]] = dict
+
+    def observe_usage(self, api: str, usage: Any) -> None:
+        """One execution's cost (client.Usage) in the usage histograms; unmeasured ones skipped."""
+        cpu = None if usage.cpu_user_seconds is None or usage.cpu_system_seconds is None \
+            else usage.cpu_user_seconds + usage.cpu_system_seconds
+        for figure, value in (("wall_seconds", usage.wall_seconds), ("cpu_seconds", cpu),
+                              ("peak_memory_bytes", usage.peak_memory_bytes),
+                              ("output_bytes", usage.output_bytes),
+                              ("result_bytes", usage.result_bytes),
+                              ("refused_syscalls", usage.refused_syscalls)):
+            if value is not None:
+                self.usage[figure].labels(api=api).observe(value)
 
     def bind(self, live: Callable[[], int], pooled: Callable[[], dict[str, int]],
              sessions: Callable[[], int], in_flight: Callable[[], int]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from .helpers import DIFY_KEY, RUN, http
+from .helpers import DIFY_KEY, KEY_A, RUN, auth, http
 
 
 def test_openapi_schema_documents_the_native_api(server):
@@ -41,3 +41,30 @@ def test_log_lines_never_carry_code(server):
     assert runs[-1]["kernel"] and runs[-1]["duration"] > 0 and runs[-1]["key"] is None
     native = [r for r in records if r.get("route", "").startswith("/api/v1")]
     assert {r["key"] for r in native} <= {"team-a", "team-b", None}
+
+
+def _sample(text: str, series: str) -> float:
+    """A series' value in the exposition text, 0 when it has none yet."""
+    return next((float(line[len(series) + 1:]) for line in text.splitlines()
+                 if line.startswith(series + " ")), 0.0)
+
+
+def test_each_executions_usage_is_in_the_metrics(server):
+    def count(text: str, name: str) -> float:
+        return _sample(text, f'{name}_count{{api="native"}}')
+
+    before = http.get(server.url + "/metrics").text
+    answer = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={
+        "code": "import time\nend = time.process_time() + 0.3\n"
+                "while time.process_time() < end: pass\nprint('x' * 1000)"})
+    usage = answer.json()["usage"]
+    after = http.get(server.url + "/metrics").text
+    for name in ("wall_seconds", "cpu_seconds", "peak_memory_bytes", "output_bytes"):
+        metric = f"sandbox_execution_{name}"
+        assert count(after, metric) == count(before, metric) + 1, metric
+    assert usage["cpu_user_seconds"] + usage["cpu_system_seconds"] >= 0.25
+    # the busy loop's CPU landed above 0.1 s, in the buckets from 0.25 s up
+    low, high = (f'sandbox_execution_cpu_seconds_bucket{{api="native",le="{le}"}}'
+                 for le in ("0.1", "0.5"))
+    assert _sample(after, low) == _sample(before, low)
+    assert _sample(after, high) == _sample(before, high) + 1

@@ -43,13 +43,13 @@ ALLOWED = (
     # files (Landlock decides which paths)
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
     "preadv2", "pwritev2", "open", "openat", "creat", "close", "close_range",
-    "lseek", "dup", "dup2", "dup3", "flock", "ioctl",
+    "lseek", "dup", "dup2", "dup3", "ioctl",
     "stat", "fstat", "lstat", "newfstatat", "statx", "statfs", "fstatfs",
     "access", "faccessat", "faccessat2", "readlink", "readlinkat", "getcwd", "chdir", "fchdir",
     "getdents", "getdents64", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat",
     "rename", "renameat", "renameat2", "link", "linkat", "symlink", "symlinkat",
     "ftruncate", "fallocate", "fadvise64", "readahead",
-    "fsync", "fdatasync", "sync_file_range", "syncfs",
+    "fsync", "fdatasync", "sync_file_range",
     "utime", "utimes", "utimensat", "futimesat",
     "getxattr", "lgetxattr", "fgetxattr", "listxattr", "llistxattr", "flistxattr",
     "sendfile", "splice", "tee", "vmsplice", "copy_file_range",
@@ -97,6 +97,9 @@ NEVER = (
     "bind", "listen",
     # inotify watches paths Landlock does not check and takes from a per-user instance quota.
     "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
+    # Writes back every dirty page of a whole file system, the host's included (and sync, all
+    # of them): I/O that other tenants pay for, on any file the kernel can merely open.
+    "syncfs", "sync",
 )
 
 # What a kernel that fails the architecture check gets (program.py maps it to libseccomp's).
@@ -169,6 +172,11 @@ _FCNTL_COMMANDS = (
 )
 _F_SETOWN = 8
 _F_SETOWN_EX = 15
+# flock() may only unlock: a shared or exclusive lock needs no more than a file opened for
+# reading, and Landlock lets user code read the interpreter, system libraries and read grants,
+# so it could hold a lock that host processes wait for. (fcntl record locks stay: SQLite needs
+# them, and their type lives in memory a filter cannot read; docs/SECURITY.md says what remains.)
+_LOCK_UN, _LOCK_NB = 8, 4
 
 # ioctls refused on any descriptor: keystroke injection, and the ones that make a descriptor or
 # a terminal signal a process (the owner of a socket, a terminal's process group and session).
@@ -214,6 +222,7 @@ def allowlist_rules(pid: int, allow_network: bool, landlock_abi: int = 0) -> lis
         # would be signalled by the descriptor (F_SETSIG + O_ASYNC) whatever kill() allows.
         rules.append(Rule("fcntl", args=(_masked(1, _F_SETOWN), _masked(2, target))))
     rules += [Rule("fcntl", args=(_masked(1, command),)) for command in _FCNTL_COMMANDS]
+    rules.append(Rule("flock", args=(_masked(1, _LOCK_UN, _LOW32 & ~_LOCK_NB),)))
     # Every new libzmq thread sets its own policy to SCHED_OTHER by its thread id, which a filter
     # cannot tell from another process's pid; SCHED_OTHER can only demote, never boost.
     rules.append(Rule("sched_setscheduler", args=(_masked(1, _SCHED_OTHER),)))
