@@ -22,6 +22,7 @@ class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
+        """Bytes from a command-line value such as 512M or 2G (-1 where the default is -1)."""
         if s.strip() == "-1" and self.default_value == -1:  # "choose for me", where it may
             return -1
         try:
@@ -143,8 +144,10 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="open-files-limit", metavar="N")
 
     max_threads = Int(
-        512, help="Most threads the kernel process may run at once (RLIMIT_NPROC of the uid "
-        "user code runs as); past it, starting a thread raises RuntimeError. 0 for no bound.",
+        512, help="Most threads user code may run at once; past it, starting a thread raises "
+        "RuntimeError. Kept by RLIMIT_NPROC of the uid user code runs as; uid 0 is exempt from "
+        "it, so a kernel whose code would run as uid 0 refuses to start unless this is 0 "
+        "(no bound).",
     ).tag(config=True, flag="max-threads", metavar="N")
 
     landlock_abi = Int(
@@ -180,11 +183,6 @@ class SandboxPolicy(Configurable):
         "also the gid) kernels take one each of: FIRST-LAST. Ids of accounts, groups and "
         "/etc/subuid ranges are skipped.",
     ).tag(config=True, flag="uid-range", metavar="FIRST-LAST")
-
-    max_threads = Int(
-        512, help="Most threads user code may run at once; more fail with RuntimeError "
-        "(RLIMIT_NPROC when the kernel has a uid of its own).",
-    ).tag(config=True, flag="max-threads", metavar="N")
 
     audit_log = Unicode(
         "", help="Append one JSON line per system call the filter refused (kernel id, call, "
@@ -318,7 +316,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             optional: dict[str, Any] = {"nargs": "?", "const": trait.metadata["flag_const"]} \
                 if "flag_const" in trait.metadata else {}
             if isinstance(trait, Enum):
-                optional["choices"] = [value for value in trait.values if value]
+                optional["choices"] = [value for value in trait.values or () if value]
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
                                help=help_text, **optional)

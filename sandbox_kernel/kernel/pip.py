@@ -244,7 +244,8 @@ def _pip_in_process(scratch: str) -> Iterator[_PipLog]:
         session.user_agent = saved_agent
         pip_logger.removeHandler(recorder)
         root.handlers[:], root.level = saved[0], saved[1]
-        warnings.showwarning, warnings.filters[:] = saved[2], saved[3]
+        # a list at run time; typeshed calls it a Sequence
+        warnings.showwarning, warnings.filters[:] = saved[2], saved[3]  # type: ignore[index]
         if saved[4] is None:
             os.environ.pop("PIP_CONFIG_FILE", None)
         else:

@@ -72,9 +72,11 @@ class Service:
         return task
 
     def dify_key_ok(self, given: str | None) -> bool:
+        """Whether an X-Api-Key is the dify-sandbox key (compared in constant time)."""
         return same(given, self.dify_key)
 
     def count_run(self, api: str, execution: Execution) -> None:
+        """Count a finished run by API and outcome (ok, timeout, lost, error)."""
         error = execution.error
         outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
                    else "lost" if execution.state_lost else "error")
@@ -82,6 +84,7 @@ class Service:
         self.metrics.observe_usage(api, execution.usage)
 
     async def start(self) -> None:
+        """Start the kernel source and the session culler."""
         await self.kernels.source.start()
         self._culler = asyncio.get_running_loop().create_task(
             self.sessions.cull_forever(CULL_INTERVAL))

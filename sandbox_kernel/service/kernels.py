@@ -132,10 +132,12 @@ class PoolSource:
         return sandbox
 
     def ready(self) -> dict[str, int]:
+        """How many kernels of each kind are ready now."""
         return {policy_name(network): self.pools[network].ready if network in self.pools else 0
                 for network in self.options}
 
     async def close(self) -> None:
+        """Close the pools and stop the fork servers their kernels came from."""
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         # No process outlives the service: the fork server its kernels came from ends too (a
@@ -225,6 +227,7 @@ class Kernels:
 
     @property
     def closing(self) -> int:
+        """How many kernels are being shut down now."""
         return len(self._closing)
 
     async def close(self) -> None:

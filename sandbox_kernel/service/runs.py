@@ -51,6 +51,7 @@ class OutputBudget:
         self.limit, self.left = limit, limit
 
     def spend(self, payload: Any) -> None:
+        """Take payload's size off the budget; OutputLimit once it is spent."""
         if isinstance(payload, str):
             size = len(payload)
         elif isinstance(payload, dict):

@@ -44,9 +44,11 @@ class Session:
 
     @property
     def kernel_id(self) -> str:
+        """The id of the session's kernel."""
         return kernel_id(self.sandbox)
 
     def describe(self) -> dict[str, object]:
+        """The session as the API shows it."""
         idle = 0.0 if self.busy else time.monotonic() - self.last_used
         hosts = self.network.hosts if isinstance(self.network, NetworkChoice) \
             and self.network.mode == "hosts" else None
@@ -70,6 +72,7 @@ class Sessions:
         return len(self._sessions)
 
     def owned_by(self, owner: str) -> list[Session]:
+        """The sessions this API key holds."""
         return [s for s in self._sessions.values() if s.owner == owner]
 
     async def create(self, key: ApiKey, network: Network, idle_timeout: float) -> Session:
@@ -161,10 +164,12 @@ class Sessions:
         return [s.id for s in culled]
 
     async def cull_forever(self, interval: float) -> None:
+        """Close idle sessions every interval seconds, until cancelled."""
         while True:
             await asyncio.sleep(interval)
             self.cull()
 
     def close(self) -> None:
+        """Close every session and its kernel."""
         for session in list(self._sessions.values()):
             self.delete(session)

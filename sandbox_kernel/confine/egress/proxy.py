@@ -211,7 +211,8 @@ class EgressProxy:
                 if self.upstream is not None:
                     return []  # the upstream proxy resolves it (and applies its own rules)
                 raise Refused(502, f"{entry.host} does not resolve") from None
-            addresses = list(dict.fromkeys(parse_address(info[4][0]) for info in infos))
+            found = (parse_address(str(info[4][0])) for info in infos)  # numeric: never None
+            addresses = list(dict.fromkeys(address for address in found if address is not None))
         refusals = [self.rules.check_address(entry.host, address, entry.port)
                     for address in addresses if address is not None]
         if any(refusals) and (self.upstream is not None or all(refusals)):

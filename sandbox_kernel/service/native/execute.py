@@ -44,6 +44,7 @@ router = APIRouter()
              responses={200: EVENT_STREAM, 503: {"description": "too many runs"}})
 async def execute(body: OneShotRequest, request: Request, key: Key,
                   service: ServiceDep) -> Response:
+    """Run code on a fresh kernel; the answer, or a stream of events, says what it did."""
     timeout = run_timeout(service, body.timeout)
     network = network_choice(body.network)
     if network and not service.config.enable_network:
@@ -133,6 +134,7 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
                         410: {"description": "the session's kernel died"}})
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
+    """Run code in a session's kernel, which keeps variables and files between runs."""
     session = session_of(request, service, key, session_id)
     timeout = run_timeout(service, body.timeout, in_session=True)
     sandbox = await service.sessions.acquire(session)

@@ -84,6 +84,7 @@ async def _file_op(request: Request, service: Service, key: ApiKey, session_id: 
             openapi_extra=UPLOAD_BODY)
 async def upload(session_id: str, path: str, request: Request, key: Key,
                  service: ServiceDep) -> Any:
+    """Write the request's body to a file in the session's working directory."""
     limit = service.config.max_file_bytes
     relative = scratch_path(path)
     content = bytearray()
@@ -100,6 +101,7 @@ async def upload(session_id: str, path: str, request: Request, key: Key,
             responses={200: {"content": {"application/octet-stream": {}}}})
 async def download(session_id: str, path: str, request: Request, key: Key,
                    service: ServiceDep) -> Response:
+    """The content of a file in the session's working directory."""
     limit = service.config.max_file_bytes
     result = await _file_op(request, service, key, session_id,
                             {"op": "read", "path": scratch_path(path), "limit": limit})

@@ -83,6 +83,8 @@ class SessionRequest(BaseModel):
 
 
 class ErrorShape(BaseModel):
+    """The exception the code raised."""
+
     name: str
     value: str
     traceback: list[str]
@@ -103,6 +105,8 @@ class ExecutionShape(BaseModel):
 
 
 class SessionShape(BaseModel):
+    """A session the caller holds."""
+
     id: str
     network: bool
     allow_hosts: list[str] | None = Field(
@@ -117,5 +121,7 @@ class SessionShape(BaseModel):
 
 
 class FileShape(BaseModel):
+    """A file written into a session."""
+
     path: str
     size: int

@@ -18,6 +18,7 @@ router = APIRouter()
              summary="Open a session: a kernel of its own whose state persists")
 async def create_session(body: SessionRequest, request: Request, key: Key,
                          service: ServiceDep) -> Any:
+    """Open a session on a fresh kernel, within the key's and the service's limits."""
     config = service.config
     network = network_choice(body.network)
     if network and not config.enable_network:
@@ -38,16 +39,19 @@ async def create_session(body: SessionRequest, request: Request, key: Key,
 
 @router.get("/sessions", response_model=list[SessionShape], summary="This key's sessions")
 async def list_sessions(key: Key, service: ServiceDep) -> Any:
+    """The sessions this API key holds."""
     return [s.describe() for s in service.sessions.owned_by(key.id)]
 
 
 @router.get("/sessions/{session_id}", response_model=SessionShape, summary="One session")
 async def get_session(session: OwnedSession) -> Any:
+    """One session of this API key."""
     return session.describe()
 
 
 @router.delete("/sessions/{session_id}", status_code=204, summary="Close a session")
 async def delete_session(session: OwnedSession, service: ServiceDep) -> Response:
+    """Close a session and shut its kernel down."""
     service.sessions.delete(session)
     return Response(status_code=204)
 
@@ -55,6 +59,7 @@ async def delete_session(session: OwnedSession, service: ServiceDep) -> Response
 @router.post("/sessions/{session_id}/interrupt", status_code=204,
              summary="Interrupt the session's running execution")
 async def interrupt(session: OwnedSession) -> Response:
+    """Interrupt the session's running execution (KeyboardInterrupt in the code)."""
     if session.dead is not None:
         raise HTTPException(410, f"session {session.id}'s kernel is gone: {session.dead}")
     await session.sandbox.interrupt()
