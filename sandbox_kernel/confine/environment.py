@@ -145,6 +145,17 @@ def scratch_bounds(argv: Sequence[str]) -> tuple[int, int]:
     return size, last(_FILES_OPTIONS, scratch.DEFAULT_SCRATCH_FILES, int)
 
 
+def kernel_name(argv: Sequence[str]) -> str:
+    """The kernel's id as Jupyter named it (its connection file's name), else its pid.
+
+    The same id as the audit record's (kernel/app.py kernel_id): the reaper marks the kernel's
+    log lines with it.
+    """
+    files = _option_values(argv, ("-f", "--f", "--IPKernelApp.connection_file"))
+    name = os.path.splitext(os.path.basename(files[-1]))[0] if files else ""
+    return name.removeprefix("kernel-") or str(os.getpid())
+
+
 def _size_or_auto(text: str) -> int:
     return scratch.AUTO_SIZE if text.strip() == str(scratch.AUTO_SIZE) else parse_size(text)
 
@@ -170,7 +181,8 @@ def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """
     ready = ready_pipe(current)
     scratch_dir = scratch.create()
-    keep = reaper.start(scratch_dir)  # from here on fds 0-2 are no longer the launcher's
+    # From here on fds 0-2 are no longer the launcher's.
+    keep = reaper.start(scratch_dir, kernel_name(argv))
     scratch.mount_quota(scratch_dir, *scratch_bounds(argv))
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     low = 3

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import stat
@@ -136,7 +137,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
         apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
-        denials.install(self.policy.allow_network)
+        denials.install(self.policy.allow_network,
+                        proxy=bool(self.layers.get("network", {}).get("egress")))
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
@@ -182,6 +184,25 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         super().init_control(context)
         self.debug_shell_socket.close(linger=0)
         self.debug_shell_socket = context.socket(zmq.DEALER)  # never connected
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        """ipykernel's, unless the launcher's file already says all of it.
+
+        With CurveZMQ keys ipykernel compares its keys (bytes) with the file's (text), finds
+        them different and rewrites a file that Landlock lets the kernel only read.
+        """
+        cf = self.abs_connection_file
+        if self.curve_publickey is not None and os.path.exists(cf):
+            with open(cf) as file:
+                existing = json.load(file)
+            ours = {"curve_publickey": self.curve_publickey.decode(),
+                    "curve_secretkey": (self.curve_secretkey or b"").decode(),
+                    "key": self.session.key.decode(),
+                    **{f"{name}_port": getattr(self, f"{name}_port")
+                       for name in ("shell", "iopub", "stdin", "control", "hb")}}
+            if all(existing.get(name) == value for name, value in ours.items()):
+                return
+        super().write_connection_file(**kwargs)
 
     def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> Any:
         """ipykernel's bind, on the listener bound before the namespace move when there is one."""

@@ -123,6 +123,7 @@ class Sessions:
         self._starting = 0
 
     def owned_by(self, owner: str) -> list[Session]:
+        """The sessions this client (API key) owns."""
         return [s for s in self._sessions.values() if s.owner == owner]
 
     async def create(self, owner: str, network: bool, owner_limit: int | None) -> Session:
@@ -167,5 +168,6 @@ class Sessions:
             await self.close(session)
 
     async def close_all(self) -> None:
+        """Close every session (at shutdown); one that fails does not stop the others."""
         await asyncio.gather(*(self.close(s) for s in list(self._sessions.values())),
                              return_exceptions=True)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..client import AsyncSandbox
@@ -31,8 +32,8 @@ class KernelSource(Protocol):
     async def start(self) -> None:
         """Begin filling (may return before any kernel is ready)."""
 
-    async def get(self, network: bool) -> AsyncSandbox:
-        """A started kernel with network allowed or not; raises RuntimeError if none can start."""
+    async def get(self, network: Network) -> AsyncSandbox:
+        """A started kernel of that network setting; raises RuntimeError if none can start."""
 
     def ready(self) -> dict[str, int]:
         """Started kernels waiting to be handed out, per policy name ("offline", "network")."""
@@ -41,21 +42,54 @@ class KernelSource(Protocol):
         """Shut down every kernel not handed out."""
 
 
+@dataclass(frozen=True)
+class NetworkChoice:
+    """What a run or session asked of the network: off, on, or only the names in hosts."""
+
+    mode: str = "off"
+    hosts: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.mode != "off"
+
+
+Network = bool | NetworkChoice
+
+
+def _split(network: Network) -> tuple[bool, tuple[str, ...] | None]:
+    """(network at all, the allowlist when only some hosts), from a bool or a NetworkChoice."""
+    if isinstance(network, NetworkChoice):
+        return bool(network), network.hosts if network.mode == "hosts" else None
+    return bool(network), None
+
+
 class KernelUnavailable(RuntimeError):
     """No kernel could be had: it did not start, or not in time."""
 
 
-def policy_name(network: bool) -> str:
-    return "network" if network else "offline"
+def policy_name(network: Network) -> str:
+    allowed, hosts = _split(network)
+    return "hosts" if hosts is not None else "network" if allowed else "offline"
 
 
-def with_network(base: SandboxPolicy, network: bool,
-                 network_env: dict[str, str] | None = None) -> SandboxPolicy:
-    """The base policy with network allowed or not; network kernels also get network_env."""
+def with_network(base: SandboxPolicy, network: bool, upstream_proxy: str = "",
+                 hosts: tuple[str, ...] | None = None) -> SandboxPolicy:
+    """The base policy with the network off, on (any public host) or only hosts, egress
+    chained to the deployment's upstream proxy when there is one.
+
+    When the operator started the service with --network hosts, network kernels get the
+    operator's allowlist, and a request's own list keeps only the names on it.
+    """
     values = base.as_dict()
-    values["allow_network"] = network
-    if network and network_env:
-        values["env"] = {**values["env"], **network_env}
+    values.pop("allow_network", None)  # an alias of network; network decides
+    if base.network == "hosts":  # the operator's allowlist: a request narrows it, never widens
+        hosts = tuple(base.allow_hosts) if hosts is None else \
+            tuple(host for host in hosts if host in base.allow_hosts)
+    values["network"] = "off" if not network else "hosts" if hosts is not None else "on"
+    if hosts is not None:
+        values["allow_hosts"] = list(hosts)
+    if network and upstream_proxy:
+        values["upstream_proxy"] = upstream_proxy
     return SandboxPolicy(**values)
 
 
@@ -77,13 +111,18 @@ class PoolSource:
         for pool in self.pools.values():
             pool.start()
 
-    async def get(self, network: bool) -> AsyncSandbox:
-        if network not in self.options:
+    async def get(self, network: Network) -> AsyncSandbox:
+        allowed, hosts = _split(network)
+        if allowed not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
-        pool = self.pools.get(network)
+        options = self.options[allowed]
+        pool = self.pools.get(allowed)
+        if hosts is not None:  # an allowlist of the caller's: started for it, never pooled
+            pool = None
+            options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
         if pool is not None and pool.coming:
             return await pool.get()
-        sandbox = AsyncSandbox(**self.options[network])
+        sandbox = AsyncSandbox(**options)
         try:
             await sandbox.start()
         except BaseException:
@@ -93,10 +132,12 @@ class PoolSource:
         return sandbox
 
     def ready(self) -> dict[str, int]:
+        """How many kernels of each kind are ready now."""
         return {policy_name(network): self.pools[network].ready if network in self.pools else 0
                 for network in self.options}
 
     async def close(self) -> None:
+        """Close the pools and stop the fork servers their kernels came from."""
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         # No process outlives the service: the fork server its kernels came from ends too (a
@@ -107,7 +148,7 @@ class PoolSource:
 
 
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
-                grace: float, network_env: dict[str, str] | None = None,
+                grace: float, upstream_proxy: str = "",
                 runtime: str = "") -> KernelSource:
     """The kernel source the service uses: the one place to change how it gets kernels.
 
@@ -120,7 +161,7 @@ def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
         record = find(runtime)
         on_runtime = {"python": str(record.python()), "preload": record.preload}
     return PoolSource({network: {"kernel_name": None, "grace": grace, **on_runtime,
-                                 "policy": with_network(base, network, network_env)}
+                                 "policy": with_network(base, network, upstream_proxy)}
                        for network in networks}, pool_size)
 
 
@@ -138,7 +179,7 @@ class Kernels:
         self.live: set[AsyncSandbox] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def get(self, network: bool) -> AsyncSandbox:
+    async def get(self, network: Network) -> AsyncSandbox:
         """A fresh kernel, counted as live until `discard`; KernelUnavailable if none comes.
 
         A kernel that fails to start (not one that is slow to) is tried once more: on a loaded
@@ -155,7 +196,7 @@ class Kernels:
         self.live.add(sandbox)
         return sandbox
 
-    async def _get(self, network: bool) -> AsyncSandbox:
+    async def _get(self, network: Network) -> AsyncSandbox:
         try:
             return await asyncio.wait_for(self.source.get(network), self.start_timeout)
         except asyncio.TimeoutError:
@@ -186,6 +227,7 @@ class Kernels:
 
     @property
     def closing(self) -> int:
+        """How many kernels are being shut down now."""
         return len(self._closing)
 
     async def close(self) -> None:

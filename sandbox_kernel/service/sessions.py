@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ..client import AsyncSandbox
 from .access import json_line
 from .auth import ApiKey
-from .kernels import Kernels, kernel_id, policy_name
+from .kernels import Kernels, Network, NetworkChoice, kernel_id, policy_name
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -32,7 +32,7 @@ class Session:
 
     id: str
     owner: str
-    network: bool
+    network: Network
     idle_timeout: float
     sandbox: AsyncSandbox
     created: float = field(default_factory=time.time)
@@ -44,11 +44,16 @@ class Session:
 
     @property
     def kernel_id(self) -> str:
+        """The id of the session's kernel."""
         return kernel_id(self.sandbox)
 
     def describe(self) -> dict[str, object]:
+        """The session as the API shows it."""
         idle = 0.0 if self.busy else time.monotonic() - self.last_used
-        return {"id": self.id, "network": self.network, "policy": policy_name(self.network),
+        hosts = self.network.hosts if isinstance(self.network, NetworkChoice) \
+            and self.network.mode == "hosts" else None
+        return {"id": self.id, "network": bool(self.network), "allow_hosts": hosts,
+                "policy": policy_name(self.network),
                 "idle_timeout": self.idle_timeout, "created": self.created,
                 "idle_seconds": round(idle, 3), "busy": self.busy,
                 "alive": self.dead is None, "dead_reason": self.dead}
@@ -67,9 +72,10 @@ class Sessions:
         return len(self._sessions)
 
     def owned_by(self, owner: str) -> list[Session]:
+        """The sessions this API key holds."""
         return [s for s in self._sessions.values() if s.owner == owner]
 
-    async def create(self, key: ApiKey, network: bool, idle_timeout: float) -> Session:
+    async def create(self, key: ApiKey, network: Network, idle_timeout: float) -> Session:
         """A new session with a fresh kernel; 429 past the key's or the service's limit."""
         if len(self._sessions) + self._reserved >= self.max_sessions:
             raise SessionError(429, f"the service holds its limit of {self.max_sessions} "
@@ -158,10 +164,12 @@ class Sessions:
         return [s.id for s in culled]
 
     async def cull_forever(self, interval: float) -> None:
+        """Close idle sessions every interval seconds, until cancelled."""
         while True:
             await asyncio.sleep(interval)
             self.cull()
 
     def close(self) -> None:
+        """Close every session and its kernel."""
         for session in list(self._sessions.values()):
             self.delete(session)

@@ -58,6 +58,7 @@ def dify_runtime(tmp_path_factory):
     saved = os.environ.get("SANDBOX_KERNEL_RUNTIMES")
     os.environ["SANDBOX_KERNEL_RUNTIMES"] = environ["SANDBOX_KERNEL_RUNTIMES"]
     server = Server(base, "--pool-size", "1", env={"SANDBOX_RUNTIME": "dify"})
+    server.requirements = requirements
     yield server
     server.stop()
     subprocess.run([sys.executable, "-m", "sandbox_kernel", "runtime", "remove", "dify",
@@ -102,6 +103,23 @@ def test_a_python_node_imports_requests_from_the_runtime(dify_runtime):
     assert result["prefix"].endswith("/store/dify/builds/1")
 
 
+def test_refresh_rebuilds_the_runtime_from_the_operators_file(dify_runtime, tmp_path):
+    """As dify-sandbox installs its python-requirements.txt again on refresh."""
+    make_wheel(tmp_path, "refreshpkg", "1.0", {"refreshpkg.py": "VALUE = 'new'\n"})
+    with dify_runtime.requirements.open("a") as requirements:
+        requirements.write(f"--find-links {tmp_path}\nrefreshpkg==1.0\n")
+    refreshed = http.get(dify_runtime.url + "/v1/sandbox/dependencies/refresh?language=python3",
+                         headers={"X-Api-Key": DIFY_KEY}, timeout=600)
+    assert refreshed.status_code == 200
+    listed = refreshed.json()["data"]["dependencies"]
+    assert listed[-1] == {"name": "refreshpkg", "version": "1.0"}
+    assert [entry["name"] for entry in listed] == ["jinja2", "requests", "refreshpkg"]
+    code = ("def main() -> dict:\n    import refreshpkg, sys\n"
+            "    return {'value': refreshpkg.VALUE, 'prefix': sys.prefix}\n")
+    result = PlatformClient(dify_runtime.url).execute(code, {})
+    assert result["value"] == "new" and result["prefix"].endswith("/store/dify/builds/2")
+
+
 @pytest.fixture(scope="module")
 def index_server(tmp_path_factory):
     """A service whose network sessions reach a local package index serving testpkg."""
@@ -110,8 +128,11 @@ def index_server(tmp_path_factory):
     make_wheel(root / "dist", "testpkg", "1.0", {"testpkg/__init__.py": "VALUE = 42\n"})
     write_simple_index(root / "dist", root)
     with LocalIndex(root) as index:
+        # The index on the host's loopback: granted, as the proxy never reaches it otherwise.
+        where = f"127.0.0.1:{index.server.server_address[1]}"
         server = Server(root, "--enable-network", "--package-index", index.url,
-                        "--pool-size", "0", env={"API_KEY": DIFY_KEY})
+                        "--allow-address", where, "--pool-size", "0",
+                        env={"API_KEY": DIFY_KEY})
         yield server
         server.stop()
 
@@ -146,6 +167,6 @@ def test_a_session_without_network_is_told_which_setting_allows_installs(index_s
                               json={"packages": ["testpkg"]})
         error = installed.json()["error"]
         assert error["name"] == "PackageInstallError"
-        assert "the network is off in this sandbox" in error["value"]
+        assert "the network is off in this sandbox (--network off)" in error["value"]
     finally:
         http.delete(session, headers=auth(DIFY_KEY))

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import h11
 
+from ..logrelay import LineSink, TokenBucket, escaped
 from . import tls
 from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
 
@@ -210,7 +211,8 @@ class EgressProxy:
                 if self.upstream is not None:
                     return []  # the upstream proxy resolves it (and applies its own rules)
                 raise Refused(502, f"{entry.host} does not resolve") from None
-            addresses = list(dict.fromkeys(parse_address(info[4][0]) for info in infos))
+            found = (parse_address(str(info[4][0])) for info in infos)  # numeric: never None
+            addresses = list(dict.fromkeys(address for address in found if address is not None))
         refusals = [self.rules.check_address(entry.host, address, entry.port)
                     for address in addresses if address is not None]
         if any(refusals) and (self.upstream is not None or all(refusals)):
@@ -376,9 +378,7 @@ async def _answer(writer: asyncio.StreamWriter, status: int, text: str) -> None:
 class AuditSink:
     """Egress records to the operator's audit file and the launcher's log, rate-limited."""
 
-    def __init__(self, audit_file: int | None, log: Any) -> None:
-        from ..reaper import TokenBucket
-
+    def __init__(self, audit_file: int | None, log: LineSink) -> None:
         self.audit_file, self.log = audit_file, log
         self.budget = TokenBucket(100, 10.0)
         self.suppressed = 0
@@ -398,7 +398,9 @@ class AuditSink:
 
     def _write(self, record: dict[str, Any], summary: str) -> None:
         kernel = str(record.get("kernel", ""))
-        self.log.write(f"sandbox-kernel audit: kernel {kernel}: {summary}\n".encode())
+        # Host names and request targets come from user code: shown escaped, as in audit.py.
+        self.log.write(f"sandbox-kernel audit: kernel {escaped(kernel[:128])}: "
+                       f"{escaped(summary)}\n".encode())
         if self.audit_file is not None:
             with contextlib.suppress(OSError):
                 os.write(self.audit_file, json.dumps(record).encode() + b"\n")

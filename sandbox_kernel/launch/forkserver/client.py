@@ -119,9 +119,11 @@ class ForkedKernel:
                 signal.pidfd_send_signal(self.pidfd, signum)
 
     def terminate(self) -> None:
+        """Ask the kernel to end (SIGTERM), as Popen.terminate does."""
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """End the kernel now (SIGKILL), as Popen.kill does."""
         self.send_signal(signal.SIGKILL)
 
     def _release(self) -> None:

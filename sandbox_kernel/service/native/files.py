@@ -19,6 +19,7 @@ from starlette.responses import Response
 from ..auth import ApiKey
 from ..core import Service
 from ..deps import Key, ServiceDep, session_of
+from ..openapi import UPLOAD_BODY
 from ..runs import RunRecord, bounded
 from ..sessions import SessionError
 from ..validation import sendable
@@ -79,9 +80,11 @@ async def _file_op(request: Request, service: Service, key: ApiKey, session_id: 
 
 
 @router.put("/sessions/{session_id}/files/{path:path}", status_code=201,
-            response_model=FileShape, summary="Upload a file (the raw body) to the scratch")
+            response_model=FileShape, summary="Upload a file (the raw body) to the scratch",
+            openapi_extra=UPLOAD_BODY)
 async def upload(session_id: str, path: str, request: Request, key: Key,
                  service: ServiceDep) -> Any:
+    """Write the request's body to a file in the session's working directory."""
     limit = service.config.max_file_bytes
     relative = scratch_path(path)
     content = bytearray()
@@ -98,6 +101,7 @@ async def upload(session_id: str, path: str, request: Request, key: Key,
             responses={200: {"content": {"application/octet-stream": {}}}})
 async def download(session_id: str, path: str, request: Request, key: Key,
                    service: ServiceDep) -> Response:
+    """The content of a file in the session's working directory."""
     limit = service.config.max_file_bytes
     result = await _file_op(request, service, key, session_id,
                             {"op": "read", "path": scratch_path(path), "limit": limit})
