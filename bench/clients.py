@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.request import Request, urlopen
 
-from bench.load.service import free_port
+from tests.load.service import free_port
 
 PLAIN, FORK = "plain", "fork"
 RESULTS = Path(__file__).parent / "results" / "clients.md"
@@ -145,7 +145,7 @@ class Gateway:
         request = Request(f"http://{self.url}/api/kernels?token={self.token}", method="POST",
                           data=json.dumps({"name": f"bench-{kind}"}).encode(),
                           headers={"Content-Type": "application/json"})
-        with urlopen(request) as response:
+        with urlopen(request) as response:  # noqa: S310 (http://127.0.0.1, built above)
             kernel = json.loads(response.read())["id"]
         try:
             with connect(f"ws://{self.url}/api/kernels/{kernel}/channels?token={self.token}",

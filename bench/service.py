@@ -1,6 +1,6 @@
 """`python -m bench.service`: our service against the real dify-sandbox, side by side.
 
-Both run on this machine at once, each on 127.0.0.1: `sandbox-kernel serve` (bench/load/service.py
+Both run on this machine at once, each on 127.0.0.1: `sandbox-kernel serve` (tests/load/service.py
 starts it, with dify-sandbox's defaults: MAX_WORKERS 4, WORKER_TIMEOUT 5) and the dify-sandbox
 built from its source in `../shared/anchors/dify-sandbox/` (its own start.sh and stop.sh; skipped,
 saying so, when that folder is absent). Every request is the one Dify sends: its wrapping of
@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import http.client
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.load.service import Service, Settings, free_port
+from tests.load.service import Service, Settings, free_port
 
 ANCHOR = Path(os.environ.get("SANDBOX_BENCH_DIFY_SANDBOX",
                              Path(__file__).resolve().parents[2] / "shared/anchors/dify-sandbox"))
@@ -208,20 +210,27 @@ def concurrent(target: Target, clients: int, seconds: float) -> Phase:
     return measure(target, work)
 
 
+@functools.cache
+def anchor_env() -> dict[str, str]:
+    """start.sh and stop.sh keep dify-sandbox's config, logs and pid in $DS_RUN: a private dir."""
+    return {**os.environ, "DS_RUN": tempfile.mkdtemp(prefix="bench-dify-sandbox-")}
+
+
 def start_anchor() -> tuple[int, int] | str:
     """(port, pid) of a started dify-sandbox, or why it is not measured."""
     if not (ANCHOR / "start.sh").exists():
         return f"dify-sandbox not measured: no {ANCHOR}/start.sh (set SANDBOX_BENCH_DIFY_SANDBOX)"
     port = free_port()
     done = subprocess.run([str(ANCHOR / "start.sh"), str(port), KEY], capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=anchor_env())
     if done.returncode != 0:
         return f"dify-sandbox did not start: {(done.stdout + done.stderr).strip()[-500:]}"
-    return port, int(Path(f"/tmp/ds/run/{port}/pid").read_text())
+    return port, int(Path(anchor_env()["DS_RUN"], "pid").read_text())
 
 
 def stop_anchor(port: int) -> None:
-    subprocess.run([str(ANCHOR / "stop.sh"), str(port)], capture_output=True, timeout=60)
+    subprocess.run([str(ANCHOR / "stop.sh"), str(port)], capture_output=True, timeout=60,
+                   env=anchor_env())
 
 
 @dataclass
