@@ -18,7 +18,7 @@ from typing import Any
 
 from ..client import AsyncSandbox
 from ..launch.forkserver import ForkServerClient
-from ..launch.pool import KernelPool
+from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
 from .config import McpConfig
 
@@ -68,16 +68,9 @@ class KernelSource:
     async def get(self, network: bool) -> AsyncSandbox:
         """A started kernel of its own for the caller, who closes it."""
         pool = self._pool(network)
-        if pool is not None and pool.ready:
-            return await pool.get()
-        sandbox = AsyncSandbox(**self.options(network))  # a burst starts kernels side by side
-        try:
-            await sandbox.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(sandbox.close())
-            raise
-        return sandbox
+        if pool is not None:
+            return await pool.get_soonest()
+        return await start_sandbox(**self.options(network))
 
     async def close(self) -> None:
         """Close the pools and end the fork server their kernels came from."""
