@@ -65,6 +65,17 @@ async def _close_quietly(sandbox: AsyncSandbox) -> None:
         await sandbox.close()
 
 
+async def start_sandbox(**sandbox_options: Any) -> AsyncSandbox:
+    """A new AsyncSandbox, started; one whose start fails or is cancelled is closed again."""
+    sandbox = AsyncSandbox(**sandbox_options)
+    try:
+        await sandbox.start()
+    except BaseException:
+        await asyncio.shield(_close_quietly(sandbox))
+        raise
+    return sandbox
+
+
 class KernelPool(_PoolSettings):
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
@@ -118,6 +129,16 @@ class KernelPool(_PoolSettings):
         if isinstance(sandbox, PoolStartError):
             raise sandbox
         return sandbox
+
+    async def get_soonest(self) -> AsyncSandbox:
+        """The pool's kernel when one is coming, else one started now with the pool's options.
+
+        Rather than waiting behind other callers for the refill, a burst starts kernels side by
+        side; the caller owns (and closes) the kernel either way.
+        """
+        if self.coming:
+            return await self.get()
+        return await start_sandbox(**self.sandbox_options)
 
     async def _fill(self) -> None:
         filled = False  # the first fill starts at once: nothing was handed out to make room for

@@ -11,7 +11,6 @@ in the background so a response never waits for a shutdown, and at shutdown clos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any, Protocol
 
 from ..client import AsyncSandbox
 from ..launch.forkserver import ForkServerClient
-from ..launch.pool import KernelPool
+from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
 from .access import json_line
 
@@ -120,16 +119,9 @@ class PoolSource:
         if hosts is not None:  # an allowlist of the caller's: started for it, never pooled
             pool = None
             options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
-        if pool is not None and pool.coming:
-            return await pool.get()
-        sandbox = AsyncSandbox(**options)
-        try:
-            await sandbox.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(sandbox.close())
-            raise
-        return sandbox
+        if pool is not None:
+            return await pool.get_soonest()
+        return await start_sandbox(**options)
 
     def ready(self) -> dict[str, int]:
         """How many kernels of each kind are ready now."""
