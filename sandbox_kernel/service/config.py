@@ -209,6 +209,10 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
             values[name] = _from_env(env, trait, environ[env])
         elif env in EMPTY_IS_A_VALUE and env in environ:
             values[name] = ""  # refused by check(), not read as unset
+    if "session_timeout" not in values and "max_timeout" in values:
+        # Unset, the sessions' default never exceeds the longest timeout a request may ask.
+        values["session_timeout"] = min(ServiceConfig.session_timeout.default_value,
+                                        values["max_timeout"])
     config = ServiceConfig(**values)
     check(config)
     return config
