@@ -172,6 +172,9 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
 async def install_in_session(session_id: str, body: InstallRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
     """`%pip install` in the session: its error (PackageInstallError) says why it failed."""
-    code = install_code(body.packages, body.upgrade)
+    try:
+        code = install_code(body.packages, body.upgrade)
+    except ValueError as exc:  # not a requirement the %pip magic takes: the caller's to fix
+        raise HTTPException(422, str(exc)) from None
     return await execute_in_session(session_id, ExecuteRequest(code=code, timeout=body.timeout),
                                     request, key, service)
