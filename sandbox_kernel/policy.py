@@ -242,12 +242,19 @@ class SandboxPolicy(Configurable):
         """The effective policy as plain JSON-able values."""
         return {name: getattr(self, name) for name in self.trait_names(config=True)}
 
+    def _implied(self, name: str) -> bool:
+        """allow_network and network say one thing twice: `on` is said by allow_network (what
+        older kernelspecs carry), `hosts` by network."""
+        if name == "network":
+            return self.network == "on"
+        return name == "allow_network" and self.network == "hosts"
+
     def to_argv(self) -> list[str]:
         """Command-line options that recreate this policy in a kernel process."""
         argv = []
         for name, trait in sorted(self.traits(config=True).items()):
             value = getattr(self, name)
-            if value == trait.default():
+            if value == trait.default() or self._implied(name):
                 continue
             if isinstance(value, dict):
                 argv += [f"--SandboxPolicy.{name}={key}={item}" for key, item in value.items()]

@@ -288,7 +288,8 @@ def test_without_landlock_the_kernel_refuses_naming_promise_right_and_flag(tmp_p
         [sys.executable, "-I", "-m", "sandbox_kernel", "-f", connection_file, "--landlock-abi=0"],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 3
-    line = [line for line in result.stderr.splitlines() if "refusing to start" in line]
+    line = [line.partition("] ")[2] for line in result.stderr.splitlines()  # after the mark
+            if "refusing to start" in line]
     assert line == [
         "sandbox-kernel: refusing to start: cannot keep these promises on this host: files: "
         "read and write only the interpreter, scratch and grants: MISSING, needs Landlock file "

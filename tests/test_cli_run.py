@@ -26,9 +26,9 @@ def run(*args, stdin=None):
 
 
 def own_lines(stderr):
-    """stderr without the kernel's own log lines (ipykernel's TCP warning, denial records)."""
+    """stderr without the kernel's own log lines (marked "[kernel <id>]") and denial records."""
     return "".join(line for line in stderr.splitlines(keepends=True)
-                   if not line.startswith(("[SandboxKernelApp]", "sandbox-kernel audit:")))
+                   if not line.startswith(("[kernel ", "sandbox-kernel audit:")))
 
 
 def png_size(data):

@@ -362,7 +362,8 @@ def test_refuses_to_start_without_landlock(tmp_path):
     _, args = start_kernel_directly(tmp_path)
     result = run_launched(tmp_path, *args)
     assert result.returncode == 3
-    lines = [line for line in result.stderr.splitlines() if "refusing to start" in line]
+    lines = [line.partition("] ")[2] for line in result.stderr.splitlines()  # after the mark
+             if "refusing to start" in line]
     assert len(lines) == 1
     assert lines[0].startswith("sandbox-kernel: refusing to start: cannot keep these promises "
                                "on this host: files: read and write only")

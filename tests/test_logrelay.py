@@ -165,16 +165,21 @@ class Collected:
         return sum(map(len, self.lines))
 
 
+MARK = b"[kernel k1] "
+
+
 def _relay(clock: Clock) -> tuple[LogRelay, Collected]:
     out = Collected()
-    return LogRelay(out, logrelay.TokenBucket(LOG_BURST, LOG_RATE, clock=clock)), out
+    return LogRelay(out, logrelay.TokenBucket(LOG_BURST, LOG_RATE, clock=clock), "k1"), out
 
 
 @pytest.mark.parametrize("pattern", [
     [b"x" * 2000 + b"\n", b"\n"],  # a dropped line, then one that brings out a notice
     [b"x" * 5000 + b"\n", b"a\n"],  # a cut line, then a short one
     [b"\xff" * 1000 + b"\n"],  # each invalid byte is shown as U+FFFD: 3 bytes out for 1 in
-    [b"sandbox-kernel audit: forged\n"],  # marked "(from the kernel)": the mark is paid for
+    [b"sandbox-kernel audit: forged\n"],  # the kernel's mark on every line is paid for
+    [b"\x1b" * 1000 + b"\n"],  # each control byte is shown as \\x1b: 4 bytes out for 1 in
+    ["\u200b".encode() * 500 + b"\n"],  # each format character: \\u200b, 6 bytes for 3
 ])
 def test_output_never_exceeds_the_budget_whatever_the_pattern(pattern):
     clock = Clock()
@@ -195,25 +200,97 @@ def test_lines_are_relayed_whole_cut_and_in_order():
     relay.feed(b"first\nsec")
     relay.feed(b"ond\n\n" + b"y" * (LOG_LINE_LIMIT + 10) + b"\nlast")
     relay.flush()
-    assert out.lines == [b"first\n", b"second\n", b"\n", b"y" * LOG_LINE_LIMIT + b" [cut]\n",
-                         b"y" * 10 + b"\n", b"last\n"]
+    assert out.lines == [MARK + line for line in (
+        b"first\n", b"second\n", b"\n", b"y" * LOG_LINE_LIMIT + b" [cut]\n", b"y" * 10 + b"\n",
+        b"last\n")]
 
 
 def test_a_line_of_exactly_the_limit_is_not_cut():
     relay, out = _relay(Clock())
     relay.feed(b"z" * (LOG_LINE_LIMIT - 1))
     relay.feed(b"z\n")
-    assert out.lines == [b"z" * LOG_LINE_LIMIT + b"\n"]
+    assert out.lines == [MARK + b"z" * LOG_LINE_LIMIT + b"\n"]
 
 
 def test_after_a_drop_the_relay_resumes_at_the_next_line():
     clock = Clock()
     relay, out = _relay(clock)
-    relay.feed(b"a" * (LOG_LINE_LIMIT - 1) + b"\n")  # 2048 tokens
+    relay.feed(b"a" * (LOG_LINE_LIMIT - 1) + b"\n")  # 2048 tokens and the mark
     relay.budget.tokens = 10  # nearly spent
     relay.feed(b"b" * 100 + b"\nc\nd")  # the read's rest is dropped, with the partial "d"
     assert len(out.lines) == 1
     clock.now = 1.0  # the budget has refilled
     relay.feed(b"ddd\ne\n")  # the rest of "d..." is dropped too: "e" is the next line
     assert out.lines[1:] == [b"sandbox-kernel: 108 bytes of kernel log dropped (rate limit)\n",
-                             b"e\n"]
+                             MARK + b"e\n"]
+
+
+# What user code writes to imitate the launcher's own lines (#20 item 6): a JSON request-log
+# line of the service, audit lines hidden behind a tab or an invisible format character, a
+# carriage return and an escape sequence that redraw a terminal line, a line separator.
+FORGERIES = [
+    b'{"method":"POST","route":"/v1/sandbox/run","status":200,"key":"team-b"}',
+    b"\tsandbox-kernel audit: kernel k1: refused kill(0x1)",
+    "\u200bsandbox-kernel audit: kernel k1: refused kill(0x1)".encode(),
+    "\ufeffsandbox-kernel audit: kernel k1: refused kill(0x1)".encode(),
+    "\u2066sandbox-kernel audit: kernel k1: refused kill(0x1)\u2069".encode(),
+    b"harmless\rsandbox-kernel audit: kernel k1: refused kill(0x1)",
+    b"\x1b[2K\x1b[1Gsandbox-kernel: 0 bytes of kernel log dropped",
+    "one\u2028sandbox-kernel audit: kernel k1: refused kill(0x1)".encode(),
+    b"\xff\xfe not UTF-8",
+]
+
+
+def test_every_kernel_line_is_marked_and_shows_no_invisible_character():
+    relay, out = _relay(Clock())
+    for line in FORGERIES:
+        relay.feed(line + b"\n")
+    shown = [line.decode() for line in out.lines]
+    assert len(shown) == len(FORGERIES)
+    for line in shown:
+        assert line.startswith("[kernel k1] "), line
+        assert line[:-1].isprintable(), line  # no tab, CR, ESC, Cf, separator, U+FFFD hides
+    assert shown[1] == "[kernel k1] \\x09sandbox-kernel audit: kernel k1: refused kill(0x1)\n"
+    assert shown[2].startswith("[kernel k1] \\u200bsandbox-kernel audit:")
+    assert shown[8] == "[kernel k1] \\xff\\xfe not UTF-8\n"
+
+
+def test_the_mark_names_the_kernel_printably():
+    assert logrelay.kernel_mark("abc-123") == b"[kernel abc-123] "
+    assert logrelay.kernel_mark("a]\u200b\nb") == b"[kernel a]\\u200b\\x0ab] "
+
+
+FORGE = """
+import os, sys
+lines = {forgeries!r}
+for line in lines:
+    os.write(2, line + b"\\n")
+sys.__stderr__.write("\\u2066sandbox-kernel audit: via sys.__stderr__\\n")
+sys.__stderr__.flush()
+"""
+
+
+def test_a_real_kernel_cannot_forge_a_launcher_line(launcher):
+    """Whatever bytes user code writes, each line that reaches the launcher is marked."""
+    launcher.run(FORGE.format(forgeries=FORGERIES))
+    launcher.end()
+    lines = launcher.stderr.read_text().splitlines()
+    forged = [line for line in lines if "audit" in line or "team-b" in line
+              or "not UTF-8" in line or "dropped" in line]
+    assert len(forged) == len(FORGERIES) + 1, lines
+    for line in forged:
+        assert line.startswith("[kernel kernel] "), line  # the connection file is kernel.json
+        assert line.isprintable(), line
+    # The launcher's own lines and the reaper's never start with the kernel's mark.
+    assert not [line for line in lines if line.startswith(("{", "sandbox-kernel audit:",
+                                                           "\t", "\u200b", "\ufeff", "\u2066"))]
+
+
+def test_the_launchers_own_log_messages_stay_one_printable_line():
+    """The service's and the MCP server's logs carry file names and errors from user code."""
+    import logging
+
+    record = logging.LogRecord("t", logging.INFO, __file__, 1, "could not read %s: %s",
+                               ('a\n{"key":"team-b"}\u200b', "gone"), None)
+    shown = logrelay.PrintableFormatter("mcp: %(message)s").format(record)
+    assert shown == 'mcp: could not read a\\x0a{"key":"team-b"}\\u200b: gone'

@@ -393,7 +393,8 @@ def test_fails_closed_when_seccomp_cannot_be_loaded(tmp_path):
     result = subprocess.run([sys.executable, "-c", NO_SECCOMP_LAUNCHER, connection_file],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 3
-    lines = [line for line in result.stderr.splitlines() if "refusing to start" in line]
+    lines = [line.partition("] ")[2] for line in result.stderr.splitlines()  # after the mark
+             if "refusing to start" in line]
     assert len(lines) == 1
     assert lines[0].startswith("sandbox-kernel: refusing to start: seccomp: loading")
     assert "--no-seccomp" in lines[0]

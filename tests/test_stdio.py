@@ -187,5 +187,5 @@ def test_no_escape_sequence_reaches_the_terminal(launched):
     # OSC 52 would set the operator's clipboard; OSC 0 the window title.
     escapes = "b'osc \\x1b]52;c;cm0gLXJm\\x07 \\x1b]0;owned\\x07 end\\n'"
     evaluate(client, f"import os\nos.write(2, {escapes})\n1")
-    assert terminal.wait_for(b"osc ?]52;c;cm0gLXJm? ?]0;owned? end")
+    assert terminal.wait_for(b"] osc \\x1b]52;c;cm0gLXJm\\x07 \\x1b]0;owned\\x07 end")  # escaped
     assert b"\x1b]" not in terminal.received

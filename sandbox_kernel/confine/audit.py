@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from .denials import library_probe
-from .logrelay import LineSink, TokenBucket
+from .logrelay import LineSink, TokenBucket, escaped
 from .tally import Tally
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
@@ -151,8 +151,9 @@ class Auditor:
 
     def _write(self, entry: dict[str, Any], summary: str, shown: bool = True) -> None:
         if shown:
-            self.log.write(f"sandbox-kernel audit: kernel {self.kernel_id[:128]}: {summary}\n"
-                           .encode())
+            # Thread names are user code's: every character of the line is shown printable.
+            self.log.write(f"sandbox-kernel audit: kernel {escaped(self.kernel_id[:128])}: "
+                           f"{escaped(summary)}\n".encode())
         if self.audit_file is not None:
             try:  # one write per line: O_APPEND keeps concurrent kernels' lines whole
                 os.write(self.audit_file, json.dumps(entry).encode() + b"\n")

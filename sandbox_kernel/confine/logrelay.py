@@ -3,12 +3,21 @@
 The reaper reads what the kernel writes to its fds 1 and 2 (a pipe) and relays it here; the
 audit records of denied calls go out through the same LauncherLog. Nothing here may let the
 kernel make the reaper, which runs unconfined, do unbounded work or write unbounded output.
+
+Nor forge the launcher's own lines: the launcher's stderr is often a log that others read
+(the service's JSON lines, a notebook server's log, the reaper's audit lines). Every line the
+kernel wrote starts with KERNEL_MARK and the kernel's id, which no line of ours starts with, and
+every character that is not printable (controls, tabs, invisible format characters such as
+U+200B or U+2066, line separators, bytes that are not UTF-8) is shown escaped, so a line can
+neither hide its mark nor pass for two lines in a terminal or a log viewer.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +27,8 @@ LOG_LINE_LIMIT = 2048  # bytes of one relayed log line; the rest is cut
 LOG_BURST = 64 * 1024  # bytes the kernel may log at once ...
 LOG_RATE = 8 * 1024  # ... and per second after that
 _WRITER_QUEUE = 512  # lines waiting for a slow launcher; beyond it lines are dropped
-AUDIT_PREFIX = b"sandbox-kernel audit:"
+KERNEL_MARK = "[kernel "  # "[kernel <id>] <what it wrote>": no launcher line starts so
+ESCAPED_GROWTH = 4  # an escaped byte is at most 4 bytes shown ("\\x1b"; "\\u200b" for 3 in)
 
 
 class LineSink(Protocol):
@@ -97,8 +107,10 @@ class LogRelay:
     replacement characters and every "dropped" notice (only the last one, at the end, is free).
     """
 
-    def __init__(self, out: LineSink, budget: TokenBucket | None = None) -> None:
+    def __init__(self, out: LineSink, budget: TokenBucket | None = None,
+                 kernel: str = "") -> None:
         self.out = out
+        self.mark = kernel_mark(kernel)
         self.budget = budget or TokenBucket(LOG_BURST, LOG_RATE)
         self.pending = bytearray()  # the start of an unfinished line, at most LOG_LINE_LIMIT
         self.skipping = False  # inside a line whose start was dropped: drop up to its end
@@ -153,17 +165,15 @@ class LogRelay:
     def _relay(self, line: bytes, cut: bool) -> bool:
         """Write one line, with the notice of what was dropped before it, if the budget pays."""
         notice = self._notice() if self.dropped else b""
-        # Only the reaper writes audit lines: the kernel's imitations of them are marked.
-        mark = b"(from the kernel) " if line.startswith(AUDIT_PREFIX) else b""
         end = b" [cut]\n" if cut else b"\n"
-        # Shown, an ASCII line keeps its size and any other at most triples it (an invalid byte
-        # becomes U+FFFD): a line the budget could not pay for at that size is dropped before
-        # any work is spent on showing it, and one it can pay for is charged what it costs.
-        largest = len(line) if line.isascii() else 3 * len(line)
-        if self.budget.available() < len(notice) + len(mark) + largest + len(end):
+        # Shown, a line grows at most ESCAPED_GROWTH times: a line the budget could not pay for
+        # at that size is dropped before any work is spent on showing it, and one it can pay
+        # for is charged what it costs.
+        largest = ESCAPED_GROWTH * len(line)
+        if self.budget.available() < len(notice) + len(self.mark) + largest + len(end):
             self.dropped += len(line) + (0 if cut else 1)
             return False
-        shown = mark + printable(line) + end
+        shown = self.mark + printable(line) + end
         self.budget.take(len(notice) + len(shown))
         if notice:
             self.out.write(notice)
@@ -172,14 +182,51 @@ class LogRelay:
         return True
 
 
-# The control characters (Unicode category Cc: C0, DEL, C1) but tab, each shown as "?".
-_CONTROLS = {code: "?" for code in (*range(0x20), *range(0x7F, 0xA0)) if code != 0x09}
+def kernel_mark(kernel: str) -> bytes:
+    """The start of every line the kernel wrote: its id, itself shown printable and bounded."""
+    return f"{KERNEL_MARK}{escaped(kernel[:128]) or '?'}] ".encode()
 
 
 def printable(line: bytes) -> bytes:
-    """line with control characters shown as '?': no escape sequences reach the terminal.
+    """line as UTF-8 text whose every character is printable; the others shown escaped.
 
-    decode, translate and encode are C loops: the reaper's cost per byte stays far below the
-    kernel's cost of writing it.
+    Invalid bytes become \\xNN, and controls (tab and escape sequences included), invisible
+    format characters, separators other than the space and unassigned code points become
+    Python-style escapes. decode, isprintable and the regular expression are C loops: the
+    reaper's cost per byte stays far below the kernel's cost of writing it.
     """
-    return line.decode("utf-8", errors="replace").translate(_CONTROLS).encode()
+    return escaped(line.decode("utf-8", errors="backslashreplace")).encode()
+
+
+_UNSAFE = re.compile(r"[^\x20-\x7e]+")
+
+
+def escaped(text: str) -> str:
+    """text with each character str.isprintable refuses shown as a Python escape."""
+    if text.isprintable():
+        return text
+    return _UNSAFE.sub(_escape_run, text)
+
+
+def _escape_run(match: re.Match[str]) -> str:
+    return "".join(char if char.isprintable() else _escape(char) for char in match.group())
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+class PrintableFormatter(logging.Formatter):
+    """A log formatter whose messages show non-printable characters escaped.
+
+    For the launchers' own logs (the service's, the MCP server's), whose messages may carry
+    text from user code (a file name, an error's text): one message stays one line.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The record formatted, its message escaped."""
+        record.message = escaped(record.message)
+        return super().formatMessage(record)

@@ -30,7 +30,7 @@ from .logrelay import LauncherLog, LogRelay
 from .tally import Tally
 
 
-def start(scratch_dir: str) -> int:
+def start(scratch_dir: str, kernel: str = "") -> int:
     """Fork the reaper; give this process a stdio of its own; return the channel's fd.
 
     Call before any confinement, while single-threaded. Afterwards fds 0-2 of this process are
@@ -42,7 +42,7 @@ def start(scratch_dir: str) -> int:
     if os.fork() == 0:
         try:
             ours.close()
-            _run(kernel_pid, scratch_dir, log_read, theirs.detach())
+            _run(kernel_pid, kernel, scratch_dir, log_read, theirs.detach())
         finally:
             os._exit(0)
     os.close(log_read)
@@ -58,7 +58,8 @@ def start(scratch_dir: str) -> int:
     return channel
 
 
-def _run(kernel_pid: int, scratch_dir: str, log_read: int, channel: int) -> None:
+def _run(kernel_pid: int, kernel_name: str, scratch_dir: str, log_read: int,
+         channel: int) -> None:
     os.setsid()  # survive the kernel's process group being killed
     launcher = os.dup(2)
     null = os.open(os.devnull, os.O_RDWR)
@@ -75,7 +76,7 @@ def _run(kernel_pid: int, scratch_dir: str, log_read: int, channel: int) -> None
     if os.getppid() != kernel_pid:  # the kernel died before we could watch it
         shutil.rmtree(scratch_dir, ignore_errors=True)
         return
-    Reaper(kernel_pid, kernel, launcher, log_read, channel).serve()
+    Reaper(kernel_pid, kernel, launcher, log_read, channel, kernel_name).serve()
     shutil.rmtree(scratch_dir, ignore_errors=True)
 
 
@@ -83,10 +84,10 @@ class Reaper:
     """The reaper's event loop: log relay, handovers from the kernel, seccomp notifications."""
 
     def __init__(self, kernel_pid: int, kernel: int, launcher: int, log_read: int,
-                 channel: int) -> None:
+                 channel: int, kernel_name: str = "") -> None:
         self.kernel_pid = kernel_pid
         self.out = LauncherLog(launcher)
-        self.relay = LogRelay(self.out)
+        self.relay = LogRelay(self.out, kernel=kernel_name or str(kernel_pid))
         self.kernel, self.log_read, self.channel = kernel, log_read, channel
         self.channel_socket = socket.socket(fileno=channel)
         self.held: list[int] = []  # the uid lock: released when we exit
@@ -193,7 +194,11 @@ def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | Non
         out.write(f"sandbox-kernel: egress proxy not started: {exc}\n".encode())
         os.close(listener)
         return
-    proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
-                        AuditSink(audit_file, out), upstream)
-    asyncio.run(proxy.serve(socket.socket(fileno=listener)))
+    try:
+        proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
+                            AuditSink(audit_file, out), upstream)
+        asyncio.run(proxy.serve(socket.socket(fileno=listener)))
+    except Exception as exc:  # never silently: user code would only see connections hang
+        out.write(f"sandbox-kernel: the egress proxy stopped: {exc!r}\n".encode())
+        raise
 

@@ -115,9 +115,13 @@ def main(args: argparse.Namespace) -> int:
 
         print(json.dumps(definitions(config, args.print_tools), indent=2))
         return 0
-    # stdout is the protocol over stdio: every log line goes to stderr.
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="sandbox-kernel mcp: %(message)s")
+    # stdout is the protocol over stdio: every log line goes to stderr, one line per message
+    # (file names and errors from user code are shown escaped).
+    from ..confine.logrelay import PrintableFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("sandbox-kernel mcp: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     from . import server
 
     if args.http is None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
 from ..policy import SandboxPolicy
-from . import dify, native
+from . import dify, native, openapi
 from .access import AccessLog
 from .config import ServiceConfig
 from .core import Service
@@ -36,12 +39,14 @@ def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None
         finally:
             await service.stop()
 
-    app = FastAPI(
-        title="sandbox-kernel service", version=__version__, lifespan=lifespan,
+    # Swagger UI's page and assets come from the fastapi-offline package: /docs works offline.
+    app = FastAPIOffline(
+        title="sandbox-kernel service", version=__version__, lifespan=lifespan, redoc_url=None,
         description="Runs untrusted Python in sandboxed Jupyter kernels. `/v1/sandbox/*`: "
         "dify-sandbox's API (X-Api-Key). `/api/v1/*`: sessions, executions, server-sent "
         "events, files (Authorization: Bearer).")
     app.state.service = service  # read only by deps.service
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     # The domain's errors become HTTP answers here, once; the event stream, whose status line
     # is already sent when they happen, and the dify routes, whose answers are gin's, keep theirs.
     app.add_exception_handler(RequestValidationError, invalid_request)
@@ -54,6 +59,12 @@ def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None
     app.add_middleware(BodyLimit, limit=service.config.max_body_bytes, metrics=service.metrics)
     app.add_middleware(AccessLog, metrics=service.metrics)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        app.openapi_schema = openapi.complete(FastAPI.openapi(app))
+    return app.openapi_schema
 
 
 operations = APIRouter(tags=["operations"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 from traitlets import Bool, Float, Int, TraitError, Unicode
 from traitlets.config import Configurable
@@ -55,8 +56,23 @@ class ServiceConfig(Configurable):
 
     worker_timeout = Float(
         5.0, help="Seconds one stateless run may take (dify-sandbox's WORKER_TIMEOUT); also the "
-        "native API's default execution timeout.",
+        "default of the native API's /execute on a fresh kernel.",
     ).tag(config=True, flag="worker-timeout", env="WORKER_TIMEOUT", metavar="SECONDS")
+
+    session_timeout = Float(
+        60.0, help="Default seconds one execution (or package install) in a session may take; "
+        "a request's own timeout overrides it, up to --max-timeout. Sessions do interactive "
+        "work (a first matplotlib import, a model's analysis), hence longer than "
+        "--worker-timeout.",
+    ).tag(config=True, flag="session-timeout", env="SANDBOX_SESSION_TIMEOUT",
+          metavar="SECONDS")
+
+    nodejs_upstream = Unicode(
+        "", help="URL of a dify-sandbox kept for JavaScript (e.g. http://sandbox:8194): "
+        "/v1/sandbox/run requests with language nodejs are forwarded to it unchanged (body and "
+        "X-Api-Key) and its answer returned as it is. Empty: such requests get code -400 with a "
+        "message naming this option, which Dify shows as the node's error.",
+    ).tag(config=True, flag="nodejs-upstream", env="SANDBOX_NODEJS_UPSTREAM", metavar="URL")
 
     runtime = Unicode(
         "", help="The runtime (`sandbox-kernel runtime create NAME`) kernels run on; its "
@@ -200,7 +216,8 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
 
 def check(config: ServiceConfig) -> None:
     """Refuse settings that cannot work, naming the setting."""
-    positive = ("max_workers", "max_requests", "worker_timeout", "max_timeout", "max_sessions",
+    positive = ("max_workers", "max_requests", "worker_timeout", "session_timeout",
+                "max_timeout", "max_sessions",
                 "max_body_bytes", "max_file_bytes", "max_output_total", "head_timeout",
                 "max_idle_connections")
     for name in positive:
@@ -210,17 +227,36 @@ def check(config: ServiceConfig) -> None:
     for name in ("pool_size", "kernel_grace", "shutdown_grace", "session_idle_timeout"):
         if getattr(config, name) < 0:
             raise TraitError(f"{name.replace('_', '-')} must not be negative")
+    if config.session_timeout > config.max_timeout:
+        raise TraitError(f"session-timeout {config.session_timeout:g} s is above max-timeout "
+                         f"{config.max_timeout:g} s: lower it or raise --max-timeout")
+    if config.nodejs_upstream:
+        parts = urlsplit(config.nodejs_upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise TraitError(f"nodejs-upstream {config.nodejs_upstream!r}: expected an http:// "
+                             "or https:// URL of a dify-sandbox, e.g. http://sandbox:8194")
     if not 0 < config.port < 65536:
         raise TraitError(f"port must be 1-65535, got {config.port}")
     try:
         auth.check_dify_key(config.api_key)
     except ValueError as exc:
         raise TraitError(str(exc)) from None
+    if config.enable_network:
+        upstream_proxy(config)  # refuses what the egress proxy cannot chain to
 
 
-def network_env(config: ServiceConfig) -> dict[str, str]:
-    """The proxy variables network kernels get, by dify-sandbox's rule."""
+def upstream_proxy(config: ServiceConfig) -> str:
+    """The proxy the kernels' egress proxy chains to: the deployment's HTTPS_PROXY, else its
+    HTTP_PROXY (dify-sandbox's variables; user code itself always sees the egress proxy)."""
     if config.socks5_proxy:
-        return {"HTTPS_PROXY": config.socks5_proxy, "HTTP_PROXY": config.socks5_proxy}
-    return {name: value for name, value in (("HTTPS_PROXY", config.https_proxy),
-                                            ("HTTP_PROXY", config.http_proxy)) if value}
+        raise TraitError("SOCKS5_PROXY: the egress proxy chains to an HTTP proxy only; give "
+                         "the deployment's HTTP proxy as HTTPS_PROXY / --https-proxy instead")
+    url = config.https_proxy or config.http_proxy
+    if url:
+        from ..confine.egress.rules import Upstream
+
+        try:
+            Upstream.parse(url)
+        except ValueError as exc:
+            raise TraitError(f"HTTPS_PROXY / HTTP_PROXY: {exc}") from None
+    return url

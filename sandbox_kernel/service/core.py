@@ -12,7 +12,7 @@ from ..client import Execution
 from ..policy import SandboxPolicy
 from .access import json_line
 from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
-from .config import ServiceConfig, network_env
+from .config import ServiceConfig, upstream_proxy
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
 from .runs import SERVICE_TIMEOUT, Admission, Runner
@@ -54,7 +54,7 @@ class Service:
         config = self.config
         networks = (False, True) if config.enable_network else (False,)
         return make_source(self.policy, networks, config.pool_size, config.kernel_grace,
-                           network_env(config), config.runtime)
+                           upstream_proxy(config), config.runtime)
 
     async def use_current_runtime(self) -> None:
         """New kernels from the runtime's current build (after an update); old ones drain."""

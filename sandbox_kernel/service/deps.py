@@ -63,11 +63,12 @@ def owned_session(session_id: str, request: Request, service: ServiceDep, key: K
 OwnedSession = Annotated[Session, Depends(owned_session)]
 
 
-def run_timeout(service: Service, asked: float | None) -> float:
-    """The seconds a run may take: the caller's ask within --max-timeout, else the default."""
+def run_timeout(service: Service, asked: float | None, in_session: bool = False) -> float:
+    """The seconds a run may take: the caller's ask within --max-timeout, else the default
+    (--session-timeout in a session, --worker-timeout on a fresh kernel)."""
     config = service.config
     if asked is None:
-        return float(config.worker_timeout)
+        return float(config.session_timeout if in_session else config.worker_timeout)
     if asked > config.max_timeout:
         raise HTTPException(400, f"timeout {asked:g} s is above this service's limit of "
                             f"{config.max_timeout:g} s (--max-timeout)")

@@ -18,7 +18,7 @@ import zmq
 from starlette.requests import Request
 
 from ..client import ErrorInfo, Execution
-from .kernels import Kernels, KernelUnavailable, kernel_id, policy_name
+from .kernels import Kernels, KernelUnavailable, Network, kernel_id, policy_name
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
@@ -157,7 +157,7 @@ class Runner:
         self.output_limit = output_limit
         self.stopping = asyncio.Event()  # set when the shutdown grace period is over
 
-    async def run(self, code: str, *, network: bool, timeout: float,
+    async def run(self, code: str, *, network: Network, timeout: float,
                   inputs: dict | None = None, record: RunRecord,
                   on_output: Callable[[str, Any], None] | None = None) -> tuple[Execution, bool]:
         """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot."""

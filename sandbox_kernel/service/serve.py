@@ -10,6 +10,7 @@ from typing import Any
 from traitlets import TraitError
 
 from .. import policy
+from ..confine.logrelay import PrintableFormatter
 from . import config as service_config
 
 KEEP_ALIVE_SECONDS = 75  # as nginx's keepalive_timeout
@@ -29,7 +30,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def _logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))  # each message is one JSON object
+    # Each message is one JSON object; others (an exception's text) kept to one printable line.
+    handler.setFormatter(PrintableFormatter("%(message)s"))
     for name in ("sandbox_kernel.service", "sandbox_kernel.service.access"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]

@@ -79,3 +79,16 @@ def test_which_key_the_dify_routes_take_and_what_start_up_says():
     assert "are OFF" in insecure_key_warning(None, "keys.json", "127.0.0.1")
     assert "can run code" in insecure_key_warning("dify-sandbox", "keys.json", "127.0.0.1")
     assert insecure_key_warning("k" * 16, "", "0.0.0.0") is None
+
+
+def test_session_timeout_and_nodejs_upstream_settings():
+    assert _settings([], {}).session_timeout == 60.0
+    assert _settings([], {"SANDBOX_SESSION_TIMEOUT": "120"}).session_timeout == 120.0
+    assert _settings([], {"SANDBOX_NODEJS_UPSTREAM": "http://sandbox:8194"}
+                     ).nodejs_upstream == "http://sandbox:8194"
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError, match="session-timeout 400 s is above max-timeout 300 s"):
+        _settings(["--session-timeout", "400"], {})
+    with pytest.raises(TraitError, match="nodejs-upstream 'sandbox:8194': expected an http://"):
+        _settings(["--nodejs-upstream", "sandbox:8194"], {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from .helpers import DIFY_KEY, KEY_A, RUN, auth, http
@@ -14,6 +15,42 @@ def test_openapi_schema_documents_the_native_api(server):
                  "/api/v1/sessions/{session_id}/files/{path}", "/v1/sandbox/run"):
         assert path in schema["paths"], path
     assert "ExecutionShape" in schema["components"]["schemas"]
+
+
+def test_the_openapi_schema_is_valid_and_complete(server):
+    from openapi_spec_validator import validate
+
+    schema = http.get(server.url + "/openapi.json").json()
+    validate(schema)  # raises on any violation of the OpenAPI specification
+    run = schema["paths"]["/v1/sandbox/run"]["post"]
+    body = run["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["language", "code"]
+    assert set(body["properties"]) == {"language", "code", "preload", "enable_network"}
+    assert run["security"] == [{"DifyApiKey": []}]
+    assert schema["components"]["securitySchemes"]["DifyApiKey"] == {
+        "type": "apiKey", "in": "header", "name": "X-Api-Key",
+        "description": schema["components"]["securitySchemes"]["DifyApiKey"]["description"]}
+    assert set(run["responses"]) >= {"200", "400", "401", "503"}
+    upload = schema["paths"]["/api/v1/sessions/{session_id}/files/{path}"]["put"]
+    assert upload["requestBody"]["content"]["application/octet-stream"]["schema"] == {
+        "type": "string", "format": "binary"}
+    for path in ("/api/v1/execute", "/api/v1/sessions/{session_id}/execute"):
+        streamed = schema["paths"][path]["post"]["responses"]["200"]
+        assert "text/event-stream" in streamed["content"]
+        for event in ("`stdout`", "`stderr`", "`display`", "`result`", "`error`", "`done`"):
+            assert event in streamed["description"], (path, event)
+
+
+def test_docs_work_offline(server):
+    """/docs loads Swagger UI from the service itself, never from a CDN."""
+    page = http.get(server.url + "/docs")
+    assert page.status_code == 200
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert assets and all(asset.startswith("/") for asset in assets), assets
+    for asset in assets:
+        answer = http.get(server.url + asset)
+        assert answer.status_code == 200 and len(answer.content) > 1000, asset
+    assert "url: '/openapi.json'" in page.text
 
 
 def test_metrics_and_readiness(server):

@@ -176,3 +176,13 @@ def test_idle_sessions_are_culled(server):
         time.sleep(0.3)
     else:
         raise AssertionError("the idle session was not culled")
+
+
+def test_sessions_have_their_own_default_timeout(server, session):
+    """WORKER_TIMEOUT (3 s here) is the dify route's; a session's default is --session-timeout."""
+    slow = "import time\ntime.sleep(4)\n'slept'"
+    done = http.post(session + "/execute", headers=auth(KEY_B), json={"code": slow}).json()
+    assert done["error"] is None and done["text"] == "'slept'", done
+    limited = http.post(session + "/execute", headers=auth(KEY_B),
+                        json={"code": slow, "timeout": 1}).json()
+    assert limited["error"]["name"] == "ExecutionTimeout", limited

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import h11
 
+from ..logrelay import LineSink, TokenBucket, escaped
 from . import tls
 from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
 
@@ -377,9 +378,7 @@ async def _answer(writer: asyncio.StreamWriter, status: int, text: str) -> None:
 class AuditSink:
     """Egress records to the operator's audit file and the launcher's log, rate-limited."""
 
-    def __init__(self, audit_file: int | None, log: Any) -> None:
-        from ..reaper import TokenBucket
-
+    def __init__(self, audit_file: int | None, log: LineSink) -> None:
         self.audit_file, self.log = audit_file, log
         self.budget = TokenBucket(100, 10.0)
         self.suppressed = 0
@@ -399,7 +398,9 @@ class AuditSink:
 
     def _write(self, record: dict[str, Any], summary: str) -> None:
         kernel = str(record.get("kernel", ""))
-        self.log.write(f"sandbox-kernel audit: kernel {kernel}: {summary}\n".encode())
+        # Host names and request targets come from user code: shown escaped, as in audit.py.
+        self.log.write(f"sandbox-kernel audit: kernel {escaped(kernel[:128])}: "
+                       f"{escaped(summary)}\n".encode())
         if self.audit_file is not None:
             with contextlib.suppress(OSError):
                 os.write(self.audit_file, json.dumps(record).encode() + b"\n")

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...client import Execution
 from ..runs import SERVICE_STOPPING, SERVICE_TIMEOUT
+from .tracebacks import plain, user_lines
 
 TIMEOUT_NAMES = {SERVICE_TIMEOUT}  # the kernel's own limit and the client's use the same name
 # Python's exit status for an uncaught exception under dify-sandbox's excepthook (sys.exit(-1)).
@@ -38,7 +39,7 @@ def _failure(exit_code: int, stderr: str, exec_error: str = "") -> str:
     return text
 
 
-def run_data(execution: Execution) -> dict[str, Any]:
+def run_data(execution: Execution, code: str = "") -> dict[str, Any]:
     """The `data` of a run's answer, as dify-sandbox reports the same outcome of a process."""
     stdout, stderr = execution.stdout, execution.stderr
     error = execution.error
@@ -62,8 +63,8 @@ def run_data(execution: Execution) -> dict[str, Any]:
         stderr += printed
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(code, stderr) if code else "", "exit_code": code}
-    lines = error.traceback or [f"{error.name}: {error.value}"]
-    traceback = "\n".join(lines).rstrip("\n") + "\n"
+    traceback = plain(error.traceback, user_lines(code)) if error.traceback \
+        else f"{error.name}: {error.value}\n"
     stderr += traceback
     return {"stdout": stdout, "stderr": stderr, "error": _failure(UNCAUGHT_EXIT, stderr),
             "exit_code": UNCAUGHT_EXIT}

@@ -16,10 +16,12 @@ from ..access import json_line
 from ..core import Service
 from ..deps import ServiceDep
 from ..kernels import KernelUnavailable
+from ..openapi import DEPENDENCIES_DOC, RUN_DOC
 from ..runs import Busy, RunRecord, unless_disconnected
 from . import dependencies
 from .answers import run_data
 from .gin import GoJSON, bind, error_answer, success
+from .nodejs import run_nodejs
 
 log = logging.getLogger("sandbox_kernel.service")
 router = APIRouter(tags=["dify-sandbox"])
@@ -41,8 +43,8 @@ def _refused(request: Request, service: Service) -> Response | None:
     return Response(status_code=401)
 
 
-@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel: body {language, code, "
-             "preload, enable_network}, header X-Api-Key")
+@router.post("/v1/sandbox/run", summary="Run code on a fresh kernel (dify-sandbox's API)",
+             **RUN_DOC)
 async def run(request: Request, service: ServiceDep) -> Response:
     """dify-sandbox's /v1/sandbox/run: the code on a fresh kernel, its stdout and error."""
     if (refusal := _refused(request, service)) is not None:
@@ -63,12 +65,11 @@ async def _run_admitted(request: Request, service: Service) -> Response:
         return refusal
     assert values is not None
     language = values["language"]
-    if language != "python3":
+    if language == "nodejs":
+        return await run_nodejs(request, service)
+    if language != "python3":  # neither this service nor dify-sandbox knows it
         service.metrics.denials.labels(reason="bad_input").inc()
-        message = "unsupported language"
-        if language == "nodejs":
-            message += ": nodejs is not available in sandbox-kernel, which runs python3 only"
-        return error_answer(400, -400, message)
+        return error_answer(400, -400, "unsupported language")
     network = bool(values.get("enable_network"))
     if network and not service.config.enable_network:
         service.metrics.denials.labels(reason="network_disabled").inc()
@@ -88,7 +89,7 @@ async def _run_admitted(request: Request, service: Service) -> Response:
         return Response(status_code=499)
     execution, _ = outcome
     service.count_run("dify", execution)
-    return success(run_data(execution))
+    return success(run_data(execution, values["code"]))
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,7 +127,7 @@ async def _dependency_route(request: Request, service: Service, data: Any) -> Re
         return error_answer(200, -500, str(exc))
 
 
-@router.get("/v1/sandbox/dependencies")
+@router.get("/v1/sandbox/dependencies", summary="The packages kernels have", **DEPENDENCIES_DOC)
 async def list_dependencies(request: Request, service: ServiceDep) -> Response:
     """dify-sandbox's dependency list: the packages kernels can import."""
     async def listed() -> dict[str, Any]:
@@ -134,7 +135,8 @@ async def list_dependencies(request: Request, service: ServiceDep) -> Response:
     return await _dependency_route(request, service, listed)
 
 
-@router.post("/v1/sandbox/dependencies/update")
+@router.post("/v1/sandbox/dependencies/update", summary="New kernels take the runtime's build",
+             **DEPENDENCIES_DOC)
 async def update_dependencies(request: Request, service: ServiceDep) -> Response:
     """dify-sandbox prepares its environment again; here new kernels take the runtime's
     current build (one `sandbox-kernel runtime update` made since the service started)."""
@@ -145,7 +147,8 @@ async def update_dependencies(request: Request, service: ServiceDep) -> Response
     return await _dependency_route(request, service, switched)
 
 
-@router.get("/v1/sandbox/dependencies/refresh")
+@router.get("/v1/sandbox/dependencies/refresh", summary="Rebuild the runtime; list its packages",
+            **DEPENDENCIES_DOC)
 async def refresh_dependencies(request: Request, service: ServiceDep) -> Response:
     """dify-sandbox installs its requirements file again; here the runtime is rebuilt from the
     operator's file (running kernels keep theirs) and new kernels take the new build."""

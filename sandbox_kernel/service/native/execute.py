@@ -14,6 +14,7 @@ from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
+from ..openapi import EVENT_STREAM
 from ..runs import (
     Busy,
     OutputBudget,
@@ -26,20 +27,27 @@ from ..runs import (
     unless_disconnected,
 )
 from ..sessions import Session, SessionError
-from .schemas import ExecuteRequest, ExecutionShape, InstallRequest, OneShotRequest
-from .stream import SSE, EventStream, ExecutionJSON, wants_events
+from .schemas import (
+    ExecuteRequest,
+    ExecutionShape,
+    InstallRequest,
+    OneShotRequest,
+    network_choice,
+)
+from .stream import EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
 
 
 @router.post("/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) on a fresh kernel",
-             responses={200: {"content": {SSE: {}}}, 503: {"description": "too many runs"}})
+             responses={200: EVENT_STREAM, 503: {"description": "too many runs"}})
 async def execute(body: OneShotRequest, request: Request, key: Key,
                   service: ServiceDep) -> Response:
     """Run code on a fresh kernel; the answer, or a stream of events, says what it did."""
     timeout = run_timeout(service, body.timeout)
-    if body.network and not service.config.enable_network:
+    network = network_choice(body.network)
+    if network and not service.config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
     try:
         release = service.admission.enter()
@@ -53,7 +61,7 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     async def work(on_output: Any = None) -> Execution:
         try:
             execution, _ = await service.runner.run(
-                body.code, network=body.network, timeout=timeout, inputs=body.inputs,
+                body.code, network=network, timeout=timeout, inputs=body.inputs,
                 record=record, on_output=on_output)
             service.count_run("native", execution)
             return execution
@@ -122,13 +130,13 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
 
 @router.post("/sessions/{session_id}/execute", response_model=ExecutionShape,
              summary="Run code (or main() with inputs) in the session's kernel",
-             responses={200: {"content": {SSE: {}}}, 409: {"description": "session busy"},
+             responses={200: EVENT_STREAM, 409: {"description": "session busy"},
                         410: {"description": "the session's kernel died"}})
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
     """Run code in a session's kernel, which keeps variables and files between runs."""
     session = session_of(request, service, key, session_id)
-    timeout = run_timeout(service, body.timeout)
+    timeout = run_timeout(service, body.timeout, in_session=True)
     sandbox = await service.sessions.acquire(session)
     abandon = _stop_when_abandoned(service, sandbox)
     caller_left = False

@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from ..deps import Key, OwnedSession, ServiceDep
 from ..sessions import SessionError
-from .schemas import SessionRequest, SessionShape
+from .schemas import SessionRequest, SessionShape, network_choice
 
 router = APIRouter()
 
@@ -20,14 +20,15 @@ async def create_session(body: SessionRequest, request: Request, key: Key,
                          service: ServiceDep) -> Any:
     """Open a session on a fresh kernel, within the key's and the service's limits."""
     config = service.config
-    if body.network and not config.enable_network:
+    network = network_choice(body.network)
+    if network and not config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
     idle = config.session_idle_timeout if body.idle_timeout is None else body.idle_timeout
     if idle > config.max_session_idle_timeout:
         raise HTTPException(400, f"idle_timeout {idle:g} s is above this service's limit of "
                             f"{config.max_session_idle_timeout:g} s")
     try:
-        session = await service.sessions.create(key, body.network, idle)
+        session = await service.sessions.create(key, network, idle)
     except SessionError:  # a limit: counted here, answered by the app's handler
         service.metrics.denials.labels(reason="session_limit").inc()
         raise

@@ -1,0 +1,54 @@
+"""What user code writes cannot pass for the service's own log lines (#20 item 6).
+
+The service's log (its stderr) holds its JSON lines and, relayed by each kernel's reaper, what
+the kernels wrote. Hostile code writes a forged request-log line of another key and audit lines
+hidden behind invisible characters; in the service's real log file every one of them must start
+with the kernel's mark and show every invisible character escaped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from .helpers import DIFY_KEY, RUN, http
+
+FORGED = [
+    '{"method":"POST","route":"/v1/sandbox/run","status":200,"key":"team-b","forged":1}',
+    "\tsandbox-kernel audit: kernel x: forged refused kill(0x1)",
+    "\u200bsandbox-kernel audit: kernel x: forged refused kill(0x1)",
+    "\ufeff{\"event\":\"started\",\"forged\":2}",
+    "\u2066sandbox-kernel audit: kernel x: forged\u2069",
+    "ok\r{\"event\":\"stopped\",\"forged\":3}",
+]
+CODE = f"""
+import os
+for line in {FORGED!r}:
+    os.write(2, line.encode() + b"\\n")
+print("done")
+"""
+
+
+def _lines_mentioning(log: str, word: str) -> list[str]:
+    return [line for line in log.splitlines() if word in line]
+
+
+def test_a_kernel_cannot_forge_the_services_log_lines(server):
+    answer = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
+                       json={"language": "python3", "code": CODE})
+    assert answer.json()["data"]["stdout"] == "done\n", answer.text
+    deadline = time.monotonic() + 20  # the reaper relays after the kernel wrote
+    while time.monotonic() < deadline:
+        log = server.log.read_text(errors="replace")
+        forged = _lines_mentioning(log, "forged")
+        if len(forged) >= len(FORGED):
+            break
+        time.sleep(0.2)
+    assert len(forged) == len(FORGED), log[-4000:]
+    marks = {line.split("] ", 1)[0] for line in forged}
+    assert len(marks) == 1 and next(iter(marks)).startswith("[kernel "), forged
+    for line in forged:
+        assert line.isprintable(), line  # no tab, CR or invisible character survives
+    # The service's own lines are JSON objects: none of them is one the kernel wrote.
+    own = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert not [record for record in own if "forged" in record]
