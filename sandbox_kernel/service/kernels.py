@@ -67,6 +67,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def policy_name(network: Network) -> str:
+    """The name metrics and sessions give a kernel's network: offline, network or hosts."""
     allowed, hosts = _split(network)
     return "hosts" if hosts is not None else "network" if allowed else "offline"
 
@@ -107,10 +108,12 @@ class PoolSource:
                       for network, kwargs in options.items()} if pool_size > 0 else {}
 
     async def start(self) -> None:
+        """Start filling the pools."""
         for pool in self.pools.values():
             pool.start()
 
     async def get(self, network: Network) -> AsyncSandbox:
+        """A started kernel for that network: a pooled one when there is a pool, else a new one."""
         allowed, hosts = _split(network)
         if allowed not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")

@@ -57,6 +57,8 @@ def network_choice(value: bool | NetworkRequest) -> bool | NetworkChoice:
 
 
 class OneShotRequest(ExecuteRequest):
+    """Code to run on a fresh kernel, and the network it may use."""
+
     network: bool | NetworkRequest = Field(
         False, description="true: any public host (as mode on); or an object choosing off, "
         "hosts (with allow_hosts) or on. Always through the egress proxy.")
@@ -74,6 +76,8 @@ class InstallRequest(BaseModel):
 
 
 class SessionRequest(BaseModel):
+    """A session to open: its kernel's network and its idle timeout."""
+
     network: bool | NetworkRequest = Field(
         False, description="true: any public host (as mode on); or an object choosing off, "
         "hosts (with allow_hosts) or on. Always through the egress proxy.")
