@@ -12,7 +12,7 @@ from typing import Any
 from bench.load.results import DATA_DIR, RESULTS_DIR, ScenarioResult
 
 SCENARIOS = (("mixed", "1. Mixed load"), ("soak", "2. Soak"), ("faults", "3. Faults"),
-             ("fuzz", "4. Bad input"))
+             ("fuzz", "4. Bad input"), ("pressure", "5. Hostile results, floods, idle sockets"))
 ANALYSIS = "<!-- analysis: written by hand, kept when the generator rewrites the file -->"
 MARK = {True: "**met**", False: "**MISSED**", None: "not measured"}
 
