@@ -35,6 +35,7 @@ LOG_FLOOD = ("import os, time\ndef main():\n    line = b'log flood ' * 20 + b'\\
              "        os.write(2, line * 64)\n    return {}\n")
 HEALTH_P99 = 0.100  # seconds
 RSS_BACK = 1.10  # RSS after the waves, at most this times the baseline
+WARM_UP = 20.0  # seconds of normal runs before the baseline is taken
 IDLE_SOCKETS = 200
 IDLE_ANSWER = 2.0  # seconds for a normal run while the idle sockets are held
 
@@ -158,8 +159,16 @@ async def pressure(result: ScenarioResult, service: Service, plan: Plan) -> None
     pid = service.pid
     sampler = resources.Sampler(service.pid, service.marker, service.scratch_root, service.url)
     async with driver.client(service.url, 16, 120) as http:
-        # Warm: one normal run, so the baseline holds what every request needs anyway.
-        await driver.post_run(http, workload.mix(1, 0.0, seed=70)[0].body(), service.api_key)
+        # Warm: the baseline is the service in steady normal use, what the same normal load
+        # and one small answer of each kind make it hold anyway; what the hostile runs leave
+        # is measured against that.
+        warm = asyncio.Event()
+        warming = asyncio.create_task(normal_runs(http, service, warm, plan.normal_concurrency))
+        await _native(http, service, "def main():\n    return {}\n")
+        await _native(http, service, "def main():\n    return {}\n", events=True)
+        await asyncio.sleep(WARM_UP)
+        warm.set()
+        await warming
         await resources.steady(sampler)
         baseline = int(statistics.median([_status(pid, "VmRSS") for _ in range(5)]))
         _reset_peak(pid)

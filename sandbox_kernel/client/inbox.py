@@ -98,7 +98,7 @@ class AsyncInbox(Inbox):
     seconds of back-to-back reading, receive gives the loop a turn.
     """
 
-    TURN_AFTER = 0.005  # seconds
+    TURN_AFTER = 0.002  # seconds
 
     def __init__(self, client: Any) -> None:
         super().__init__(client)
