@@ -25,8 +25,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "(a smoke run; the figures are not stable)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help=f"directory for latest.md and latest.png (default: {DEFAULT_OUT})")
-    parser.add_argument("--profile", choices=("missed", "all", "none"), default="missed",
-                        help="profile the targets that were missed (default), all, or none")
+    parser.add_argument("--profile", choices=("missed", "all", "none"), default="none",
+                        help="also profile the targets that were missed, or all of them: a "
+                        "one-off investigation (bench/profiling.py) that adds minutes and "
+                        "prose to latest.md; none by default")
     return parser.parse_args(argv)
 
 

@@ -373,7 +373,7 @@ def run(plan: Plan, explain: Callable[[Results, dict[str, Kernel]], None],
         progress("11: first import of a runtime's preloaded package (builds a runtime)")
         with recording_failure(results, *(row for row, _ in runtime_import.ROWS)):
             measure_runtime(results)
-        progress("profiling the targets that were missed")
+        progress("profiling (--profile)")
         explain(results, kernels)
     finally:
         for kernel in kernels.values():

@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from bench import calls, costs, fresh, payload, profiling
+from bench import calls, costs, fresh, payload
 from bench.kernels import PLAIN, SANDBOX, Kernel
 from bench.suite import Results
 
@@ -87,19 +88,28 @@ def _gap(results: Results, measurement: str) -> float:
     return samples[f"{measurement}.{SANDBOX}"].median - samples[f"{measurement}.{PLAIN}"].median
 
 
+def _profiling() -> Any:
+    """bench/profiling.py, imported only when a run asks for profiles (--profile)."""
+    from bench import profiling
+
+    return profiling
+
+
 def _explain_execute(results: Results, kernels: dict[str, Kernel]) -> list[str]:
-    return profiling.explain_execute(kernels[PLAIN], kernels[SANDBOX], _gap(results, "execute"))
+    return _profiling().explain_execute(kernels[PLAIN], kernels[SANDBOX],
+                                        _gap(results, "execute"))
 
 
 EXPLAINERS: dict[str, Callable[[Results, dict[str, Kernel]], list[str]]] = {
-    "start": lambda results, kernels: profiling.explain_start(_gap(results, "start")),
+    "start": lambda results, kernels: _profiling().explain_start(_gap(results, "start")),
     "execute": _explain_execute,
-    "speedup": lambda results, kernels: profiling.explain_speedup(),
-    "rss": lambda results, kernels: profiling.explain_rss(),
+    "speedup": lambda results, kernels: _profiling().explain_speedup(),
+    "rss": lambda results, kernels: _profiling().explain_rss(),
     "payload.1mb": lambda results, kernels: payload.explain(results, "1mb"),
     "payload.10mb": lambda results, kernels: payload.explain(results, "10mb"),
     "cpu": lambda results, kernels: payload.explain_cpu(results),
-    "fork": lambda results, kernels: profiling.explain_fork(results.samples["cpu.fork"].median),
+    "fork": lambda results, kernels: _profiling().explain_fork(
+        results.samples["cpu.fork"].median),
     "pss": lambda results, kernels: [*_related(results, "pss.fork", "pss.sandbox", "rss.fork"),
                                      *costs.fork_memory_lines()],
     "fresh": lambda results, kernels: [*_related(results, "fresh.fork", "fresh.pool",

@@ -7,7 +7,7 @@ import pwd
 import resource
 from typing import Any
 
-from .confine import landlock, paths, privileges, promises, seccomp
+from .confine import landlock, netns, paths, privileges, promises, seccomp
 from .policy import SandboxPolicy
 
 
@@ -43,9 +43,30 @@ def _user_code_uid(policy: SandboxPolicy) -> tuple[int, str | None]:
     return uid, None
 
 
+def _network(policy: SandboxPolicy) -> dict[str, Any]:
+    """The network setting and whether this host gives each kernel a namespace of its own."""
+    report: dict[str, Any] = {"mode": policy.network, "namespace": netns.available()}
+    if policy.network == "hosts":
+        report["allow_hosts"] = policy.allow_hosts
+    if policy.network != "off":
+        report["allow_addresses"] = policy.allow_addresses
+        report["upstream_proxy"] = bool(policy.upstream_proxy)
+    return report
+
+
+def _network_problem(network: dict[str, Any]) -> str | None:
+    if network["mode"] == "off" or network["namespace"]["available"]:
+        return None
+    return (f"network {network['mode']}: no network namespace here "
+            f"({network['namespace']['reason']}): run as root or where unprivileged user "
+            "namespaces are enabled, or use --network off")
+
+
 def _problems(policy: SandboxPolicy, judged: list[promises.Promise],
-              run_as_problem: str | None) -> list[str]:
+              run_as_problem: str | None, network: dict[str, Any]) -> list[str]:
     problems = [promise.describe() for promise in judged if promise.missing]
+    if (network_problem := _network_problem(network)):
+        problems.append(network_problem)
     if run_as_problem:
         problems.append(run_as_problem)
     return problems
@@ -65,16 +86,18 @@ def host_report(policy: SandboxPolicy) -> dict[str, Any]:
     # a kernel started as `python -I -m sandbox_kernel` has a reaper to record denials.
     rules = seccomp.describe(policy.allow_network, notify=True,
                              landlock_abi=lock["abi"] if policy.require_landlock else 0)
+    network = _network(policy)
     return {
         "seccomp": {"available": seccomp_reason is None, "reason": seccomp_reason,
                     "rules": rules if policy.require_seccomp else None},
         "landlock": lock,
+        "network": network,
         "rlimits": _rlimits(),
         "uid": os.geteuid(),
         "user_code_uid": uid,
         "promises": [promise.as_dict() for promise in judged],
         "policy": policy.as_dict(),
-        "problems": _problems(policy, judged, run_as_problem),
+        "problems": _problems(policy, judged, run_as_problem, network),
     }
 
 
@@ -93,6 +116,25 @@ def _filter_lines(rules: dict[str, Any] | None) -> list[str]:
             if name != "never"]
 
 
+def _network_lines(network: dict[str, Any]) -> list[str]:
+    namespace = network["namespace"]
+    lines = [f"  network namespace per kernel: available ({namespace['owner']})"
+             if namespace["available"] else
+             f"  network namespace per kernel: NOT available: {namespace['reason']} "
+             "(--network hosts/on refuse to start; off keeps the seccomp rules)"]
+    mode = network["mode"]
+    if mode == "off":
+        lines.append("  network: off (no sockets; the namespace has no route)")
+    else:
+        what = (f"only {', '.join(network['allow_hosts']) or 'no names (nothing)'}"
+                if mode == "hosts" else "any public address")
+        grants = ", ".join(network["allow_addresses"]) or "none"
+        upstream = ", chained to the upstream proxy" if network["upstream_proxy"] else ""
+        lines.append(f"  network: {mode}: {what} through the egress proxy{upstream}; "
+                     f"private addresses granted: {grants}")
+    return lines
+
+
 def summary(report: dict[str, Any]) -> str:
     """The report as a few lines a person reads: layers, then each promise and its keeper."""
     lock, filt = report["landlock"], report["seccomp"]
@@ -105,6 +147,7 @@ def summary(report: dict[str, Any]) -> str:
         *_filter_lines(filt.get("rules")),
         f"  Landlock: ABI {lock['abi']}{capped}" if lock["abi"] else
         f"  Landlock: NOT available{capped}",
+        *_network_lines(report["network"]),
         f"  user code runs as: uid {uid} ({_user_name(uid)})" if report["uid"] != 0
         or report["policy"].get("run_as") != "auto" else
         f"  user code runs as: a uid of its own per kernel from {report['policy']['uid_range']}",
@@ -122,6 +165,8 @@ def summary(report: dict[str, Any]) -> str:
         else:
             lines.append(f"  MISSING  {item['promise']}: needs {' or '.join(item['needs'])}; "
                          f"waive with {item['waiver']}")
+    if (network_problem := _network_problem(report["network"])):
+        lines.append(f"  MISSING  {network_problem}")
     lines.append("the kernel will start" if not report["problems"] else
                  "the kernel will refuse to start (see MISSING above)")
     return "\n".join(lines)

@@ -323,6 +323,7 @@ class PeekingSession(Session):
     """
 
     def deserialize(self, msg_list: Any, content: bool = True, copy: bool = True) -> Any:
+        """Session.deserialize, taking a signature the peek already checked as checked."""
         if not content:
             return self._peek(msg_list, copy)
         if _PEEKED and threading.current_thread() is threading.main_thread():
@@ -349,6 +350,7 @@ class PeekingSession(Session):
         return msg
 
     def sign(self, msg_list: Any) -> bytes:
+        """Session.sign, answering the one check a peeked signature was taken for."""
         trusted = getattr(_TRUSTED, "signature", None)
         if trusted is not None:
             _TRUSTED.signature = None  # good for the one check it was set for

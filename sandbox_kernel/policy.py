@@ -22,6 +22,7 @@ class ByteSize(Int):  # type: ignore[type-arg]
     """An integer number of bytes that also accepts 512M / 2G on the command line."""
 
     def from_string(self, s: str) -> int:
+        """Bytes from a command-line value such as 512M or 2G (-1 where the default is -1)."""
         if s.strip() == "-1" and self.default_value == -1:  # "choose for me", where it may
             return -1
         try:
@@ -143,8 +144,10 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="open-files-limit", metavar="N")
 
     max_threads = Int(
-        512, help="Most threads the kernel process may run at once (RLIMIT_NPROC of the uid "
-        "user code runs as); past it, starting a thread raises RuntimeError. 0 for no bound.",
+        512, help="Most threads user code may run at once; past it, starting a thread raises "
+        "RuntimeError. Kept by RLIMIT_NPROC of the uid user code runs as; uid 0 is exempt from "
+        "it, so a kernel whose code would run as uid 0 refuses to start unless this is 0 "
+        "(no bound).",
     ).tag(config=True, flag="max-threads", metavar="N")
 
     landlock_abi = Int(
@@ -180,11 +183,6 @@ class SandboxPolicy(Configurable):
         "also the gid) kernels take one each of: FIRST-LAST. Ids of accounts, groups and "
         "/etc/subuid ranges are skipped.",
     ).tag(config=True, flag="uid-range", metavar="FIRST-LAST")
-
-    max_threads = Int(
-        512, help="Most threads user code may run at once; more fail with RuntimeError "
-        "(RLIMIT_NPROC when the kernel has a uid of its own).",
-    ).tag(config=True, flag="max-threads", metavar="N")
 
     audit_log = Unicode(
         "", help="Append one JSON line per system call the filter refused (kernel id, call, "
@@ -244,12 +242,19 @@ class SandboxPolicy(Configurable):
         """The effective policy as plain JSON-able values."""
         return {name: getattr(self, name) for name in self.trait_names(config=True)}
 
+    def _implied(self, name: str) -> bool:
+        """allow_network and network say one thing twice: `on` is said by allow_network (what
+        older kernelspecs carry), `hosts` by network."""
+        if name == "network":
+            return self.network == "on"
+        return name == "allow_network" and self.network == "hosts"
+
     def to_argv(self) -> list[str]:
         """Command-line options that recreate this policy in a kernel process."""
         argv = []
         for name, trait in sorted(self.traits(config=True).items()):
             value = getattr(self, name)
-            if value == trait.default():
+            if value == trait.default() or self._implied(name):
                 continue
             if isinstance(value, dict):
                 argv += [f"--SandboxPolicy.{name}={key}={item}" for key, item in value.items()]
@@ -311,7 +316,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             optional: dict[str, Any] = {"nargs": "?", "const": trait.metadata["flag_const"]} \
                 if "flag_const" in trait.metadata else {}
             if isinstance(trait, Enum):
-                optional["choices"] = [value for value in trait.values if value]
+                optional["choices"] = [value for value in trait.values or () if value]
             group.add_argument(option, dest=name, action="append" if repeatable else "store",
                                default=None, metavar=trait.metadata.get("metavar"),
                                help=help_text, **optional)

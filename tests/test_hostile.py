@@ -233,8 +233,30 @@ CASES = [
          "'JUPYTER_TOKEN' in os.environ or b'JUPYTER_TOKEN' in open('/proc/self/environ', 'rb')"
          ".read()", False, "clean exec"),
     Case("N12", "network", "with --allow-network: HTTP to the loopback server",
-         "__import__('urllib.request').request.urlopen('http://127.0.0.1:{port}/', "
-         "timeout=5).read()", b"served", "allowed by policy", kernel="net"),
+         "trap(lambda: __import__('urllib.request').request.urlopen('http://127.0.0.1:{port}/', "
+         "timeout=5).read())", ("HTTPError", None),
+         "network namespace + egress proxy: loopback refused (403 names --allow-address)",
+         kernel="net"),
+    Case("N26", "network", "with --allow-network: HTTP to the cloud metadata address",
+         "trap(lambda: __import__('urllib.request').request.urlopen("
+         "'http://169.254.169.254/latest/meta-data/', timeout=5).read())", ("HTTPError", None),
+         "egress proxy: link-local refused", kernel="net"),
+    Case("N27", "network", "with --allow-network: TCP straight to another kernel's shell port",
+         "trap(lambda: socket.create_connection(('127.0.0.1', {other_shell_port}), timeout=5))",
+         ("ConnectionRefusedError", errno.ECONNREFUSED),
+         "network namespace: its loopback is the kernel's own", kernel="net"),
+    Case("N28", "network", "with --allow-network: another kernel's port through the proxy",
+         "trap(lambda: __import__('urllib.request').request.urlopen("
+         "'http://localhost:{other_shell_port}/', timeout=5).read())", ("HTTPError", None),
+         "egress proxy: loopback refused", kernel="net"),
+    Case("N29", "network", "with --allow-network: UDP datagram to an outside address",
+         "trap(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', "
+         "('192.0.2.1', 53)))", ("OSError", errno.ENETUNREACH),
+         "network namespace: no route but the proxy's", kernel="net"),
+    Case("N30", "network", "with --allow-network: list the host's listeners in /proc/net/tcp",
+         "sorted(line.split()[1] for line in open('/proc/net/tcp').read().splitlines()[1:] "
+         "if line.split()[3] == '0A')", ["0100007F:0C38"],
+         "network namespace: only the egress listener is there", kernel="net"),
     Case("N13", "network", "with --allow-network: listen on a TCP port",
          "trap(lambda: __import__('socket').create_server(('127.0.0.1', 0)))", DENIED,
          "seccomp: bind (Landlock: bind only on the kernel's ports)", kernel="net"),
@@ -583,6 +605,8 @@ def world(sandbox):
     values = {"unix_socket": str(tmp / "log.sock"),
               "canary": str(canary), "home": os.environ["HOME"], "runtime": str(runtime),
               "config": os.environ["JUPYTER_CONFIG_DIR"], "port": server.port, "tmp": str(tmp),
+              "server": server,
+              "other_shell_port": sandbox.manager.get_connection_info()["shell_port"],
               "other_connection_file": sandbox.manager.connection_file}
     yield values
     server.close()
@@ -637,12 +661,14 @@ def test_attack(kernels, world, case):
     assert evaluate(sb, "'alive'") == "alive"
 
 
-def test_loopback_server_only_heard_the_allowed_kernel(kernels, world):
-    # N09 never reached the server, N12 (network allowed) did exactly once.
+def test_loopback_server_heard_no_kernel(kernels, world):
+    # N09 (network off) and N12 (network on) never reached the host's loopback server, nor
+    # does a direct connection from a network kernel's own namespace.
     assert evaluate(kernels["hostile"], "1") == 1
-    server_hits = evaluate(kernels["net"], f"__import__('urllib.request').request.urlopen("
-                                           f"'http://127.0.0.1:{world['port']}/').status")
-    assert server_hits == 200
+    direct = evaluate(kernels["net"], "import errno, socket; errno.errorcode[socket.socket()"
+                                      f".connect_ex(('127.0.0.1', {world['port']}))]")
+    assert direct == "ECONNREFUSED"
+    assert world["server"].requests == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Small, bounded versions of the load harness's scenarios 1, 3 and 4 (bench/load), against the
+"""Small, bounded versions of the load harness's scenarios 1, 3 and 4 (tests/load), against the
 real `sandbox-kernel serve` on 127.0.0.1: a regression in correctness under concurrency, in
 fault handling or in input validation fails here. The full-size runs and every figure stay in
 `python -m bench.load`; nothing here is timed beyond the service's own deadlines."""
@@ -10,8 +10,8 @@ import collections
 
 import pytest
 
-from bench.load import check, faults, fuzz, mixed
-from bench.load.results import Goal, ScenarioResult
+from tests.load import check, faults, fuzz, mixed
+from tests.load.results import Goal, ScenarioResult
 
 pytestmark = pytest.mark.timeout(300)
 

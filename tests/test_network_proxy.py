@@ -7,6 +7,8 @@ tests/test_network.py drives it from real sandboxed kernels.)
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import socket
 import ssl
 import threading
@@ -15,8 +17,8 @@ import pytest
 import requests
 
 from sandbox_kernel.confine.egress import tls
-from sandbox_kernel.confine.egress.proxy import Connection, EgressProxy, Upstream
-from sandbox_kernel.confine.egress.rules import EgressRules, RuleError, parse_host_entry
+from sandbox_kernel.confine.egress.proxy import Connection, EgressProxy
+from sandbox_kernel.confine.egress.rules import EgressRules, RuleError, Upstream, parse_host_entry
 
 from .network_servers import BODY, Listener, Origin, self_signed
 
@@ -97,9 +99,12 @@ def test_allowed_name_over_http_and_https(proxy, origins):
     ("http://example.com/", "example.com:80 is not on the allowlist; allow it with "
                             "--allow-host example.com"),
     ("https://example.com/", "example.com:443 is not on the allowlist"),
-    ("http://203.0.113.9/", "203.0.113.9:80 is not on the allowlist"),
-    ("http://127.0.0.2/", "127.0.0.2:80 is not on the allowlist"),
-    ("http://[::1]:80/", "::1:80 is not on the allowlist; allow it with --allow-host [::1]"),
+    ("http://8.8.8.8/", "8.8.8.8:80 is not on the allowlist"),
+    ("http://127.0.0.2/", "127.0.0.2, a loopback address the sandbox never reaches"),
+    ("http://[::1]:80/", "[::1], a loopback address the sandbox never reaches; grant it with "
+                         "--allow-address [::1]:80"),
+    ("http://[2606:4700::1]:80/", "2606:4700::1:80 is not on the allowlist; allow it with "
+                                "--allow-host [2606:4700::1]"),
 ])
 def test_names_off_the_list_are_refused_with_the_setting_that_allows_them(proxy, url, said):
     if url.startswith("https"):
@@ -198,17 +203,17 @@ def test_upstream_urls():
 
 
 def test_allowlist_entries():
-    rules = _rules("hosts", ["api.openai.com", "*.files.example.org:443", "203.0.113.0/24",
-                             "[2001:db8::1]:443"], [])
+    rules = _rules("hosts", ["api.openai.com", "*.files.example.org:443", "1.1.1.0/24",
+                             "[2606:4700::1111]:443"], [])
     assert rules.check_name("api.openai.com", 8443) is None
     assert rules.check_name("a.files.example.org", 443) is None
     assert rules.check_name("a.b.files.example.org", 443) is None
     assert rules.check_name("files.example.org", 443) is not None  # the apex is not a subdomain
     assert rules.check_name("a.files.example.org", 80) is not None
     assert rules.check_name("evilfiles.example.org", 443) is not None
-    assert rules.check_name("203.0.113.77", 22) is None
-    assert rules.check_name("2001:db8::1", 443) is None
-    assert rules.check_name("2001:db8::1", 80) is not None
+    assert rules.check_name("1.1.1.77", 22) is None
+    assert rules.check_name("2606:4700::1111", 443) is None
+    assert rules.check_name("2606:4700::1111", 80) is not None
     for bad in ("exa mple.com", "http://x", "a:0", "[::1", "-a.com"):
         with pytest.raises(RuleError):
             parse_host_entry(bad)
@@ -228,3 +233,29 @@ def test_server_name_of_a_real_client_hello():
     assert tls.server_name(hello) == "a.files.example.org"
     with pytest.raises(tls.NotTLS):
         tls.hello_length(b"GET / HTTP/1.1\r\n")
+
+
+def test_audit_sink_writes_json_lines_and_log_lines(tmp_path):
+    from sandbox_kernel.confine.egress.proxy import AuditSink
+
+    class Log:
+        def __init__(self) -> None:
+            self.lines: list[bytes] = []
+
+        def write(self, line: bytes) -> None:
+            self.lines.append(line)
+
+    path = tmp_path / "audit.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        log = Log()
+        sink = AuditSink(fd, log)
+        sink(Connection("k9", method="CONNECT", host="ix.example.org", port=443,
+                        reason="refused x"))
+    finally:
+        os.close(fd)
+    (entry,) = map(json.loads, path.read_text().splitlines())
+    assert (entry["kernel"], entry["event"], entry["host"], entry["allowed"]) == (
+        "k9", "egress", "ix.example.org", False)
+    assert log.lines == [b"sandbox-kernel audit: kernel k9: egress refused CONNECT "
+                         b"ix.example.org:443: refused x\n"]

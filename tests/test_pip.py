@@ -27,8 +27,13 @@ def index(tmp_path_factory):
         yield served
 
 
-def pip_policy(index: LocalIndex) -> SandboxPolicy:
-    return SandboxPolicy(allow_network=True, package_index=index.url, scratch_size=SCRATCH)
+def pip_policy(index: LocalIndex, **changes) -> SandboxPolicy:
+    """The index on the allowlist, its loopback address granted (the proxy never reaches
+    loopback otherwise): what an operator sets for a mirror on the host."""
+    where = f"127.0.0.1:{index.server.server_address[1]}"
+    settings = {"network": "hosts", "allow_hosts": [where], "allow_addresses": [where],
+                "package_index": index.url, "scratch_size": SCRATCH, **changes}
+    return SandboxPolicy(**settings)
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +69,25 @@ def test_with_the_network_off_it_fails_at_once_naming_the_setting(sandbox, index
     before = len(index.requests)
     done = sandbox.run("%pip install testpkg")
     assert done.error.name == "PackageInstallError"
-    assert "the network is off in this sandbox, so %pip cannot reach" in done.error.value
-    assert "--allow-network" in done.error.value
+    assert done.error.value.startswith("the network is off in this sandbox (--network off), "
+                                       "so %pip cannot reach the package index")
+    assert "--network hosts --allow-host INDEX-HOST" in done.error.value
     assert done.error.traceback == [f"PackageInstallError: {done.error.value}"]
     assert len(index.requests) == before  # nothing was tried
     assert sandbox.run("import testpkg").error.name == "ModuleNotFoundError"
+
+
+def test_an_index_not_on_the_allowlist_is_refused_naming_the_flag(index):
+    before = len(index.requests)
+    policy = pip_policy(index, allow_hosts=["example.org"])
+    with Sandbox(kernel_name=None, policy=policy) as sb:
+        done = sb.run("%pip install testpkg")
+    port = index.server.server_address[1]
+    assert done.error.name == "PackageInstallError"
+    assert done.error.value == (
+        f"%pip cannot reach the package index {index.url}: 127.0.0.1:{port} is not on the "
+        f"allowlist; allow it with --allow-host 127.0.0.1 (or 127.0.0.1:{port})")
+    assert len(index.requests) == before
 
 
 def test_a_source_distribution_is_refused_with_the_reason(pip_kernel, index):
@@ -103,6 +122,10 @@ def test_options_that_would_leave_the_sandbox_are_refused(pip_kernel):
         assert done.error.name == "PackageInstallError", line
         assert "not available in the sandbox" in done.error.value
     assert pip_kernel.run("%pip freeze").error.name == "PackageInstallError"
+    done = pip_kernel.run("open('reqs.txt', 'w').write('testpkg\\n--index-url http://x/\\n')\n"
+                          "%pip install -r reqs.txt")
+    assert done.error.name == "PackageInstallError"
+    assert "options in requirements files are not available" in done.error.value
 
 
 def test_sandbox_install_is_pip_install_in_the_session(index):

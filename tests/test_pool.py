@@ -158,3 +158,63 @@ def test_closing_a_refilling_pool_leaves_no_kernel_behind(wait):
     while (left := _kernels_of(server) - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left
+
+
+def test_a_kernel_starting_unclaimed_is_coming_and_goes_to_the_next_taker():
+    """`coming` counts a kernel half-way through its start until a get() claims it."""
+    async def scenario():
+        async with KernelPool(size=1, refill_delay=0) as pool:
+            while pool.ready < 1:
+                await asyncio.sleep(0.02)
+            first = await pool.get()  # the replacement starts now
+            while pool._starting < 1:
+                await asyncio.sleep(0.001)
+            coming_while_starting = pool.coming
+            taker = asyncio.ensure_future(pool.get())
+            while pool._waiting < 1:
+                await asyncio.sleep(0.001)
+            claimed = pool.coming  # the start in flight is the taker's now
+            second = await taker
+            pids = [(await sb.run(PID)).text for sb in (first, second)]
+            for sb in (first, second):
+                await sb.close(now=True)
+            return coming_while_starting, claimed, pids
+
+    coming_while_starting, claimed, pids = asyncio.run(scenario())
+    assert (coming_while_starting, claimed) == (1, 0)
+    assert len(set(pids)) == 2
+
+
+def test_the_service_takes_the_pools_starting_kernel_instead_of_starting_another(monkeypatch):
+    """A run that finds the pool's next kernel starting waits for it: no second start."""
+    from sandbox_kernel.launch import pool as pools
+    from sandbox_kernel.policy import SandboxPolicy
+    from sandbox_kernel.service import kernels
+
+    on_demand = []
+    original = pools.start_sandbox
+
+    async def counted(**options):
+        on_demand.append(options)
+        return await original(**options)
+
+    monkeypatch.setattr(pools, "start_sandbox", counted)  # what get_soonest starts on demand
+
+    async def scenario():
+        source = kernels.make_source(SandboxPolicy(), (False,), pool_size=1, grace=5.0)
+        pool = source.pools[False]
+        await source.start()
+        try:
+            while pool.ready < 1:
+                await asyncio.sleep(0.02)
+            first = await source.get(False)
+            while pool._starting < 1:  # the refill, after its pause
+                await asyncio.sleep(0.001)
+            second = await source.get(False)
+            for sb in (first, second):
+                await sb.close(now=True)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+    assert on_demand == []

@@ -13,8 +13,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from bench.load import faults, fuzz, mixed, pressure, report, soak
-from bench.load.results import DATA_DIR, ScenarioResult, machine, now
+from bench.load import pressure, report, soak
+from bench.load.report import DATA_DIR
+from tests.load import faults, fuzz, mixed
+from tests.load.results import ScenarioResult, machine, now
 
 ORDER = ("mixed", "soak", "faults", "fuzz", "pressure")
 QUICK_OUT = Path(tempfile.gettempdir()) / "sandbox-kernel-load-quick"

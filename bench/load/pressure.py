@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import check, driver, resources, workload
-from bench.load.results import ScenarioResult, fmt_mib, fmt_ms
-from bench.load.service import Service, Settings
+from tests.load import check, driver, resources, workload
+from tests.load.results import ScenarioResult, fmt_mib, fmt_ms
+from tests.load.service import Service, Settings
 
 NESTED = "def main():\n    return {'x': [[] for _ in range(4_300_000)]}\n"  # 12.9 MB of JSON
 OUTPUT_FLOOD = ("import sys\ndef main():\n    for _ in range(40_000):\n"

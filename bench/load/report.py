@@ -9,7 +9,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.load.results import DATA_DIR, RESULTS_DIR, ScenarioResult
+from tests.load.results import ScenarioResult
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+DATA_DIR = RESULTS_DIR / "load"  # one JSON per scenario, the latest run of each
 
 SCENARIOS = (("mixed", "1. Mixed load"), ("soak", "2. Soak"), ("faults", "3. Faults"),
              ("fuzz", "4. Bad input"), ("pressure", "5. Hostile results, floods, idle sockets"))

@@ -9,10 +9,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from bench.load import check, driver, mixed, resources, workload
-from bench.load.driver import Http
-from bench.load.results import DATA_DIR, ScenarioResult, fmt_mib, fmt_ms
-from bench.load.service import Service
+from bench.load.report import DATA_DIR
+from tests.load import check, driver, mixed, resources, workload
+from tests.load.driver import Http
+from tests.load.results import ScenarioResult, fmt_mib, fmt_ms
+from tests.load.service import Service
 
 
 @dataclass

@@ -21,6 +21,7 @@ from langchain_mcp_adapters.tools import load_mcp_tools
 
 
 async def main() -> None:
+    """Give the MCP server's tools to a LangChain agent and run one task through them."""
     client = MultiServerMCPClient({
         "sandbox": {"transport": "stdio",
                     "command": os.environ.get("SANDBOX_KERNEL_PYTHON", sys.executable),

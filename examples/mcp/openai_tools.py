@@ -30,6 +30,7 @@ async def dispatch(client: Client, name: str, arguments: str) -> str:
 
 
 async def main() -> None:
+    """List the tools as the Responses API wants them and carry out one function call."""
     tools = await tool_definitions(McpConfig(), "openai")
     print(f"{len(tools)} tools for the Responses API:", ", ".join(t["name"] for t in tools))
     server = StdioServerParameters(command=sys.executable, args=["-m", "sandbox_kernel", "mcp"],

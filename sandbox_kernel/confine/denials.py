@@ -84,6 +84,13 @@ UNIX_DATAGRAMS = Rule(
     "the sandbox only allows stream socketpairs (socket.socketpair()): datagram sockets could "
     "send to the host's unix sockets",
     "only stream socket pairs are allowed here: call socket.socketpair() without a datagram type")
+PROXY_ONLY = Rule(
+    "user code's network reaches only the sandbox's egress proxy (HTTP_PROXY): direct "
+    "connections, UDP and name lookups do not leave the kernel's own network namespace; use an "
+    "HTTP client (requests, httpx, urllib, pip, aiohttp with trust_env=True), which goes "
+    "through the proxy, to a host --allow-host names",
+    "direct connections and DNS lookups are not possible here: use an HTTP library (requests, "
+    "httpx, urllib), which goes through the sandbox's proxy to the hosts it allows")
 DEBUGGER = Rule(
     "debugging is not available in the sandbox: the debugger runs debugpy's adapter as a "
     "subprocess, and the sandbox forbids creating processes",
@@ -160,8 +167,43 @@ def _explain_fcntl(original: Callable[..., Any]) -> Callable[..., Any]:
     return fcntl
 
 
-def install(allow_network: bool) -> None:
-    """Wrap the usual ways Python creates processes and sockets."""
+def _unreachable(exc: OSError, what: str) -> OSError:
+    explained = OSError(exc.errno, f"{exc.strerror}: the sandbox blocked {what}: {PROXY_ONLY}")
+    explained.sandbox_rule = PROXY_ONLY.why  # type: ignore[attr-defined]
+    return explained
+
+
+def _explain_unreachable(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """With the network through the proxy: say why a direct connection found no route."""
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except OSError as exc:
+            if exc.errno != errno.ENETUNREACH or hasattr(exc, "sandbox_rule"):
+                raise
+            raise _unreachable(exc, what) from None
+
+    return wrapper
+
+
+def _explain_lookup(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except socket.gaierror as exc:
+            raise socket.gaierror(exc.errno, f"{exc.strerror}: the sandbox resolves no names "
+                                             f"itself: {PROXY_ONLY}") from None
+
+    return getaddrinfo
+
+
+def install(allow_network: bool, proxy: bool = False) -> None:
+    """Wrap the usual ways Python creates processes and sockets.
+
+    proxy: the network goes through the egress proxy (explain direct attempts).
+    """
     import _posixsubprocess
     import subprocess
 
@@ -190,6 +232,11 @@ def install(allow_network: bool) -> None:
         for name in ("connect",):
             setattr(socket.socket, name, _explain(getattr(socket.socket, name),
                                                   f"socket.{name}()", NETWORK_OFF))
+    if proxy:
+        for name in ("connect", "sendto"):
+            setattr(socket.socket, name, _explain_unreachable(getattr(socket.socket, name),
+                                                              f"socket.{name}()"))
+        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo)
 
 
 # --- refusals libraries cope with: recorded, not shown ------------------------------------------
@@ -235,7 +282,7 @@ NOT_IN_SCRATCH = Rule(
     "the kernel's working directory is its private scratch",
     "that file is not in your working directory (the sandbox's own folder): write it there "
     "first, or use the files that are there")
-RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
+RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, PROXY_ONLY, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
          DESCRIPTOR_OWNER, UNIX_DATAGRAMS, DEBUGGER, OUTSIDE_GRANTS, READ_ONLY, HIDDEN,
          NOT_IN_SCRATCH)
 

@@ -7,6 +7,7 @@ started with, and a Jupyter server hands its own environment (tokens, cloud keys
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from .limits import DEFAULT_MEMORY_LIMIT, parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
 REAPER_VAR = "SANDBOX_KERNEL_REAPER"  # fd of the channel to the reaper (see reaper.py)
+# fd of a pipe on which the kernel tells its launcher that its sockets listen (then closes it)
+READY_VAR = "SANDBOX_KERNEL_READY"
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # Passed through when set: locale and time zone, what ipykernel reads from its launcher, and
@@ -110,8 +113,9 @@ def allowed(scratch_dir: str, argv: Sequence[str], current: Mapping[str, str]) -
     }
     env.update(inherited(argv, current))
     env[SCRATCH_VAR] = scratch_dir
-    if REAPER_VAR in current:
-        env[REAPER_VAR] = current[REAPER_VAR]
+    for name in (REAPER_VAR, READY_VAR):
+        if name in current:
+            env[name] = current[name]
     return env
 
 
@@ -156,20 +160,40 @@ def _size_or_auto(text: str) -> int:
     return scratch.AUTO_SIZE if text.strip() == str(scratch.AUTO_SIZE) else parse_size(text)
 
 
+def ready_pipe(current: Mapping[str, str]) -> int | None:
+    """The launcher's ready pipe (READY_VAR names its write end), if it gave one."""
+    text = current.get(READY_VAR, "")
+    if not text.isdigit():
+        return None
+    try:
+        is_pipe = stat.S_ISFIFO(os.fstat(int(text)).st_mode)
+    except OSError:
+        return None
+    return int(text) if is_pipe and int(text) > 2 else None
+
+
 def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
     """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
 
     Shared by the re-exec above and the fork server's children (launch/forkserver/server.py).
+    The launcher's ready pipe (READY_VAR) is the one inherited descriptor kept: the kernel
+    writes to it and closes it once its sockets listen, before any user code runs (kernel/app.py).
     """
+    ready = ready_pipe(current)
     scratch_dir = scratch.create()
     # From here on fds 0-2 are no longer the launcher's.
     keep = reaper.start(scratch_dir, kernel_name(argv))
     scratch.mount_quota(scratch_dir, *scratch_bounds(argv))
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
-    os.closerange(3, keep)
-    os.closerange(keep + 1, 65536)
-    env = allowed(scratch_dir, argv, current)
+    low = 3
+    for fd in sorted({keep, ready or keep}):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 65536)
+    env = allowed(scratch_dir, argv, {k: v for k, v in current.items() if k != READY_VAR})
     env[REAPER_VAR] = str(keep)
+    if ready is not None:
+        env[READY_VAR] = str(ready)
     return env
 
 

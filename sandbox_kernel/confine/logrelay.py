@@ -34,7 +34,8 @@ ESCAPED_GROWTH = 4  # an escaped byte is at most 4 bytes shown ("\\x1b"; "\\u200
 class LineSink(Protocol):
     """Where relayed lines go (a LauncherLog)."""
 
-    def write(self, line: bytes) -> None: ...
+    def write(self, line: bytes) -> None:
+        """Send one line on (or drop it when the sink is full)."""
 
 
 class LauncherLog:

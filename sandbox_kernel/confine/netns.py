@@ -130,21 +130,22 @@ def egress_listener(port: int) -> socket.socket:
     return listener
 
 
-def available() -> str | None:
-    """Why a kernel could not have a network namespace here; None when it can (checks a child)."""
+def available() -> dict[str, Any]:
+    """Whether a kernel can have a network namespace here, and what owns it (tried in a child)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         os.close(read)
         try:
-            enter()
-            message = b""
+            message = "ok " + enter()["owner"]
         except OSError as exc:
-            message = str(exc).encode()
-        os.write(write, message)
+            message = str(exc.strerror or exc)
+        os.write(write, message.encode())
         os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
-        reason = pipe.read().decode()
+        said = pipe.read().decode()
     os.waitpid(pid, 0)
-    return reason or None
+    if said.startswith("ok "):
+        return {"available": True, "owner": said[3:]}
+    return {"available": False, "reason": said or "the probe ended without an answer"}

@@ -194,7 +194,11 @@ def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | Non
         out.write(f"sandbox-kernel: egress proxy not started: {exc}\n".encode())
         os.close(listener)
         return
-    proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
-                        AuditSink(audit_file, out), upstream)
-    asyncio.run(proxy.serve(socket.socket(fileno=listener)))
+    try:
+        proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
+                            AuditSink(audit_file, out), upstream)
+        asyncio.run(proxy.serve(socket.socket(fileno=listener)))
+    except Exception as exc:  # never silently: user code would only see connections hang
+        out.write(f"sandbox-kernel: the egress proxy stopped: {exc!r}\n".encode())
+        raise
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import stat
@@ -47,7 +48,14 @@ from ..confine import (
     scratch,
     seccomp,
 )
-from ..confine.environment import REAPER_VAR, SCRATCH_VAR, apply_policy_env, refused_names
+from ..confine.environment import (
+    READY_VAR,
+    REAPER_VAR,
+    SCRATCH_VAR,
+    apply_policy_env,
+    ready_pipe,
+    refused_names,
+)
 from ..confine.errors import ConfinementError
 from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
@@ -105,6 +113,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     launcher_stderr = 2
     prebound: ClassVar[dict[int, socket.socket]] = {}  # port -> listener, until libzmq takes it
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
+    ready_pipe: int | None = None  # the launcher's: told when the sockets listen, then closed
     audit_file: int | None = None
     refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
 
@@ -128,7 +137,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
         apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
-        denials.install(self.policy.allow_network)
+        denials.install(self.policy.allow_network,
+                        proxy=bool(self.layers.get("network", {}).get("egress")))
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
@@ -175,6 +185,25 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.debug_shell_socket.close(linger=0)
         self.debug_shell_socket = context.socket(zmq.DEALER)  # never connected
 
+    def write_connection_file(self, **kwargs: Any) -> None:
+        """ipykernel's, unless the launcher's file already says all of it.
+
+        With CurveZMQ keys ipykernel compares its keys (bytes) with the file's (text), finds
+        them different and rewrites a file that Landlock lets the kernel only read.
+        """
+        cf = self.abs_connection_file
+        if self.curve_publickey is not None and os.path.exists(cf):
+            with open(cf) as file:
+                existing = json.load(file)
+            ours = {"curve_publickey": self.curve_publickey.decode(),
+                    "curve_secretkey": (self.curve_secretkey or b"").decode(),
+                    "key": self.session.key.decode(),
+                    **{f"{name}_port": getattr(self, f"{name}_port")
+                       for name in ("shell", "iopub", "stdin", "control", "hb")}}
+            if all(existing.get(name) == value for name, value in ours.items()):
+                return
+        super().write_connection_file(**kwargs)
+
     def _try_bind_socket(self, s: zmq.Socket[Any], port: int) -> Any:
         """ipykernel's bind, on the listener bound before the namespace move when there is one."""
         _use_prebound(s, self.prebound, port)
@@ -208,6 +237,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                                   "files": scratch.file_quota(scratch_dir)}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
+        self.ready_pipe = ready_pipe(os.environ)
+        os.environ.pop(READY_VAR, None)
         policy = self.policy
         refusal = refused_names(policy.env, policy.pass_env, policy.allow_loader_env)
         if refusal:  # the reason names the flag that allows these variables
@@ -441,11 +472,21 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         return name.removeprefix("kernel-") or str(os.getpid())
 
     def close_handovers(self) -> None:
-        """Close the channel to the reaper, the audit file and the log dup: user code is next."""
-        for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr):
+        """Close the channel to the reaper, the audit file and the log dup: user code is next.
+
+        The launcher's ready pipe hears first that every socket listens (the heartbeat's too,
+        see init_seccomp): its clients' first connections succeed, instead of waiting out
+        libzmq's 100 ms reconnect interval after connecting to a port not bound yet.
+        """
+        if self.ready_pipe is not None:
+            try:
+                os.write(self.ready_pipe, b"listening\n")
+            except OSError:
+                pass  # the launcher stopped waiting: nothing to tell
+        for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr, self.ready_pipe):
             if fd is not None and fd > 2:
                 os.close(fd)
-        self.reaper_channel = self.audit_file = None
+        self.reaper_channel = self.audit_file = self.ready_pipe = None
         self.launcher_stderr = 2
 
     def wait_for_heartbeat(self, timeout: float = 10.0) -> None:

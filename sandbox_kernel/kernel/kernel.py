@@ -94,6 +94,7 @@ class SandboxKernel(IPythonKernel):
 
     @property
     def banner(self) -> str:  # type: ignore[override]
+        """IPython's banner plus what the sandbox lets code reach (network, files)."""
         network = "on" if self.policy.allow_network else "off"
         files = self.sandbox_info.get("layers", {}).get("files", [])
         return (super().banner + f"\nsandbox-kernel: no processes; network {network}; files "
@@ -108,6 +109,7 @@ class SandboxKernel(IPythonKernel):
 
     @property
     def kernel_info(self) -> dict[str, Any]:
+        """ipykernel's kernel_info without the debugger, plus the sandbox's layers."""
         info = super().kernel_info
         info["supported_features"] = [f for f in info["supported_features"] if f != "debugger"]
         info["sandbox"] = self.sandbox_info

@@ -61,6 +61,7 @@ class CappedOutStream(OutStream):
     """
 
     def write(self, string: str) -> Any:
+        """Write what the output budget still allows, the other stream's pending text first."""
         kept = BUDGET.take(string) if isinstance(string, str) else string
         if kept:
             self._send_the_other_stream_first()

@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from IPython.core.magic import no_var_expand
 
@@ -61,12 +62,41 @@ def session_dir(scratch: str) -> Path:
     return Path(scratch) / SESSION_DIR
 
 
+def _default_index() -> list[str]:
+    """pip's own index and the host its files come from, as pip names them."""
+    from pip._internal.models.index import PyPI  # type: ignore[import-not-found]
+
+    return [PyPI.simple_url, f"https://{PyPI.file_storage_domain}/"]
+
+
 def index_refusal(policy: Any) -> str | None:
-    """Why the network policy keeps this kernel from the package index, or None if it may."""
-    if not policy.allow_network:
-        index = policy.package_index or "the package index"
-        return (f"the network is off in this sandbox, so %pip cannot reach {index}. The "
-                "operator allows it by installing the kernelspec with --allow-network")
+    """Why the network policy keeps this kernel from the package index, or None if it may.
+
+    Asked of the same rules the egress proxy applies (confine/egress/rules.py), before pip
+    starts: the index's host (and, for pip's default index, its file host) must be allowed,
+    by name with --network hosts, or by --network on.
+    """
+    from ..confine.egress.rules import EgressRules, RuleError, parse_address
+
+    index = policy.package_index
+    if policy.network == "off":
+        return (f"the network is off in this sandbox (--network off), so %pip cannot reach "
+                f"{index or 'the package index'}. The operator allows it with --network hosts "
+                "--allow-host INDEX-HOST (and the host its files come from), or --network on")
+    try:
+        rules = EgressRules.parse(policy.network, policy.allow_hosts, policy.allow_addresses)
+    except RuleError as exc:
+        return f"the kernel's network policy cannot be read: {exc}"
+    for url in [index] if index else _default_index():
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        refusal = rules.check_name(host, port)
+        address = parse_address(host)
+        if refusal is None and address is not None:
+            refusal = rules.check_address(host, address, port)
+        if refusal is not None:
+            return f"%pip cannot reach the package index {url}: {refusal}"
     return None
 
 
@@ -120,6 +150,24 @@ def check_wheels_only(requirements: list[str]) -> None:
     for requirement in requirements:
         if _looks_like_source(requirement):
             raise PackageInstallError(SDIST_REFUSED.format(what=requirement))
+
+
+def check_requirement_files(paths: list[str]) -> None:
+    """Hold -r files to the magic's own rules: requirements only, no options, no sources."""
+    for path in paths:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise PackageInstallError(f"cannot read the requirements file {path}: "
+                                      f"{exc.strerror or exc}") from None
+        for line in lines:
+            requirement = line.split(" #", 1)[0].strip()
+            if requirement.startswith("-"):
+                raise PackageInstallError(
+                    f"{path}: {requirement}: options in requirements files are not available "
+                    "in the sandbox (the index, target and build are set by the sandbox)")
+            if requirement and not requirement.startswith("#"):
+                check_wheels_only([requirement])
 
 
 def pip_arguments(args: argparse.Namespace, target: Path, index: str) -> list[str]:
@@ -196,7 +244,8 @@ def _pip_in_process(scratch: str) -> Iterator[_PipLog]:
         session.user_agent = saved_agent
         pip_logger.removeHandler(recorder)
         root.handlers[:], root.level = saved[0], saved[1]
-        warnings.showwarning, warnings.filters[:] = saved[2], saved[3]
+        # a list at run time; typeshed calls it a Sequence
+        warnings.showwarning, warnings.filters[:] = saved[2], saved[3]  # type: ignore[index]
         if saved[4] is None:
             os.environ.pop("PIP_CONFIG_FILE", None)
         else:
@@ -258,6 +307,7 @@ def install(line: str, policy: Any, scratch: str) -> dict[str, str]:
     if args.command == "list":
         return _installed(session_dir(scratch))
     check_wheels_only(args.requirements)
+    check_requirement_files(args.files)
     refusal = index_refusal(policy)
     if refusal:
         raise PackageInstallError(refusal)

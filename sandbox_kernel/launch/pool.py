@@ -65,6 +65,17 @@ async def _close_quietly(sandbox: AsyncSandbox) -> None:
         await sandbox.close()
 
 
+async def start_sandbox(**sandbox_options: Any) -> AsyncSandbox:
+    """A new AsyncSandbox, started; one whose start fails or is cancelled is closed again."""
+    sandbox = AsyncSandbox(**sandbox_options)
+    try:
+        await sandbox.start()
+    except BaseException:
+        await asyncio.shield(_close_quietly(sandbox))
+        raise
+    return sandbox
+
+
 class KernelPool(_PoolSettings):
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
@@ -74,7 +85,8 @@ class KernelPool(_PoolSettings):
         # A start failure takes a kernel's place, so that a waiting get() hears of it.
         self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
         self._wanted = asyncio.Event()
-        self._starting = 0
+        self._starting = 0  # kernels this pool is starting right now
+        self._waiting = 0  # get() calls waiting for one
         self._filler: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -96,27 +108,49 @@ class KernelPool(_PoolSettings):
         """Kernels waiting to be handed out."""
         return self._ready.qsize()
 
+    @property
+    def coming(self) -> int:
+        """Kernels handed out soonest by this pool: those ready, and those starting that no
+        get() waits for yet. A kernel half-way through its start comes sooner than a new one."""
+        return self._ready.qsize() + max(0, self._starting - self._waiting)
+
     async def get(self) -> AsyncSandbox:
         """A started kernel of its own for the caller, who must close it; waits if none is ready."""
         if self._closed:
             raise PoolClosed("the kernel pool is closed")
         self.start()
-        sandbox = await self._ready.get()  # each kernel is in the queue once: handed out once
+        self._waiting += 1
+        self._wanted.set()  # a waiter: refill now, without the pause after a hand-out
+        try:
+            sandbox = await self._ready.get()  # each kernel is in the queue once: handed out once
+        finally:
+            self._waiting -= 1
         self._wanted.set()
         if isinstance(sandbox, PoolStartError):
             raise sandbox
         return sandbox
 
+    async def get_soonest(self) -> AsyncSandbox:
+        """The pool's kernel when one is coming, else one started now with the pool's options.
+
+        Rather than waiting behind other callers for the refill, a burst starts kernels side by
+        side; the caller owns (and closes) the kernel either way.
+        """
+        if self.coming:
+            return await self.get()
+        return await start_sandbox(**self.sandbox_options)
+
     async def _fill(self) -> None:
         filled = False  # the first fill starts at once: nothing was handed out to make room for
         while not self._closed:
             await self._wanted.wait()
-            if filled:
+            if filled and not self._waiting:
                 await asyncio.sleep(self.refill_delay)  # the handed-out kernel's call first
             filled = True
             self._wanted.clear()
-            while not self._closed and self._ready.qsize() < self.size:
+            while not self._closed and self._ready.qsize() < self.size + self._waiting:
                 sandbox = AsyncSandbox(**self.sandbox_options)
+                self._starting += 1
                 try:
                     await sandbox.start()
                     await sandbox.warm_up()  # the first run is a warm one
@@ -129,6 +163,8 @@ class KernelPool(_PoolSettings):
                     self._wanted.clear()  # try again once a taker has heard of it
                     await asyncio.sleep(_RETRY_SECONDS)
                     break
+                finally:
+                    self._starting -= 1
                 if self._closed:
                     await sandbox.close()
                     return

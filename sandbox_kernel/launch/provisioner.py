@@ -17,15 +17,23 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, List, Unicode
 
+from ..confine.environment import READY_VAR
 from . import forkserver
 
 NAME = "sandbox-fork-provisioner"
 SHUTDOWN_WATCH = 1.0  # seconds a requested shutdown is watched before jupyter_client polls
 KILL_WATCH = 5.0  # as long as jupyter_client waits for a killed kernel
+LISTEN_TIMEOUT = 30.0  # seconds launch_kernel waits for the kernel's sockets at most
 
 
 class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
-    """LocalProvisioner whose kernels are forked from a preloaded server instead of exec'd."""
+    """LocalProvisioner whose kernels are forked from a preloaded server instead of exec'd.
+
+    launch_kernel returns once the kernel's sockets listen (the kernel says so on a pipe, see
+    kernel/app.py), so that every client's first connection succeeds: a client that connects
+    to a port not bound yet waits out libzmq's reconnect interval, 100 ms unless it set its
+    own, which is what jupyter_server, nbclient and Kernel Gateway paid on every start.
+    """
 
     cold_start = Bool(False, help="Start every kernel cold (exec a new interpreter) instead of "
                       "forking it from the fork server.").tag(config=True)
@@ -38,14 +46,29 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
                     "a fresh one replaces it.").tag(config=True)
     idle = Float(forkserver.DEFAULT_IDLE, help="Seconds a fork server without kernels or requests "
                  "waits before it exits.").tag(config=True)
+    listen_timeout = Float(LISTEN_TIMEOUT, help="Seconds launch_kernel waits for the kernel's "
+                           "sockets to listen before it returns anyway (the client then "
+                           "retries its connections).").tag(config=True)
 
     fork_served = False
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> Any:
-        """Fork the kernel from the server; start it cold if there is no server to be had."""
+        """Fork the kernel from the server (else start it cold); return once it listens."""
+        read_end, write_end = os.pipe()
+        try:
+            info = await self._launch(cmd, kwargs, write_end)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the kernel holds its own copy; EOF once it has none
+        await _until_listening(read_end, self.listen_timeout)
+        return info
+
+    async def _launch(self, cmd: list[str], kwargs: dict[str, Any], ready: int) -> Any:
         if not self.cold_start:
             try:
-                process = await asyncio.to_thread(self._fork, cmd, kwargs)
+                process = await asyncio.to_thread(self._fork, cmd, kwargs, ready)
             except forkserver.ForkServerError as exc:
                 self.log.warning("sandbox-kernel: starting the kernel cold: %s", exc)
             else:
@@ -54,7 +77,10 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
                 self.fork_served = True
                 return self.connection_info
         self.fork_served = False
-        return await super().launch_kernel(cmd, **kwargs)
+        env = dict(kwargs.get("env") or os.environ)
+        env[READY_VAR] = str(ready)
+        pass_fds = (*kwargs.get("pass_fds", ()), ready)
+        return await super().launch_kernel(cmd, **{**kwargs, "env": env, "pass_fds": pass_fds})
 
     async def wait(self) -> int | None:
         """As LocalProvisioner's, but woken by the kernel's end instead of polling every 0.1 s."""
@@ -98,7 +124,8 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             finally:
                 loop.remove_reader(watched)
 
-    def _fork(self, cmd: list[str], kwargs: dict[str, Any]) -> forkserver.ForkedKernel:
+    def _fork(self, cmd: list[str], kwargs: dict[str, Any],
+              ready: int) -> forkserver.ForkedKernel:
         argv = _kernel_argv(cmd)
         env = dict(kwargs.get("env") or os.environ)
         # The server kills a kernel whose launcher hangs up: no parent poller needed (it would
@@ -109,9 +136,23 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             max_age=self.max_age, idle=self.idle)
         stdio = forkserver.stdio_fds(kwargs.get("stdout"), kwargs.get("stderr"))
         try:
-            return client.spawn(argv, env, stdio, kwargs.get("cwd"))
+            return client.spawn(argv, env, stdio, kwargs.get("cwd"), ready=ready)
         finally:
             os.close(stdio[0])
+
+
+async def _until_listening(read_end: int, timeout: float) -> None:
+    """Until the kernel writes to (or, having ended, closes) its ready pipe; then close it."""
+    loop = asyncio.get_running_loop()
+    heard = asyncio.Event()
+    loop.add_reader(read_end, heard.set)
+    try:
+        await asyncio.wait_for(heard.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass  # a slow kernel: its clients reconnect until it listens, as without the pipe
+    finally:
+        loop.remove_reader(read_end)
+        os.close(read_end)
 
 
 def _kernel_argv(cmd: list[str]) -> list[str]:

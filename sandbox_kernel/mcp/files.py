@@ -1,32 +1,21 @@
-"""Files in a kernel's scratch directory, moved through the kernel itself.
+"""Files in a session's scratch directory for a model, moved through the session's kernel.
 
-As the service's files API does (service/native/files.py), every operation is a small function run
-inside the session's own kernel with the caller's path: the scratch is the kernel's private
-mount, and a server that followed paths (and symlinks) planted there by user code would act
-with the server's rights. Inside the kernel an operation reaches only what user code could.
-Nothing the kernel answers is trusted: sizes and shapes are checked again here.
+As the service's files API does, every operation runs inside the kernel (client/files.py says
+why); this module keeps the MCP server's own part: paths checked before they are sent, the
+answers checked again (nothing the kernel answers is trusted), errors worded for a model.
 """
 
 from __future__ import annotations
 
 import base64
 import posixpath
-import weakref
-from pathlib import Path
 from typing import Any
 
-from ..client import AsyncSandbox, Execution
+from ..client import AsyncSandbox
+from ..client.files import file_op
 
-HELPER = "__sandbox_mcp_files__"
 LIST_LIMIT = 1000  # entries list_files returns at most
 HELPER_TIMEOUT = 30.0
-
-_CODE = Path(__file__).with_name("files_in_kernel.py").read_text()
-
-
-_NOT_DEFINED = ("EntrypointNotFound", "SignatureMismatch")
-# Per kernel, the client (one per start or restart) whose kernel has the helper defined.
-_defined_for: weakref.WeakKeyDictionary[AsyncSandbox, Any] = weakref.WeakKeyDictionary()
 
 
 class FileError(Exception):
@@ -46,14 +35,7 @@ def relative(path: str) -> str:
 
 
 async def _call(sandbox: AsyncSandbox, inputs: dict[str, Any]) -> dict[str, Any]:
-    # The helper is defined once per kernel (defining it costs the kernel more than calling
-    # it); a kernel that lost or replaced it gets it again.
-    defined = _defined_for.get(sandbox) is sandbox.client  # a restart replaces the client
-    execution: Execution = await sandbox.run("" if defined else _CODE, inputs,
-                                             timeout=HELPER_TIMEOUT, entrypoint=HELPER)
-    _defined_for[sandbox] = sandbox.client
-    if defined and execution.error is not None and execution.error.name in _NOT_DEFINED:
-        execution = await sandbox.run(_CODE, inputs, timeout=HELPER_TIMEOUT, entrypoint=HELPER)
+    execution = await file_op(sandbox, inputs, HELPER_TIMEOUT)
     if execution.error is not None:
         error = execution.error
         what = {"FileNotFoundError": "there is no such file",

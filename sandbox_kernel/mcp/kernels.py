@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..client import AsyncSandbox
+from ..client.sessions import KernelSession, SessionLimit, SessionTable
 from ..launch.forkserver import ForkServerClient
-from ..launch.pool import KernelPool
+from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
 from .config import McpConfig
 
@@ -68,16 +67,9 @@ class KernelSource:
     async def get(self, network: bool) -> AsyncSandbox:
         """A started kernel of its own for the caller, who closes it."""
         pool = self._pool(network)
-        if pool is not None and pool.ready:
-            return await pool.get()
-        sandbox = AsyncSandbox(**self.options(network))  # a burst starts kernels side by side
-        try:
-            await sandbox.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(sandbox.close())
-            raise
-        return sandbox
+        if pool is not None:
+            return await pool.get_soonest()
+        return await start_sandbox(**self.options(network))
 
     async def close(self) -> None:
         """Close the pools and end the fork server their kernels came from."""
@@ -88,17 +80,11 @@ class KernelSource:
 
 
 @dataclass(eq=False)
-class Session:
+class Session(KernelSession):
     """One kernel kept for one owner; it runs one thing at a time."""
 
-    id: str
-    owner: str
     network: bool
-    sandbox: AsyncSandbox
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
     run_id: str | None = None  # the run in progress, if one is
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def busy(self) -> bool:
@@ -109,63 +95,57 @@ class Session:
         """What list_sessions shows of it."""
         return {"session": self.id, "network": self.network, "busy": self.busy,
                 "running": self.run_id, "created": self.created,
-                "idle_seconds": 0.0 if self.busy
-                else round(time.monotonic() - self.last_used, 1)}
+                "idle_seconds": round(self.idle_seconds(), 1)}
 
 
-class Sessions:
+class Sessions(SessionTable[Session]):
     """Every open session by id; an owner sees only its own."""
 
+    id_bytes = 8  # short: a model copies it into every call
+
     def __init__(self, config: McpConfig, source: KernelSource) -> None:
+        super().__init__(config.max_sessions)
         self.config = config
         self.source = source
-        self._sessions: dict[str, Session] = {}
-        self._starting = 0
-
-    def owned_by(self, owner: str) -> list[Session]:
-        return [s for s in self._sessions.values() if s.owner == owner]
 
     async def create(self, owner: str, network: bool, owner_limit: int | None) -> Session:
         """A new session on a fresh kernel, within the server's and the owner's limits."""
-        if len(self._sessions) + self._starting >= self.config.max_sessions:
-            raise SessionProblem(f"this server already holds its {self.config.max_sessions} "
-                                 "sessions: close one you no longer need (close_session)")
-        if owner_limit is not None and len(self.owned_by(owner)) >= owner_limit:
-            raise SessionProblem(f"you may hold {owner_limit} sessions at once: close one you "
-                                 "no longer need (close_session), or run without a session")
-        self._starting += 1
+        async def make(session_id: str) -> Session:
+            return Session(session_id, owner, await self.source.get(network),
+                           self.config.session_idle_timeout, network=network)
+
         try:
-            sandbox = await self.source.get(network)
-        finally:
-            self._starting -= 1
-        session = Session(secrets.token_hex(8), owner, network, sandbox)
-        self._sessions[session.id] = session
-        return session
+            return await self.open(owner, owner_limit, make)
+        except SessionLimit as full:
+            if full.per_owner:
+                raise SessionProblem(f"you may hold {full.limit} sessions at once: close one "
+                                     "you no longer need (close_session), or run without a "
+                                     "session") from None
+            raise SessionProblem(f"this server already holds its {full.limit} sessions: "
+                                 "close one you no longer need (close_session)") from None
 
     def get(self, owner: str, session_id: str) -> Session:
         """The owner's session; the same answer for another owner's id as for no id."""
-        session = self._sessions.get(session_id)
-        if session is None or session.owner != owner:
+        session = self.find(owner, session_id)
+        if session is None:
             raise SessionProblem(f"there is no session {session_id!r}: create one with "
                                  "create_session, or see yours with list_sessions")
         return session
 
     async def close(self, session: Session) -> None:
         """Forget the session and shut its kernel down."""
-        self._sessions.pop(session.id, None)
+        self.forget(session)
         with contextlib.suppress(Exception):
             await session.sandbox.close(now=True)
 
     async def cull(self) -> None:
         """Close sessions idle past the idle timeout."""
-        limit = self.config.session_idle_timeout
-        now = time.monotonic()
-        for session in [s for s in self._sessions.values()
-                        if limit > 0 and not s.busy and now - s.last_used > limit]:
+        for session in self.idle():
             log.info("session %s of %s closed after %g s idle", session.id, session.owner,
-                     limit)
+                     session.idle_timeout)
             await self.close(session)
 
     async def close_all(self) -> None:
-        await asyncio.gather(*(self.close(s) for s in list(self._sessions.values())),
+        """Close every session (at shutdown); one that fails does not stop the others."""
+        await asyncio.gather(*(self.close(s) for s in self.all()),
                              return_exceptions=True)

@@ -38,6 +38,7 @@ def file_uri(session: str, path: str) -> str:
 
 
 def mime_of(path: str) -> str:
+    """The MIME type of a file by its name; octet-stream when unknown."""
     return mimetypes.guess_type(path)[0] or "application/octet-stream"
 
 

@@ -48,6 +48,7 @@ class Run:
 
     @property
     def done(self) -> bool:
+        """Whether the run has finished (its execution is in)."""
         return self.execution is not None
 
     def take_new(self) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
@@ -68,6 +69,7 @@ class Runs:
         self._closing: set[asyncio.Future[None]] = set()  # fresh kernels being shut down
 
     def get(self, owner: str, run_id: str) -> Run:
+        """The caller's run of that id; SessionProblem when it is not theirs or gone."""
         run = self._runs.get(run_id)
         if run is None or run.owner != owner:
             raise SessionProblem(f"there is no run {run_id!r} (a finished run is forgotten "
@@ -99,6 +101,7 @@ class Runs:
         self._runs.pop(run.id, None)
 
     def owned_by(self, owner: str) -> list[Run]:
+        """The runs this client (API key) started and has not collected."""
         return [run for run in self._runs.values() if run.owner == owner]
 
     def cull(self) -> None:

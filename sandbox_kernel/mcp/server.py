@@ -34,6 +34,7 @@ class KeyVerifier:
         self.keys = BearerKeys(keys)
 
     async def verify_token(self, token: str) -> AccessToken | None:
+        """The SDK's access token for a known API key; None refuses the request."""
         key = self.keys.find(f"Bearer {token}")
         if key is None:
             log.info("refused a request with an unknown API key")

@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 
 class Chunk(BaseModel):
+    """Text the code wrote to one stream."""
+
     stream: Literal["stdout", "stderr"]
     text: str
 
@@ -21,6 +23,8 @@ class Display(BaseModel):
 
 
 class ErrorInfo(BaseModel):
+    """The error the code raised, or the sandbox's refusal."""
+
     name: str = Field(description="The exception's name, e.g. NameError, ExecutionTimeout.")
     value: str = Field(description="What happened and what the code can do instead.")
     traceback: list[str] = Field(description="Where it happened, ending at the code's line.")
@@ -28,6 +32,8 @@ class ErrorInfo(BaseModel):
 
 
 class FileInfo(BaseModel):
+    """A file the code wrote."""
+
     path: str = Field(description="Relative to the working directory.")
     size: int
     uri: str | None = Field(default=None, description="A resource to read it by (sessions only).")
@@ -79,6 +85,8 @@ class RunResult(BaseModel):
 
 
 class SessionInfo(BaseModel):
+    """A session the caller holds."""
+
     session: str
     network: bool = Field(description="Whether code in it may use the network.")
     busy: bool
@@ -88,26 +96,36 @@ class SessionInfo(BaseModel):
 
 
 class SessionList(BaseModel):
+    """The caller's sessions."""
+
     sessions: list[SessionInfo]
 
 
 class Done(BaseModel):
+    """Whether an action was carried out, and what came of it."""
+
     ok: bool
     message: str
 
 
 class FileEntry(BaseModel):
+    """One file in a session's working directory."""
+
     path: str
     size: int
     modified: float = Field(description="Unix time of its last change.")
 
 
 class FileList(BaseModel):
+    """The files in a session's working directory."""
+
     files: list[FileEntry]
     truncated: bool = Field(description="More files exist than were listed.")
 
 
 class FileContent(BaseModel):
+    """A file read from a session."""
+
     path: str
     size: int
     encoding: Literal["text", "base64"]
@@ -117,6 +135,8 @@ class FileContent(BaseModel):
 
 
 class FileWritten(BaseModel):
+    """A file written into a session."""
+
     path: str
     size: int
     uri: str

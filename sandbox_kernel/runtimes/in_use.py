@@ -1,7 +1,7 @@
 """Which kernels run on a runtime's build: processes whose interpreter lives in its directory.
 
 A kernel started cold runs `BUILD/bin/python -I -m sandbox_kernel`; a fork-served one keeps the
-command line of its fork server, `BUILD/bin/python -I -m sandbox_kernel.launch.forkserver`, whose
+command line of its fork server, `BUILD/bin/python -I -m sandbox_kernel.launch.forkserver...`, whose
 child it is. The interpreter itself is a link to the base Python, so /proc/PID/exe cannot tell
 builds apart: the command line can. Children of a kernel (its reaper) are the same kernel.
 """
@@ -12,7 +12,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-FORK_SERVER_MODULE = "sandbox_kernel.launch.forkserver"
+FORK_SERVER_PACKAGE = "sandbox_kernel.launch.forkserver"  # its server module, any layout
+
+
+def _is_fork_server(argv: list[str]) -> bool:
+    """Whether a command line runs `python -m sandbox_kernel.launch.forkserver[.server]`."""
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module == FORK_SERVER_PACKAGE or module.startswith(FORK_SERVER_PACKAGE + ".")
 
 
 @dataclass
@@ -45,7 +51,7 @@ def processes_on(build_dir: Path) -> Processes:
     on_build = {pid: (parent, argv) for pid, (parent, argv) in _command_lines().items()
                 if argv and argv[0].startswith(prefix)}
     servers = {pid for pid, (parent, argv) in on_build.items()
-               if FORK_SERVER_MODULE in argv and parent not in on_build}
+               if _is_fork_server(argv) and parent not in on_build}
     kernels = [pid for pid, (parent, _argv) in on_build.items()
                if pid not in servers and (parent not in on_build or parent in servers)]
     return Processes(sorted(kernels), sorted(servers))

@@ -88,7 +88,8 @@ class Runtime:
         """The resolved requirements of a build, one `name==version` (or `-e path`) per line."""
         path = self.build_dir(build) / "frozen.txt"
         try:
-            return [line for line in path.read_text().splitlines() if line.strip()]
+            return [line for line in path.read_text().splitlines()
+                    if line.strip() and not line.startswith("#")]  # pip freeze's notes
         except OSError:
             return []
 

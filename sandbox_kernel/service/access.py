@@ -36,6 +36,7 @@ class AccessLog:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, then log it and count it by route and status."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

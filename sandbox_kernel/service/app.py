@@ -72,10 +72,12 @@ operations = APIRouter(tags=["operations"])
 
 @operations.get("/ready", summary="Readiness, with the pool's state")
 async def ready(service: ServiceDep) -> JSONResponse:
+    """200 when the service can run code now, else 503; the body says why."""
     state = service.readiness()
     return JSONResponse(state, status_code=200 if state["ready"] else 503)
 
 
 @operations.get("/metrics", summary="Prometheus metrics")
 async def metrics(service: ServiceDep) -> Response:
+    """The service's Prometheus metrics in the text format."""
     return Response(service.metrics.render(), media_type=service.metrics.content_type)

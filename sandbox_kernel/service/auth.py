@@ -114,6 +114,7 @@ class BearerKeys:
         self.keys = keys
 
     def find(self, authorization: str | None) -> ApiKey | None:
+        """The key an Authorization: Bearer header names, or None."""
         if not authorization:
             return None
         scheme, _, token = authorization.partition(" ")

@@ -209,6 +209,10 @@ def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = No
             values[name] = _from_env(env, trait, environ[env])
         elif env in EMPTY_IS_A_VALUE and env in environ:
             values[name] = ""  # refused by check(), not read as unset
+    if "session_timeout" not in values and "max_timeout" in values:
+        # Unset, the sessions' default never exceeds the longest timeout a request may ask.
+        values["session_timeout"] = min(ServiceConfig.session_timeout.default_value,
+                                        values["max_timeout"])
     config = ServiceConfig(**values)
     check(config)
     return config
@@ -241,11 +245,22 @@ def check(config: ServiceConfig) -> None:
         auth.check_dify_key(config.api_key)
     except ValueError as exc:
         raise TraitError(str(exc)) from None
+    if config.enable_network:
+        upstream_proxy(config)  # refuses what the egress proxy cannot chain to
 
 
-def network_env(config: ServiceConfig) -> dict[str, str]:
-    """The proxy variables network kernels get, by dify-sandbox's rule."""
+def upstream_proxy(config: ServiceConfig) -> str:
+    """The proxy the kernels' egress proxy chains to: the deployment's HTTPS_PROXY, else its
+    HTTP_PROXY (dify-sandbox's variables; user code itself always sees the egress proxy)."""
     if config.socks5_proxy:
-        return {"HTTPS_PROXY": config.socks5_proxy, "HTTP_PROXY": config.socks5_proxy}
-    return {name: value for name, value in (("HTTPS_PROXY", config.https_proxy),
-                                            ("HTTP_PROXY", config.http_proxy)) if value}
+        raise TraitError("SOCKS5_PROXY: the egress proxy chains to an HTTP proxy only; give "
+                         "the deployment's HTTP proxy as HTTPS_PROXY / --https-proxy instead")
+    url = config.https_proxy or config.http_proxy
+    if url:
+        from ..confine.egress.rules import Upstream
+
+        try:
+            Upstream.parse(url)
+        except ValueError as exc:
+            raise TraitError(f"HTTPS_PROXY / HTTP_PROXY: {exc}") from None
+    return url

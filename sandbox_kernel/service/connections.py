@@ -31,12 +31,14 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     _order = itertools.count()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Start the request-head deadline and make room among idle connections."""
         self.accepted = next(self._order)
         super().connection_made(transport)
         self._head_timer = self.loop.call_later(self.head_timeout, self._close_if_no_request)
         self._make_room()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """Stop the head deadline of a connection that closed."""
         self._head_timer.cancel()
         super().connection_lost(exc)
 

@@ -12,7 +12,7 @@ from ..client import Execution
 from ..policy import SandboxPolicy
 from .access import json_line
 from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
-from .config import ServiceConfig, network_env
+from .config import ServiceConfig, upstream_proxy
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
 from .runs import SERVICE_TIMEOUT, Admission, Runner
@@ -54,7 +54,7 @@ class Service:
         config = self.config
         networks = (False, True) if config.enable_network else (False,)
         return make_source(self.policy, networks, config.pool_size, config.kernel_grace,
-                           network_env(config), config.runtime)
+                           upstream_proxy(config), config.runtime)
 
     async def use_current_runtime(self) -> None:
         """New kernels from the runtime's current build (after an update); old ones drain."""
@@ -72,9 +72,11 @@ class Service:
         return task
 
     def dify_key_ok(self, given: str | None) -> bool:
+        """Whether an X-Api-Key is the dify-sandbox key (compared in constant time)."""
         return same(given, self.dify_key)
 
     def count_run(self, api: str, execution: Execution) -> None:
+        """Count a finished run by API and outcome (ok, timeout, lost, error)."""
         error = execution.error
         outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
                    else "lost" if execution.state_lost else "error")
@@ -82,6 +84,7 @@ class Service:
         self.metrics.observe_usage(api, execution.usage)
 
     async def start(self) -> None:
+        """Start the kernel source and the session culler."""
         await self.kernels.source.start()
         self._culler = asyncio.get_running_loop().create_task(
             self.sessions.cull_forever(CULL_INTERVAL))

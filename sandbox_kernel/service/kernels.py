@@ -4,21 +4,21 @@
 returns a started AsyncSandbox of that network policy that no one has used. `PoolSource` takes
 them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it.
 
-`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, closes them
+`Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, kills them
 in the background so a response never waits for a shutdown, and at shutdown closes them all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..client import AsyncSandbox
 from ..launch.forkserver import ForkServerClient
-from ..launch.pool import KernelPool
+from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
 from .access import json_line
 
@@ -31,8 +31,8 @@ class KernelSource(Protocol):
     async def start(self) -> None:
         """Begin filling (may return before any kernel is ready)."""
 
-    async def get(self, network: bool) -> AsyncSandbox:
-        """A started kernel with network allowed or not; raises RuntimeError if none can start."""
+    async def get(self, network: Network) -> AsyncSandbox:
+        """A started kernel of that network setting; raises RuntimeError if none can start."""
 
     def ready(self) -> dict[str, int]:
         """Started kernels waiting to be handed out, per policy name ("offline", "network")."""
@@ -41,29 +41,64 @@ class KernelSource(Protocol):
         """Shut down every kernel not handed out."""
 
 
+@dataclass(frozen=True)
+class NetworkChoice:
+    """What a run or session asked of the network: off, on, or only the names in hosts."""
+
+    mode: str = "off"
+    hosts: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return self.mode != "off"
+
+
+Network = bool | NetworkChoice
+
+
+def _split(network: Network) -> tuple[bool, tuple[str, ...] | None]:
+    """(network at all, the allowlist when only some hosts), from a bool or a NetworkChoice."""
+    if isinstance(network, NetworkChoice):
+        return bool(network), network.hosts if network.mode == "hosts" else None
+    return bool(network), None
+
+
 class KernelUnavailable(RuntimeError):
     """No kernel could be had: it did not start, or not in time."""
 
 
-def policy_name(network: bool) -> str:
-    return "network" if network else "offline"
+def policy_name(network: Network) -> str:
+    """The name metrics and sessions give a kernel's network: offline, network or hosts."""
+    allowed, hosts = _split(network)
+    return "hosts" if hosts is not None else "network" if allowed else "offline"
 
 
-def with_network(base: SandboxPolicy, network: bool,
-                 network_env: dict[str, str] | None = None) -> SandboxPolicy:
-    """The base policy with network allowed or not; network kernels also get network_env."""
+def with_network(base: SandboxPolicy, network: bool, upstream_proxy: str = "",
+                 hosts: tuple[str, ...] | None = None) -> SandboxPolicy:
+    """The base policy with the network off, on (any public host) or only hosts, egress
+    chained to the deployment's upstream proxy when there is one.
+
+    When the operator started the service with --network hosts, network kernels get the
+    operator's allowlist, and a request's own list keeps only the names on it.
+    """
     values = base.as_dict()
-    values["allow_network"] = network
-    if network and network_env:
-        values["env"] = {**values["env"], **network_env}
+    values.pop("allow_network", None)  # an alias of network; network decides
+    if base.network == "hosts":  # the operator's allowlist: a request narrows it, never widens
+        hosts = tuple(base.allow_hosts) if hosts is None else \
+            tuple(host for host in hosts if host in base.allow_hosts)
+    values["network"] = "off" if not network else "hosts" if hosts is not None else "on"
+    if hosts is not None:
+        values["allow_hosts"] = list(hosts)
+    if network and upstream_proxy:
+        values["upstream_proxy"] = upstream_proxy
     return SandboxPolicy(**values)
 
 
 class PoolSource:
     """Kernels from a warm pool per network policy (launch/pool.py), else started on demand.
 
-    When a pool has nothing ready (or pooling is off), the kernel is started here with the
-    pool's own options rather than waiting for its refill, so a burst of runs starts kernels
+    A run takes the pool's kernel when one is ready or already starting unclaimed (it comes
+    sooner than a new one). Otherwise the kernel is started here with the pool's own options
+    rather than waiting behind other runs for the refill, so a burst of runs starts kernels
     side by side.
     """
 
@@ -73,29 +108,31 @@ class PoolSource:
                       for network, kwargs in options.items()} if pool_size > 0 else {}
 
     async def start(self) -> None:
+        """Start filling the pools."""
         for pool in self.pools.values():
             pool.start()
 
-    async def get(self, network: bool) -> AsyncSandbox:
-        if network not in self.options:
+    async def get(self, network: Network) -> AsyncSandbox:
+        """A started kernel for that network: a pooled one when there is a pool, else a new one."""
+        allowed, hosts = _split(network)
+        if allowed not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
-        pool = self.pools.get(network)
-        if pool is not None and pool.ready:
-            return await pool.get()
-        sandbox = AsyncSandbox(**self.options[network])
-        try:
-            await sandbox.start()
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(sandbox.close())
-            raise
-        return sandbox
+        options = self.options[allowed]
+        pool = self.pools.get(allowed)
+        if hosts is not None:  # an allowlist of the caller's: started for it, never pooled
+            pool = None
+            options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
+        if pool is not None:
+            return await pool.get_soonest()
+        return await start_sandbox(**options)
 
     def ready(self) -> dict[str, int]:
+        """How many kernels of each kind are ready now."""
         return {policy_name(network): self.pools[network].ready if network in self.pools else 0
                 for network in self.options}
 
     async def close(self) -> None:
+        """Close the pools and stop the fork servers their kernels came from."""
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         # No process outlives the service: the fork server its kernels came from ends too (a
@@ -106,7 +143,7 @@ class PoolSource:
 
 
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
-                grace: float, network_env: dict[str, str] | None = None,
+                grace: float, upstream_proxy: str = "",
                 runtime: str = "") -> KernelSource:
     """The kernel source the service uses: the one place to change how it gets kernels.
 
@@ -119,7 +156,7 @@ def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
         record = find(runtime)
         on_runtime = {"python": str(record.python()), "preload": record.preload}
     return PoolSource({network: {"kernel_name": None, "grace": grace, **on_runtime,
-                                 "policy": with_network(base, network, network_env)}
+                                 "policy": with_network(base, network, upstream_proxy)}
                        for network in networks}, pool_size)
 
 
@@ -137,7 +174,7 @@ class Kernels:
         self.live: set[AsyncSandbox] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def get(self, network: bool) -> AsyncSandbox:
+    async def get(self, network: Network) -> AsyncSandbox:
         """A fresh kernel, counted as live until `discard`; KernelUnavailable if none comes.
 
         A kernel that fails to start (not one that is slow to) is tried once more: on a loaded
@@ -154,7 +191,7 @@ class Kernels:
         self.live.add(sandbox)
         return sandbox
 
-    async def _get(self, network: bool) -> AsyncSandbox:
+    async def _get(self, network: Network) -> AsyncSandbox:
         try:
             return await asyncio.wait_for(self.source.get(network), self.start_timeout)
         except asyncio.TimeoutError:
@@ -175,13 +212,17 @@ class Kernels:
 
     @staticmethod
     async def _close(sandbox: AsyncSandbox) -> None:
+        # Killed, not asked to shut down: whatever it ran has answered or been given up, and
+        # its state goes with it. Its reaper still removes the scratch directory; a graceful
+        # shutdown only cost a control round trip and the kernel's own clean-up, per request.
         try:
-            await sandbox.close()
+            await sandbox.close(now=True)
         except Exception as exc:
             log.warning("closing kernel %s failed: %s", kernel_id(sandbox), exc)
 
     @property
     def closing(self) -> int:
+        """How many kernels are being shut down now."""
         return len(self._closing)
 
     async def close(self) -> None:

@@ -75,6 +75,7 @@ class BodyLimit:
         self.app, self.limit, self.metrics = app, limit, metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on, or refuse it with 413 once its body is over the limit."""
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

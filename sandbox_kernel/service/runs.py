@@ -18,7 +18,7 @@ import zmq
 from starlette.requests import Request
 
 from ..client import ErrorInfo, Execution
-from .kernels import Kernels, KernelUnavailable, kernel_id, policy_name
+from .kernels import Kernels, KernelUnavailable, Network, kernel_id, policy_name
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
@@ -51,6 +51,7 @@ class OutputBudget:
         self.limit, self.left = limit, limit
 
     def spend(self, payload: Any) -> None:
+        """Take payload's size off the budget; OutputLimit once it is spent."""
         if isinstance(payload, str):
             size = len(payload)
         elif isinstance(payload, dict):
@@ -156,7 +157,7 @@ class Runner:
         self.output_limit = output_limit
         self.stopping = asyncio.Event()  # set when the shutdown grace period is over
 
-    async def run(self, code: str, *, network: bool, timeout: float,
+    async def run(self, code: str, *, network: Network, timeout: float,
                   inputs: dict | None = None, record: RunRecord,
                   on_output: Callable[[str, Any], None] | None = None) -> tuple[Execution, bool]:
         """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..client import AsyncSandbox
+from ..client.sessions import KernelSession, SessionLimit, SessionTable
 from .access import json_line
 from .auth import ApiKey
-from .kernels import Kernels, kernel_id, policy_name
+from .kernels import Kernels, Network, NetworkChoice, kernel_id, policy_name
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -27,70 +27,55 @@ class SessionError(Exception):
 
 
 @dataclass(eq=False)
-class Session:
-    """One kernel, one owner."""
+class Session(KernelSession):
+    """One kernel, one API key."""
 
-    id: str
-    owner: str
-    network: bool
-    idle_timeout: float
-    sandbox: AsyncSandbox
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False
+    network: Network
     dead: str | None = None  # why the kernel is gone, told on the next call
     lost_unseen: bool = False  # its kernel was restarted by a call no one heard the end of
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def kernel_id(self) -> str:
+        """The id of the session's kernel."""
         return kernel_id(self.sandbox)
 
     def describe(self) -> dict[str, object]:
-        idle = 0.0 if self.busy else time.monotonic() - self.last_used
-        return {"id": self.id, "network": self.network, "policy": policy_name(self.network),
+        """The session as the API shows it."""
+        hosts = self.network.hosts if isinstance(self.network, NetworkChoice) \
+            and self.network.mode == "hosts" else None
+        return {"id": self.id, "network": bool(self.network), "allow_hosts": hosts,
+                "policy": policy_name(self.network),
                 "idle_timeout": self.idle_timeout, "created": self.created,
-                "idle_seconds": round(idle, 3), "busy": self.busy,
+                "idle_seconds": round(self.idle_seconds(), 3), "busy": self.busy,
                 "alive": self.dead is None, "dead_reason": self.dead}
 
 
-class Sessions:
+class Sessions(SessionTable[Session]):
     """Every open session, by id; a key sees only its own."""
 
     def __init__(self, kernels: Kernels, max_sessions: int) -> None:
+        super().__init__(max_sessions)
         self.kernels = kernels
-        self.max_sessions = max_sessions
-        self._sessions: dict[str, Session] = {}
-        self._reserved = 0  # sessions whose kernel is starting
 
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-    def owned_by(self, owner: str) -> list[Session]:
-        return [s for s in self._sessions.values() if s.owner == owner]
-
-    async def create(self, key: ApiKey, network: bool, idle_timeout: float) -> Session:
+    async def create(self, key: ApiKey, network: Network, idle_timeout: float) -> Session:
         """A new session with a fresh kernel; 429 past the key's or the service's limit."""
-        if len(self._sessions) + self._reserved >= self.max_sessions:
-            raise SessionError(429, f"the service holds its limit of {self.max_sessions} "
-                               "sessions; delete one or try again later")
-        reserved_by_key = sum(1 for s in self._sessions.values() if s.owner == key.id)
-        if key.max_sessions is not None and reserved_by_key >= key.max_sessions:
-            raise SessionError(429, f"API key {key.id!r} may hold {key.max_sessions} sessions "
-                               "at once; delete one first")
-        self._reserved += 1
+        async def make(session_id: str) -> Session:
+            return Session(session_id, key.id, await self.kernels.get(network), idle_timeout,
+                           network=network)
+
         try:
-            sandbox = await self.kernels.get(network)
-        finally:
-            self._reserved -= 1
-        session = Session(secrets.token_hex(16), key.id, network, idle_timeout, sandbox)
-        self._sessions[session.id] = session
-        return session
+            return await self.open(key.id, key.max_sessions, make)
+        except SessionLimit as full:
+            if full.per_owner:
+                raise SessionError(429, f"API key {key.id!r} may hold {full.limit} sessions "
+                                   "at once; delete one first") from None
+            raise SessionError(429, f"the service holds its limit of {full.limit} sessions; "
+                               "delete one or try again later") from None
 
     def get(self, key: ApiKey, session_id: str) -> Session:
         """The key's session; 404 for another key's, so ids of others cannot be probed."""
-        session = self._sessions.get(session_id)
-        if session is None or session.owner != key.id:
+        session = self.find(key.id, session_id)
+        if session is None:
             raise SessionError(404, f"no session {session_id!r} for this API key")
         return session
 
@@ -106,7 +91,6 @@ class Sessions:
             raise SessionError(409, f"session {session.id} is running another execution; "
                                "wait for it or interrupt it")
         await session.lock.acquire()
-        session.busy = True
         try:
             alive = await session.sandbox.manager.is_alive()
         except BaseException:
@@ -121,7 +105,6 @@ class Sessions:
 
     def release(self, session: Session) -> None:
         """Give the kernel back after a call taken with acquire."""
-        session.busy = False
         session.last_used = time.monotonic()
         session.lock.release()
 
@@ -142,15 +125,13 @@ class Sessions:
 
     def delete(self, session: Session) -> None:
         """Forget the session and shut its kernel down; a call already holding it gets 410."""
-        self._sessions.pop(session.id, None)
+        self.forget(session)
         session.dead = session.dead or "the session was closed"
         self.kernels.discard(session.sandbox)
 
     def cull(self) -> list[str]:
         """Close sessions idle past their timeout (dead ones too, after the same time)."""
-        now = time.monotonic()
-        culled = [s for s in self._sessions.values()
-                  if not s.busy and s.idle_timeout > 0 and now - s.last_used > s.idle_timeout]
+        culled = self.idle()
         for session in culled:
             log.info(json_line(event="session_culled", session=session.id, key=session.owner,
                                kernel=session.kernel_id))
@@ -158,10 +139,12 @@ class Sessions:
         return [s.id for s in culled]
 
     async def cull_forever(self, interval: float) -> None:
+        """Close idle sessions every interval seconds, until cancelled."""
         while True:
             await asyncio.sleep(interval)
             self.cull()
 
     def close(self) -> None:
-        for session in list(self._sessions.values()):
+        """Close every session and its kernel."""
+        for session in self.all():
             self.delete(session)

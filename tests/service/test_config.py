@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from traitlets import TraitError
 
 from .helpers import free_port
 
@@ -92,3 +93,10 @@ def test_session_timeout_and_nodejs_upstream_settings():
         _settings(["--session-timeout", "400"], {})
     with pytest.raises(TraitError, match="nodejs-upstream 'sandbox:8194': expected an http://"):
         _settings(["--nodejs-upstream", "sandbox:8194"], {})
+
+
+def test_the_sessions_default_timeout_follows_a_lower_max_timeout():
+    assert _settings(["--max-timeout", "10"], {}).session_timeout == 10
+    assert _settings([], {}).session_timeout == 60
+    with pytest.raises(TraitError, match="session-timeout 20 s is above max-timeout 10 s"):
+        _settings(["--max-timeout", "10", "--session-timeout", "20"], {})

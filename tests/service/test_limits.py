@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -186,16 +188,33 @@ def test_output_past_the_service_cap_ends_the_run(small_server):
     assert small_server.wait_until(lambda s: s["kernels_live"] == 0)["kernels_live"] == 0
 
 
-def test_network_kernels_get_the_proxy(tmp_path):
-    srv = Server(tmp_path, "--pool-size", "0", env={"HTTPS_PROXY": "http://127.0.0.1:3128"})
+def test_network_kernels_reach_the_deployments_proxy_through_their_egress_proxy(tmp_path):
+    """HTTPS_PROXY (Dify's SSRF proxy) is where the kernels' egress proxy chains to; user code
+    sees its own egress proxy. Port 9 on the loopback stands for a proxy that is down."""
+    srv = Server(tmp_path, "--pool-size", "0", env={"HTTPS_PROXY": "http://127.0.0.1:9"})
     try:
-        code = "import os\nprint(os.environ.get('HTTPS_PROXY'))"
-        for network, seen in ((True, "http://127.0.0.1:3128\n"), (False, "None\n")):
-            answer = http.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=60, json={
-                "language": "python3", "code": code, "enable_network": network})
-            assert answer.json()["data"]["stdout"] == seen
+        code = ("import os, requests\nprint(os.environ.get('HTTPS_PROXY'))\n"
+                "print(requests.get('http://example.com/', timeout=30).reason)")
+        answer = http.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=60, json={
+            "language": "python3", "code": code, "enable_network": True})
+        assert answer.json()["data"]["stdout"].splitlines() == [
+            "http://127.0.0.1:3128",
+            "the upstream proxy 127.0.0.1:9 could not be reached: ConnectionRefusedError(111, "
+            "\"Connect call failed ('127.0.0.1', 9)\")"]
+        offline = http.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=60, json={
+            "language": "python3", "code": "import os\nprint(os.environ.get('HTTPS_PROXY'))",
+            "enable_network": False})
+        assert offline.json()["data"]["stdout"] == "None\n"
     finally:
         srv.stop()
+
+
+def test_a_socks5_upstream_is_refused_at_start(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "serve"], timeout=60,
+                          capture_output=True, text=True,
+                          env={**os.environ, "API_KEY": DIFY_KEY, "SOCKS5_PROXY": "socks5://p:1"})
+    assert done.returncode != 0
+    assert "SOCKS5_PROXY: the egress proxy chains to an HTTP proxy only" in done.stderr
 
 
 def test_a_kernel_that_cannot_start_is_a_500_envelope(tmp_path):

@@ -5,40 +5,16 @@ own runner scripts. A native API session installs wheels from the operator's ind
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
 from ..packages import LocalIndex, make_wheel, write_simple_index
-from .helpers import DIFY_KEY, RUN, Server, auth, http
+from .helpers import DIFY_KEY, Server, auth, http
 from .platform_client import PlatformClient
 
-# Dify's Jinja2 transformer: the template inside a runner script, the result between markers.
-TEMPLATE_RUNNER = """
-# declare main function
-def main(**inputs):
-    import jinja2
-    template = jinja2.Template('''{code}''')
-    return template.render(**inputs)
-
-import json
-from base64 import b64decode
-
-# decode and prepare input dict
-inputs_obj = json.loads(b64decode('{inputs}').decode('utf-8'))
-
-# execute main function
-output = main(**inputs_obj)
-
-# convert output and print
-result = f'''<<RESULT>>{{output}}<<RESULT>>'''
-print(result)
-"""
 requests = pytest.importorskip("requests")  # the [dify] extra; the runtime pins its version
 REQUIREMENTS = f"# dify-sandbox's default packages\njinja2>=3.1\nrequests=={requests.__version__}\n"
 
@@ -58,6 +34,7 @@ def dify_runtime(tmp_path_factory):
     saved = os.environ.get("SANDBOX_KERNEL_RUNTIMES")
     os.environ["SANDBOX_KERNEL_RUNTIMES"] = environ["SANDBOX_KERNEL_RUNTIMES"]
     server = Server(base, "--pool-size", "1", env={"SANDBOX_RUNTIME": "dify"})
+    server.requirements = requirements
     yield server
     server.stop()
     subprocess.run([sys.executable, "-m", "sandbox_kernel", "runtime", "remove", "dify",
@@ -81,16 +58,10 @@ def test_dependencies_lists_the_runtimes_requirements_as_dify_sandbox_does(dify_
 
 
 def test_a_template_node_renders_through_difys_jinja2_runner(dify_runtime):
-    inputs = base64.b64encode(json.dumps({"name": "Wörld", "items": [1, 2]}).encode()).decode()
-    code = TEMPLATE_RUNNER.format(code="Hello {{ name }}{% for i in items %} {{ i }}{% endfor %}",
-                                  inputs=inputs)
-    answer = http.post(dify_runtime.url + RUN, headers={"X-Api-Key": DIFY_KEY},
-                       json={"language": "python3", "code": code, "preload": "",
-                             "enable_network": False})
-    body = answer.json()
-    assert body["code"] == 0 and body["data"]["error"] == "", body
-    found = re.search(r"<<RESULT>>(.*?)<<RESULT>>", body["data"]["stdout"], re.DOTALL)
-    assert found and found.group(1) == "Hello Wörld 1 2"
+    client = PlatformClient(dify_runtime.url)  # Dify's Jinja2 runner, run as python3
+    rendered = client.render("Hello {{ name }}{% for i in items %} {{ i }}{% endfor %}",
+                             {"name": "Wörld", "items": [1, 2]})
+    assert rendered == "Hello Wörld 1 2"
 
 
 def test_a_python_node_imports_requests_from_the_runtime(dify_runtime):
@@ -102,6 +73,23 @@ def test_a_python_node_imports_requests_from_the_runtime(dify_runtime):
     assert result["prefix"].endswith("/store/dify/builds/1")
 
 
+def test_refresh_rebuilds_the_runtime_from_the_operators_file(dify_runtime, tmp_path):
+    """As dify-sandbox installs its python-requirements.txt again on refresh."""
+    make_wheel(tmp_path, "refreshpkg", "1.0", {"refreshpkg.py": "VALUE = 'new'\n"})
+    with dify_runtime.requirements.open("a") as requirements:
+        requirements.write(f"--find-links {tmp_path}\nrefreshpkg==1.0\n")
+    refreshed = http.get(dify_runtime.url + "/v1/sandbox/dependencies/refresh?language=python3",
+                         headers={"X-Api-Key": DIFY_KEY}, timeout=600)
+    assert refreshed.status_code == 200
+    listed = refreshed.json()["data"]["dependencies"]
+    assert listed[-1] == {"name": "refreshpkg", "version": "1.0"}
+    assert [entry["name"] for entry in listed] == ["jinja2", "requests", "refreshpkg"]
+    code = ("def main() -> dict:\n    import refreshpkg, sys\n"
+            "    return {'value': refreshpkg.VALUE, 'prefix': sys.prefix}\n")
+    result = PlatformClient(dify_runtime.url).execute(code, {})
+    assert result["value"] == "new" and result["prefix"].endswith("/store/dify/builds/2")
+
+
 @pytest.fixture(scope="module")
 def index_server(tmp_path_factory):
     """A service whose network sessions reach a local package index serving testpkg."""
@@ -110,8 +98,11 @@ def index_server(tmp_path_factory):
     make_wheel(root / "dist", "testpkg", "1.0", {"testpkg/__init__.py": "VALUE = 42\n"})
     write_simple_index(root / "dist", root)
     with LocalIndex(root) as index:
+        # The index on the host's loopback: granted, as the proxy never reaches it otherwise.
+        where = f"127.0.0.1:{index.server.server_address[1]}"
         server = Server(root, "--enable-network", "--package-index", index.url,
-                        "--pool-size", "0", env={"API_KEY": DIFY_KEY})
+                        "--allow-address", where, "--pool-size", "0",
+                        env={"API_KEY": DIFY_KEY})
         yield server
         server.stop()
 
@@ -146,6 +137,6 @@ def test_a_session_without_network_is_told_which_setting_allows_installs(index_s
                               json={"packages": ["testpkg"]})
         error = installed.json()["error"]
         assert error["name"] == "PackageInstallError"
-        assert "the network is off in this sandbox" in error["value"]
+        assert "the network is off in this sandbox (--network off)" in error["value"]
     finally:
         http.delete(session, headers=auth(DIFY_KEY))

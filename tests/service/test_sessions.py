@@ -186,3 +186,11 @@ def test_sessions_have_their_own_default_timeout(server, session):
     limited = http.post(session + "/execute", headers=auth(KEY_B),
                         json={"code": slow, "timeout": 1}).json()
     assert limited["error"]["name"] == "ExecutionTimeout", limited
+
+
+def test_an_install_of_something_that_is_no_requirement_is_a_422(server):
+    # Found by the fuzzer: the name passed the schema and install_code's refusal was a 500.
+    answer = http.post(server.url + "/api/v1/sessions/nope/packages", headers=auth(KEY_B),
+                       json={"packages": ["a\x1fb"]})  # \x1f: str.isspace, not the schema's \s
+    assert answer.status_code == 422
+    assert "not a requirement" in answer.json()["detail"]

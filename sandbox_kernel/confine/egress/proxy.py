@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import h11
 
-from ..logrelay import TokenBucket, escaped
+from ..logrelay import LineSink, TokenBucket, escaped
 from . import tls
 from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
 
@@ -211,7 +211,8 @@ class EgressProxy:
                 if self.upstream is not None:
                     return []  # the upstream proxy resolves it (and applies its own rules)
                 raise Refused(502, f"{entry.host} does not resolve") from None
-            addresses = list(dict.fromkeys(parse_address(info[4][0]) for info in infos))
+            found = (parse_address(str(info[4][0])) for info in infos)  # numeric: never None
+            addresses = list(dict.fromkeys(address for address in found if address is not None))
         refusals = [self.rules.check_address(entry.host, address, entry.port)
                     for address in addresses if address is not None]
         if any(refusals) and (self.upstream is not None or all(refusals)):
@@ -377,7 +378,7 @@ async def _answer(writer: asyncio.StreamWriter, status: int, text: str) -> None:
 class AuditSink:
     """Egress records to the operator's audit file and the launcher's log, rate-limited."""
 
-    def __init__(self, audit_file: int | None, log: Any) -> None:
+    def __init__(self, audit_file: int | None, log: LineSink) -> None:
         self.audit_file, self.log = audit_file, log
         self.budget = TokenBucket(100, 10.0)
         self.suppressed = 0

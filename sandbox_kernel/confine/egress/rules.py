@@ -163,6 +163,8 @@ class EgressRules:
         if self.mode == "on":
             return None
         address = parse_address(host)
+        if address is not None and (refusal := self.check_address(host, address, port)):
+            return refusal  # the address is the reason, not the list
         for rule in self.hosts:
             if isinstance(rule, NameRule) and address is None and rule.matches(host, port):
                 return None

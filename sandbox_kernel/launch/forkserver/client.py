@@ -119,9 +119,11 @@ class ForkedKernel:
                 signal.pidfd_send_signal(self.pidfd, signum)
 
     def terminate(self) -> None:
+        """Ask the kernel to end (SIGTERM), as Popen.terminate does."""
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
+        """End the kernel now (SIGKILL), as Popen.kill does."""
         self.send_signal(signal.SIGKILL)
 
     def _release(self) -> None:
@@ -153,15 +155,17 @@ class ForkServerClient:
         self.socket_path = str(self.directory / f"{self.key}.sock")
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-              stdio: Sequence[int], cwd: str | os.PathLike[str] | None = None) -> ForkedKernel:
+              stdio: Sequence[int], cwd: str | os.PathLike[str] | None = None,
+              ready: int | None = None) -> ForkedKernel:
         """A new kernel running `python -m sandbox_kernel argv`, with stdio as its fds, started
         in cwd (this process's working directory by default). Of env, only what a kernel may
-        inherit is sent (request_env)."""
+        inherit is sent (request_env). ready: the write end of a pipe the kernel writes a line
+        to, and closes, once its sockets listen."""
         request = {"argv": list(argv), "env": request_env(argv, env),
                    "cwd": os.path.abspath(cwd or ".")}
         conn = self.connect()
         try:
-            socket.send_fds(conn, [frame(request)], list(stdio))
+            socket.send_fds(conn, [frame(request)], [*stdio, *([] if ready is None else [ready])])
             conn.settimeout(self.start_timeout)
             reply, fds = receive(conn)
             conn.settimeout(None)

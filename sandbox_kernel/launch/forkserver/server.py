@@ -67,6 +67,9 @@ KERNEL_IMPORTS = (
     "IPython.core.completerlib", "IPython.core.oinspect", "IPython.utils.wildcard",
     "tornado.gen", "tornado.locks", "tornado.queues", "tornado.platform.asyncio",
     "IPython.core.logger", "runpy",
+    # A network kernel's reaper serves its egress proxy (confine/reaper.py) and imported these
+    # per kernel: ~10 ms of CPU in every network kernel's reaper, for modules that never change.
+    "sandbox_kernel.confine.egress.proxy", "sandbox_kernel.confine.egress.rules",
 )
 
 
@@ -248,14 +251,14 @@ class Server:
         conn.settimeout(REQUEST_TIMEOUT)
         request, fds = receive(conn)
         argv, env, cwd = request.get("argv"), request.get("env"), request.get("cwd") or "/"
-        if (len(fds) != 3 or not isinstance(argv, list) or not isinstance(env, dict)
+        if (len(fds) not in (3, 4) or not isinstance(argv, list) or not isinstance(env, dict)
                 or not isinstance(cwd, str)
                 or not all(isinstance(arg, str) for arg in argv)
                 or not all(isinstance(value, str) for value in env.values())):
             for fd in fds:
                 os.close(fd)
             raise ValueError("a request is {argv: [str], env: {str: str}, cwd: str} with "
-                             "exactly three descriptors (stdio)")
+                             "three descriptors (stdio) and, optionally, a ready pipe")
         return argv, env, fds, cwd
 
     def reap(self, pid: int) -> None:
@@ -285,7 +288,10 @@ class Server:
 
     def become_kernel(self, argv: list[str], env: dict[str, str], stdio: list[int],
                       cwd: str = "/") -> None:
-        """In the child: exactly what a cold kernel does after its re-exec, then exit."""
+        """In the child: exactly what a cold kernel does after its re-exec, then exit.
+
+        stdio: the kernel's fds 0-2, then optionally the launcher's ready pipe.
+        """
         code = 1
         try:
             os.setsid()  # its own process group, as jupyter_client gives a cold kernel
@@ -293,12 +299,16 @@ class Server:
             # the kernel remembers it to explain a refused relative name (confine/denials.py).
             os.chdir(cwd)
             self.close_in_child()
-            for target, fd in enumerate(stdio):
+            for target, fd in enumerate(stdio[:3]):
                 os.dup2(fd, target)
-            from sandbox_kernel.confine.environment import prepare
+            from sandbox_kernel.confine.environment import READY_VAR, prepare
             from sandbox_kernel.kernel.app import main
             from sandbox_kernel.launch import fontcache
 
+            # Only the pipe this request brought may be named the ready pipe, never another fd.
+            env.pop(READY_VAR, None)
+            if len(stdio) == 4:
+                env[READY_VAR] = str(stdio[3])
             kernel_env = prepare(argv, env)  # closes the remaining server descriptors
             fontcache.copy_into(os.environ.get("MPLCONFIGDIR", ""),
                                 kernel_env.get("MPLCONFIGDIR", ""))
@@ -321,7 +331,11 @@ class Server:
             import traceback
 
             traceback.print_exc()
-            code = 1
+            sys.stderr.flush()
+            # Not through atexit: a kernel that failed half-way (e.g. a port another process
+            # took) has sockets open, and ipykernel's atexit close() then waits for them in
+            # context.term() for ever, while its launcher waits for it to answer or end.
+            os._exit(1)
         finally:
             _exit_like_python(code)
 

@@ -23,6 +23,7 @@ class GoJSON(Response):
     media_type = "application/json; charset=utf-8"
 
     def render(self, content: Any) -> bytes:
+        """Encode as gin does: compact, UTF-8, with <, >, & and U+2028/9 escaped."""
         text = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
         for char, escape in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
                              ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
@@ -31,14 +32,17 @@ class GoJSON(Response):
 
 
 def envelope(code: int, message: str, data: Any = None) -> dict[str, Any]:
+    """dify-sandbox's answer envelope: {code, message, data}."""
     return {"code": code, "message": message, "data": data}
 
 
 def error_answer(status: int, code: int, message: str) -> GoJSON:
+    """An error in dify-sandbox's envelope, with the HTTP status it uses."""
     return GoJSON(envelope(code, message), status_code=status)
 
 
 def success(data: Any) -> GoJSON:
+    """A success in dify-sandbox's envelope (code 0)."""
     return GoJSON(envelope(0, "success", data))
 
 

@@ -31,6 +31,7 @@ NETWORK_DISABLED = "network is disabled, please enable it in the configuration"
 
 @router.get("/health", summary="Liveness: \"ok\"")
 async def health() -> GoJSON:
+    """Liveness, as dify-sandbox answers it."""
     return GoJSON("ok")
 
 
@@ -45,6 +46,7 @@ def _refused(request: Request, service: Service) -> Response | None:
 @router.post("/v1/sandbox/run", summary="Run code on a fresh kernel (dify-sandbox's API)",
              **RUN_DOC)
 async def run(request: Request, service: ServiceDep) -> Response:
+    """dify-sandbox's /v1/sandbox/run: the code on a fresh kernel, its stdout and error."""
     if (refusal := _refused(request, service)) is not None:
         return refusal
     try:
@@ -127,6 +129,7 @@ async def _dependency_route(request: Request, service: Service, data: Any) -> Re
 
 @router.get("/v1/sandbox/dependencies", summary="The packages kernels have", **DEPENDENCIES_DOC)
 async def list_dependencies(request: Request, service: ServiceDep) -> Response:
+    """dify-sandbox's dependency list: the packages kernels can import."""
     async def listed() -> dict[str, Any]:
         return {"dependencies": _dependencies(service)}
     return await _dependency_route(request, service, listed)

@@ -27,7 +27,13 @@ from ..runs import (
     unless_disconnected,
 )
 from ..sessions import Session, SessionError
-from .schemas import ExecuteRequest, ExecutionShape, InstallRequest, OneShotRequest
+from .schemas import (
+    ExecuteRequest,
+    ExecutionShape,
+    InstallRequest,
+    OneShotRequest,
+    network_choice,
+)
 from .stream import EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
@@ -38,8 +44,10 @@ router = APIRouter()
              responses={200: EVENT_STREAM, 503: {"description": "too many runs"}})
 async def execute(body: OneShotRequest, request: Request, key: Key,
                   service: ServiceDep) -> Response:
+    """Run code on a fresh kernel; the answer, or a stream of events, says what it did."""
     timeout = run_timeout(service, body.timeout)
-    if body.network and not service.config.enable_network:
+    network = network_choice(body.network)
+    if network and not service.config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
     try:
         release = service.admission.enter()
@@ -53,7 +61,7 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     async def work(on_output: Any = None) -> Execution:
         try:
             execution, _ = await service.runner.run(
-                body.code, network=body.network, timeout=timeout, inputs=body.inputs,
+                body.code, network=network, timeout=timeout, inputs=body.inputs,
                 record=record, on_output=on_output)
             service.count_run("native", execution)
             return execution
@@ -126,6 +134,7 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
                         410: {"description": "the session's kernel died"}})
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
+    """Run code in a session's kernel, which keeps variables and files between runs."""
     session = session_of(request, service, key, session_id)
     timeout = run_timeout(service, body.timeout, in_session=True)
     sandbox = await service.sessions.acquire(session)
@@ -163,6 +172,9 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
 async def install_in_session(session_id: str, body: InstallRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
     """`%pip install` in the session: its error (PackageInstallError) says why it failed."""
-    code = install_code(body.packages, body.upgrade)
+    try:
+        code = install_code(body.packages, body.upgrade)
+    except ValueError as exc:  # not a requirement the %pip magic takes: the caller's to fix
+        raise HTTPException(422, str(exc)) from None
     return await execute_in_session(session_id, ExecuteRequest(code=code, timeout=body.timeout),
                                     request, key, service)

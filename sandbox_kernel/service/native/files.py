@@ -1,21 +1,20 @@
 """Files in a session's scratch directory, moved through the session's own kernel.
 
-Not through the scratch directory from outside: the scratch is a private mount of the kernel,
-and a service that followed paths (and symlinks) the kernel's code planted there would read and
-write with the service's rights. The operation runs in the kernel (`files_in_kernel.py`, sent
-as source text), where it can reach only what the kernel's own code could.
+Not through the scratch directory from outside (client/files.py says why): the operation runs
+in the kernel. This module keeps the service's own part: the routes, paths checked before they
+are sent, the size limit, the kernel's answer checked again, errors as HTTP statuses.
 """
 
 from __future__ import annotations
 
 import base64
 import posixpath
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from starlette.responses import Response
 
+from ...client.files import file_op
 from ..auth import ApiKey
 from ..core import Service
 from ..deps import Key, ServiceDep, session_of
@@ -26,8 +25,6 @@ from ..validation import sendable
 from .schemas import FileShape
 
 router = APIRouter()
-FILE_HELPER = "__sandbox_files__"  # the function files_in_kernel.py defines
-FILE_CODE = Path(__file__).with_name("files_in_kernel.py").read_text(encoding="utf-8")
 FILE_TIMEOUT = 60.0  # seconds a file transfer may take inside the kernel
 _FILE_ERRORS = {"FileNotFoundError": 404, "IsADirectoryError": 400, "NotADirectoryError": 400,
                 "PermissionError": 403, "ValueError": 413, "FileExistsError": 409}
@@ -56,7 +53,7 @@ async def _file_op(request: Request, service: Service, key: ApiKey, session_id: 
     try:
         async with service.sessions.using(session) as sandbox:
             execution, lost = await bounded(
-                sandbox.run(FILE_CODE, inputs, timeout=timeout, entrypoint=FILE_HELPER),
+                file_op(sandbox, inputs, timeout),
                 timeout, 2 * service.config.kernel_grace + service.restart_allowance,
                 RunRecord(), service.runner.stopping)
             if lost:
@@ -84,6 +81,7 @@ async def _file_op(request: Request, service: Service, key: ApiKey, session_id: 
             openapi_extra=UPLOAD_BODY)
 async def upload(session_id: str, path: str, request: Request, key: Key,
                  service: ServiceDep) -> Any:
+    """Write the request's body to a file in the session's working directory."""
     limit = service.config.max_file_bytes
     relative = scratch_path(path)
     content = bytearray()
@@ -100,6 +98,7 @@ async def upload(session_id: str, path: str, request: Request, key: Key,
             responses={200: {"content": {"application/octet-stream": {}}}})
 async def download(session_id: str, path: str, request: Request, key: Key,
                    service: ServiceDep) -> Response:
+    """The content of a file in the session's working directory."""
     limit = service.config.max_file_bytes
     result = await _file_op(request, service, key, session_id,
                             {"op": "read", "path": scratch_path(path), "limit": limit})

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from ..kernels import NetworkChoice
 from ..validation import sendable
 
 
@@ -21,8 +22,46 @@ class ExecuteRequest(BaseModel):
         "--max-timeout).")
 
 
+def _host_entries(hosts: list[str]) -> list[str]:
+    from ...confine.egress.rules import RuleError, parse_host_entry
+
+    for entry in hosts:
+        try:
+            parse_host_entry(entry)
+        except RuleError as exc:
+            raise ValueError(str(exc)) from None
+    return hosts
+
+
+class NetworkRequest(BaseModel):
+    """The network a kernel gets: always through the service's egress proxy, never the host's
+    loopback or private addresses (unless the operator granted one with --allow-address)."""
+
+    mode: Literal["off", "hosts", "on"] = Field(
+        description="off: no network; hosts: only allow_hosts; on: any public host.")
+    allow_hosts: Annotated[list[Annotated[str, Field(max_length=260)]],
+                           AfterValidator(_host_entries)] = Field(
+        default_factory=list, max_length=100,
+        description="With mode hosts: names (api.example.com, *.example.com), optionally "
+        ":PORT, or public addresses/CIDRs.")
+
+    def choice(self) -> NetworkChoice:
+        """As the service's kernels take it."""
+        hosts = tuple(self.allow_hosts) if self.mode == "hosts" else ()
+        return NetworkChoice(self.mode, hosts)
+
+
+def network_choice(value: bool | NetworkRequest) -> bool | NetworkChoice:
+    """A request's network field: true/false as before, or a NetworkRequest object."""
+    return value.choice() if isinstance(value, NetworkRequest) else value
+
+
 class OneShotRequest(ExecuteRequest):
-    network: bool = Field(False, description="Run on a kernel that may open network sockets.")
+    """Code to run on a fresh kernel, and the network it may use."""
+
+    network: bool | NetworkRequest = Field(
+        False, description="true: any public host (as mode on); or an object choosing off, "
+        "hosts (with allow_hosts) or on. Always through the egress proxy.")
 
 
 class InstallRequest(BaseModel):
@@ -37,13 +76,19 @@ class InstallRequest(BaseModel):
 
 
 class SessionRequest(BaseModel):
-    network: bool = Field(False, description="Let the session's kernel open network sockets.")
+    """A session to open: its kernel's network and its idle timeout."""
+
+    network: bool | NetworkRequest = Field(
+        False, description="true: any public host (as mode on); or an object choosing off, "
+        "hosts (with allow_hosts) or on. Always through the egress proxy.")
     idle_timeout: float | None = Field(
         None, gt=0, description="Seconds idle before the session is closed (default: "
         "--session-idle-timeout; at most --max-session-idle-timeout).")
 
 
 class ErrorShape(BaseModel):
+    """The exception the code raised."""
+
     name: str
     value: str
     traceback: list[str]
@@ -64,8 +109,12 @@ class ExecutionShape(BaseModel):
 
 
 class SessionShape(BaseModel):
+    """A session the caller holds."""
+
     id: str
     network: bool
+    allow_hosts: list[str] | None = Field(
+        None, description="The names the session may reach (network mode hosts), else null.")
     policy: str
     idle_timeout: float
     created: float
@@ -76,5 +125,7 @@ class SessionShape(BaseModel):
 
 
 class FileShape(BaseModel):
+    """A file written into a session."""
+
     path: str
     size: int

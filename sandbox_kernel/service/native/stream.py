@@ -53,6 +53,7 @@ class ExecutionJSON(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
+        """The execution as JSON bytes, its main() result passed on as the kernel sent it."""
         return execution_json(content)
 
 
@@ -107,6 +108,7 @@ class EventStream:
         self.abandon = abandon
 
     def __call__(self, name: str, payload: Any) -> None:
+        """Queue one output event for the stream."""
         self.queue.put_nowait(_event(name, payload))
 
     async def events(self, work: asyncio.Task[Execution]) -> AsyncIterator[ServerSentEvent]:

@@ -12,9 +12,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
-DATA_DIR = RESULTS_DIR / "load"
-
 
 @dataclass
 class Goal:
@@ -57,7 +54,8 @@ class ScenarioResult:
         """No goal missed (goals that could not be measured do not count as missed)."""
         return all(goal.met is not False for goal in self.goals)
 
-    def save(self, directory: Path = DATA_DIR) -> Path:
+    def save(self, directory: Path) -> Path:
+        """Write the result as JSON into directory (bench/results/load for the report)."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{self.name}{'-quick' if self.quick else ''}.json"
         path.write_text(json.dumps(asdict(self), indent=1, default=str))

@@ -8,9 +8,9 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-from bench.load import check, driver, resources, watchdog, workload
-from bench.load.results import ScenarioResult, fmt_mib, fmt_ms
-from bench.load.service import Service, Settings
+from tests.load import check, driver, resources, watchdog, workload
+from tests.load.results import ScenarioResult, fmt_mib, fmt_ms
+from tests.load.service import Service, Settings
 
 
 @dataclass

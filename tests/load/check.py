@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from bench.load.workload import RESULT_MARKER, Item
+from tests.load.workload import RESULT_MARKER, Item
 
 # Verdicts. A normal run is "correct" or one of the failures; a hostile run is "error" or one.
 CORRECT, WRONG, MISSING, REJECTED = "correct", "wrong", "missing", "rejected"

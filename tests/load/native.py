@@ -11,8 +11,8 @@ from typing import Any
 
 import psutil
 
-from bench.load.resources import alive
-from bench.load.service import Service
+from tests.load.resources import alive
+from tests.load.service import Service
 
 FindKernel = Callable[[Service, str], Awaitable[psutil.Process | None]]
 TAGGED_SLEEP = '''

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 
 import psutil
 
-from bench.load import check, driver, native, resources, workload
-from bench.load.driver import Http
-from bench.load.results import ScenarioResult
-from bench.load.service import Service, Settings, serve_command
+from tests.load import check, driver, native, resources, workload
+from tests.load.driver import Http
+from tests.load.results import ScenarioResult
+from tests.load.service import Service, Settings, serve_command
 
 FIND_TIMEOUT = 30.0
 

@@ -155,7 +155,7 @@ class Service:
 
     def stop(self) -> None:
         """Stop the service, then any process of this instance still alive; remove the dir."""
-        from bench.load.resources import instance_processes  # psutil only where needed
+        from tests.load.resources import instance_processes  # psutil only where needed
 
         if self.process is not None and self.process.poll() is None:
             if self.terminate(self.settings_grace() + 15) is None:

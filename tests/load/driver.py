@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from bench.load.check import Answer
+from tests.load.check import Answer
 
 API_KEY_HEADER = "X-Api-Key"
 Http = httpx.AsyncClient

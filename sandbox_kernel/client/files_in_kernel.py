@@ -1,18 +1,19 @@
-"""The file operations that run inside a session's kernel, sent there as source text.
+"""The file operations that run inside a kernel, sent there as source text.
 
 `files.py` reads this file and defines it in the kernel once, then calls its entry point
-`__sandbox_mcp_files__` with the `main()` convention; the server never imports it. Inside the
-kernel it reaches only what the kernel's own code could, under its Landlock rules.
+`__sandbox_files__` with the `main()` convention; no caller imports it. Inside the kernel it
+reaches only what the kernel's own code could, under its Landlock rules. Its error texts reach
+the service's callers as they are (the MCP server words them again for a model).
 """
 
 
-def __sandbox_mcp_files__(op, path=".", data=None, limit=0, since=0.0):
+def __sandbox_files__(op, path=".", data=None, limit=0, since=0.0):
     import base64
     import os
     home = os.path.realpath(os.path.expanduser("~"))
     target = os.path.realpath(os.path.join(home, path))
     if os.path.commonpath([home, target]) != home:
-        raise PermissionError(f"{path} leads outside the working directory")
+        raise PermissionError(f"{path} leads outside the scratch directory")
     if op == "write":
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "wb") as file:

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from bench.load.results import ScenarioResult
-from bench.load.service import Service, Settings
+from tests.load.results import ScenarioResult
+from tests.load.service import Service, Settings
 
 
 @dataclass

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import httpx
 
-from bench.load.service import Service
+from tests.load.service import Service
 
 T = TypeVar("T")
 

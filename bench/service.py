@@ -1,0 +1,358 @@
+"""`python -m bench.service`: our service against the real dify-sandbox, side by side.
+
+Both run on this machine at once, each on 127.0.0.1: `sandbox-kernel serve` (tests/load/service.py
+starts it, with dify-sandbox's defaults: MAX_WORKERS 4, WORKER_TIMEOUT 5) and the dify-sandbox
+built from its source in `../shared/anchors/dify-sandbox/` (its own start.sh and stop.sh; skipped,
+saying so, when that folder is absent). Every request is the one Dify sends: its wrapping of
+`def main() -> dict: return {"a": 1}` (base64 inputs, `<<RESULT>>` markers), counted only if its
+stdout is exactly the marked JSON. Our native API's one-shot execute (`POST /api/v1/execute`,
+the same `main()` with inputs) is measured beside it.
+
+Phases are interleaved, target by target, round after round, so load from elsewhere on the
+machine falls on all of them alike: N sequential requests (p50, p90), then C clients for S
+seconds (requests/s). CPU per request is given twice: the machine's busy time from /proc/stat
+(everything that ran, other work included), and the CPU of the target's own process tree
+(the server, the children it waited for; for ours also the fork server and the kernels it
+reaped), which other work on the machine does not inflate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.load.service import Service, Settings, free_port
+
+ANCHOR = Path(os.environ.get("SANDBOX_BENCH_DIFY_SANDBOX",
+                             Path(__file__).resolve().parents[2] / "shared/anchors/dify-sandbox"))
+RESULTS = Path(__file__).parent / "results" / "service.md"
+KEY = "bench-service-key"
+TICK = os.sysconf("SC_CLK_TCK")
+
+USER_CODE = 'def main() -> dict:\n    return {"a": 1}\n'
+EXPECTED_STDOUT = '<<RESULT>>{\n    "a": 1\n}<<RESULT>>\n'
+
+
+def dify_wrapped(code: str, inputs: dict) -> str:
+    """The program Dify sends to /v1/sandbox/run for a code node (its Python template)."""
+    encoded = base64.b64encode(json.dumps(inputs).encode()).decode()
+    return (f"{code}\nimport json\nfrom base64 import b64decode\n"
+            f"inputs_obj = json.loads(b64decode('{encoded}').decode('utf-8'))\n"
+            "output_obj = main(**inputs_obj)\n"
+            "output_json = json.dumps(output_obj, indent=4)\n"
+            "result = f'<<RESULT>>{output_json}<<RESULT>>'\n"
+            "print(result)\n")
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way to ask for a run, and how to tell that it worked."""
+
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    check: Callable[[dict], bool]
+
+
+def dify_route(key: str) -> Route:
+    body = {"language": "python3", "code": dify_wrapped(USER_CODE, {}), "preload": "",
+            "enable_network": True}  # as Dify sends it by default
+    return Route("/v1/sandbox/run", {"X-Api-Key": key, "Content-Type": "application/json"},
+                 json.dumps(body).encode(),
+                 lambda reply: reply.get("code") == 0
+                 and reply["data"]["stdout"] == EXPECTED_STDOUT)
+
+
+def native_route(key: str) -> Route:
+    body = {"code": USER_CODE, "inputs": {}}
+    return Route("/api/v1/execute", {"Authorization": f"Bearer {key}",
+                                     "Content-Type": "application/json"},
+                 json.dumps(body).encode(),
+                 lambda reply: reply.get("result") == {"a": 1} and reply.get("error") is None)
+
+
+class Client:
+    """One keep-alive HTTP connection that sends one route's request."""
+
+    def __init__(self, port: int, route: Route) -> None:
+        self.route = route
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def request(self) -> tuple[float, bool]:
+        """Seconds the request took, and whether its answer was right."""
+        started = time.perf_counter()
+        self.connection.request("POST", self.route.path, body=self.route.body,
+                                headers=self.route.headers)
+        response = self.connection.getresponse()
+        data = response.read()
+        elapsed = time.perf_counter() - started
+        good = response.status == 200 and self.route.check(json.loads(data))
+        return elapsed, good
+
+
+def _stat_times(pid: int) -> float:
+    """utime + stime + cutime + cstime of a process, in seconds (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(value) for value in fields[11:15]) / TICK
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def machine_busy() -> float:
+    """Busy CPU seconds of the whole machine (every core) so far."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(values) - values[3] - values[4]) / TICK
+
+
+@dataclass
+class Target:
+    """A server under test: where it listens and whose CPU counts as its own."""
+
+    name: str
+    port: int
+    route: Route
+    pid: int
+    tree: bool = False  # also count direct children (our fork servers, which reap the kernels)
+    seen: dict[int, float] = field(default_factory=dict)
+
+    def cpu(self) -> float:
+        """CPU seconds of the server, plus (tree) its children's, each child counted once it
+        was seen: a fork server that retired and exited stays a zombie child, still readable."""
+        total = _stat_times(self.pid)
+        if self.tree:
+            for child in _children(self.pid):
+                self.seen[child] = max(self.seen.get(child, 0.0), _stat_times(child))
+            total += sum(self.seen.values())
+        return total
+
+
+@dataclass
+class Phase:
+    latencies: list[float]
+    failures: int
+    wall: float
+    own_cpu: float
+    machine_cpu: float
+    server_cpu: float  # the server process alone (for ours: not its fork servers and kernels)
+
+    @property
+    def count(self) -> int:
+        return len(self.latencies)
+
+
+def measure(target: Target, work: Callable[[], tuple[list[float], int]]) -> Phase:
+    cpu0, busy0, wall0 = target.cpu(), machine_busy(), time.perf_counter()
+    server0 = _stat_times(target.pid)
+    latencies, failures = work()
+    wall = time.perf_counter() - wall0
+    time.sleep(0.5)  # kernels closing in the background finish and are reaped
+    return Phase(latencies, failures, wall, target.cpu() - cpu0, machine_busy() - busy0,
+                 _stat_times(target.pid) - server0)
+
+
+def sequential(target: Target, count: int) -> Phase:
+    client = Client(target.port, target.route)
+    for _ in range(3):
+        client.request()  # a connection and a route warmed up
+
+    def work() -> tuple[list[float], int]:
+        latencies, failures = [], 0
+        for _ in range(count):
+            elapsed, good = client.request()
+            latencies.append(elapsed)
+            failures += not good
+        return latencies, failures
+    return measure(target, work)
+
+
+def concurrent(target: Target, clients: int, seconds: float) -> Phase:
+    def work() -> tuple[list[float], int]:
+        stop = time.perf_counter() + seconds
+        latencies: list[list[float]] = [[] for _ in range(clients)]
+        failures = [0] * clients
+
+        def drive(index: int) -> None:
+            client = Client(target.port, target.route)
+            while time.perf_counter() < stop:
+                elapsed, good = client.request()
+                latencies[index].append(elapsed)
+                failures[index] += not good
+        threads = [threading.Thread(target=drive, args=(i,)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return [x for each in latencies for x in each], sum(failures)
+    return measure(target, work)
+
+
+@functools.cache
+def anchor_env() -> dict[str, str]:
+    """start.sh and stop.sh keep dify-sandbox's config, logs and pid in $DS_RUN: a private dir."""
+    return {**os.environ, "DS_RUN": tempfile.mkdtemp(prefix="bench-dify-sandbox-")}
+
+
+def start_anchor() -> tuple[int, int] | str:
+    """(port, pid) of a started dify-sandbox, or why it is not measured."""
+    if not (ANCHOR / "start.sh").exists():
+        return f"dify-sandbox not measured: no {ANCHOR}/start.sh (set SANDBOX_BENCH_DIFY_SANDBOX)"
+    port = free_port()
+    done = subprocess.run([str(ANCHOR / "start.sh"), str(port), KEY], capture_output=True,
+                          text=True, timeout=600, env=anchor_env())
+    if done.returncode != 0:
+        return f"dify-sandbox did not start: {(done.stdout + done.stderr).strip()[-500:]}"
+    return port, int(Path(anchor_env()["DS_RUN"], "pid").read_text())
+
+
+def stop_anchor(port: int) -> None:
+    subprocess.run([str(ANCHOR / "stop.sh"), str(port)], capture_output=True, timeout=60,
+                   env=anchor_env())
+
+
+@dataclass
+class Totals:
+    """Every phase of one target, over the rounds."""
+
+    seq: list[Phase] = field(default_factory=list)
+    conc: list[Phase] = field(default_factory=list)
+
+    def p(self, q: int) -> float:
+        values = sorted(x for phase in self.seq for x in phase.latencies)
+        return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000
+
+    def rps(self) -> list[float]:
+        return [phase.count / phase.wall for phase in self.conc]
+
+    def cpu_ms(self, attr: str) -> float:
+        phases = self.seq + self.conc
+        return 1000 * sum(getattr(p, attr) for p in phases) / sum(p.count for p in phases)
+
+    def failures(self) -> int:
+        return sum(p.failures for p in self.seq + self.conc)
+
+
+def run(args: argparse.Namespace) -> str:
+    if args.no_anchor:
+        anchor: tuple[int, int] | str = "dify-sandbox not measured: --no-anchor"
+    elif args.anchor:
+        port, pid = args.anchor.split(":")
+        anchor = (int(port), int(pid))
+    else:
+        anchor = start_anchor()
+    settings = Settings(max_workers=4, max_requests=50, worker_timeout=5.0,
+                        pool_size=args.pool_size, extra=args.serve_flag or [])
+    with Service(settings) as ours:
+        targets = [Target("sandbox-kernel dify route", ours.port, dify_route(ours.api_key),
+                          ours.pid, tree=True),
+                   Target("sandbox-kernel native execute", ours.port,
+                          native_route(ours.api_key), ours.pid, tree=True)]
+        if isinstance(anchor, tuple):
+            targets.insert(0, Target("dify-sandbox", anchor[0], dify_route(args.anchor_key),
+                                     anchor[1]))
+        totals = {target.name: Totals() for target in targets}
+        load_before = os.getloadavg()[0]
+        try:
+            for _ in range(args.rounds):
+                for target in targets:
+                    totals[target.name].seq.append(sequential(target, args.seq))
+                for target in targets:
+                    totals[target.name].conc.append(
+                        concurrent(target, args.clients, args.seconds))
+        finally:
+            if isinstance(anchor, tuple) and not args.anchor:
+                stop_anchor(anchor[0])
+        load_after = os.getloadavg()[0]
+    return report(args, totals, anchor, (load_before, load_after))
+
+
+def report(args: argparse.Namespace, totals: dict[str, Totals], anchor: object,
+           load: tuple[float, float]) -> str:
+    lines = [
+        "# The service against the real dify-sandbox",
+        "",
+        f"Command: `python -m bench.service {' '.join(sys.argv[1:])}`",
+        "",
+        f"- Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
+        f"load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f}",
+        f"- {args.rounds} rounds, interleaved; each: {args.seq} sequential requests per target, "
+        f"then {args.clients} clients for {args.seconds:g} s per target",
+        f"- Our service: `sandbox-kernel serve` with MAX_WORKERS 4, WORKER_TIMEOUT 5, "
+        f"pool size {args.pool_size} {' '.join(args.serve_flag or [])}",
+    ]
+    if not isinstance(anchor, tuple):
+        lines.append(f"- {anchor}")
+    lines += ["", "| Target | seq p50 | seq p90 | requests/s, "
+              f"{args.clients} clients (per round) | own CPU / request (server process) "
+              "| machine CPU / request | failures |", "|---|---|---|---|---|---|---|"]
+    for name, total in totals.items():
+        rps = total.rps()
+        lines.append(f"| {name} | {total.p(50):.1f} ms | {total.p(90):.1f} ms | "
+                     f"{statistics.median(rps):.1f} ({', '.join(f'{r:.1f}' for r in rps)}) | "
+                     f"{total.cpu_ms('own_cpu'):.1f} ms ({total.cpu_ms('server_cpu'):.1f} ms) | "
+                     f"{total.cpu_ms('machine_cpu'):.1f} ms "
+                     f"| {total.failures()} |")
+    reference = totals.get("dify-sandbox")
+    if reference is not None:
+        lines += ["", "| Ours / dify-sandbox | seq p50 (target ≤ 0.5x) | requests/s "
+                  "(target ≥ 1.25x) | own CPU / request | met |", "|---|---|---|---|---|"]
+        for name, total in totals.items():
+            if total is reference:
+                continue
+            latency = total.p(50) / reference.p(50)
+            rate = statistics.median(total.rps()) / statistics.median(reference.rps())
+            cpu = total.cpu_ms("own_cpu") / reference.cpu_ms("own_cpu")
+            met = "yes" if latency <= 0.5 and rate >= 1.25 else "**NO**"
+            lines.append(f"| {name} | {latency:.3f}x | {rate:.3f}x | {cpu:.3f}x | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.service", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=100, help="sequential requests per round")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=10.0, help="of each concurrent phase")
+    parser.add_argument("--pool-size", type=int, default=1,
+                        help="our --pool-size (the service's default: 1)")
+    parser.add_argument("--serve-flag", action="append", help="one more flag for serve")
+    parser.add_argument("--no-anchor", action="store_true", help="measure only our service")
+    parser.add_argument("--anchor", metavar="PORT:PID",
+                        help="a dify-sandbox already running (its start.sh), instead of one "
+                        "started and stopped here")
+    parser.add_argument("--anchor-key", default=KEY, help="that dify-sandbox's key")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    text = run(args)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

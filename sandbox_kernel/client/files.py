@@ -1,0 +1,38 @@
+"""Files in a kernel's scratch directory, moved through the kernel itself.
+
+The scratch is the kernel's private mount: a caller that followed paths (and symlinks) planted
+there by user code would read and write with the caller's rights. So every operation is the
+function in `files_in_kernel.py` run inside the kernel, where it reaches only what user code
+could. The service's files routes and the MCP server's file tools both call `file_op`, and each
+checks the answer and words its own errors and limits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+from .execution import Execution
+from .sandbox import AsyncSandbox
+
+ENTRYPOINT = "__sandbox_files__"  # the function files_in_kernel.py defines
+CODE = Path(__file__).with_name("files_in_kernel.py").read_text(encoding="utf-8")
+_NOT_DEFINED = ("EntrypointNotFound", "SignatureMismatch")  # gone or replaced by user code
+# Per kernel, the client (one per start or restart) whose kernel has the function defined.
+_defined_for: weakref.WeakKeyDictionary[AsyncSandbox, Any] = weakref.WeakKeyDictionary()
+
+
+async def file_op(sandbox: AsyncSandbox, inputs: dict[str, Any], timeout: float) -> Execution:
+    """Run one file operation (`op`: write, read or list, with its inputs) in the kernel.
+
+    The function is defined once per kernel (defining it costs the kernel more than calling
+    it); a kernel that lost or replaced it gets it again.
+    """
+    defined = _defined_for.get(sandbox) is sandbox.client  # a restart replaces the client
+    execution = await sandbox.run("" if defined else CODE, inputs, timeout=timeout,
+                                  entrypoint=ENTRYPOINT)
+    _defined_for[sandbox] = sandbox.client
+    if defined and execution.error is not None and execution.error.name in _NOT_DEFINED:
+        execution = await sandbox.run(CODE, inputs, timeout=timeout, entrypoint=ENTRYPOINT)
+    return execution
