@@ -13,12 +13,12 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from bench.load import report, soak
+from bench.load import pressure, report, soak
 from bench.load.report import DATA_DIR
 from tests.load import faults, fuzz, mixed
 from tests.load.results import ScenarioResult, machine, now
 
-ORDER = ("mixed", "soak", "faults", "fuzz")
+ORDER = ("mixed", "soak", "faults", "fuzz", "pressure")
 QUICK_OUT = Path(tempfile.gettempdir()) / "sandbox-kernel-load-quick"
 
 
@@ -37,6 +37,8 @@ def runner(name: str, quick: bool, args: argparse.Namespace
         return lambda: soak.run(soak_plan, quick)
     if name == "faults":
         return lambda: faults.run(quick)
+    if name == "pressure":
+        return lambda: pressure.run(pressure.QUICK if quick else pressure.FULL, quick)
     fuzz_plan = fuzz.QUICK if quick else fuzz.FULL
     return lambda: fuzz.run(fuzz_plan, quick)
 

@@ -15,7 +15,7 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 DATA_DIR = RESULTS_DIR / "load"  # one JSON per scenario, the latest run of each
 
 SCENARIOS = (("mixed", "1. Mixed load"), ("soak", "2. Soak"), ("faults", "3. Faults"),
-             ("fuzz", "4. Bad input"))
+             ("fuzz", "4. Bad input"), ("pressure", "5. Hostile results, floods, idle sockets"))
 ANALYSIS = "<!-- analysis: written by hand, kept when the generator rewrites the file -->"
 MARK = {True: "**met**", False: "**MISSED**", None: "not measured"}
 

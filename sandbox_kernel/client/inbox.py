@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import zmq
@@ -88,7 +90,19 @@ class Inbox:
 
 
 class AsyncInbox(Inbox):
-    """The asyncio twin of Inbox (an asyncio client's sockets)."""
+    """The asyncio twin of Inbox (an asyncio client's sockets).
+
+    Queued messages are read without a turn of the event loop (see ready_frames_async), so a
+    kernel that floods its output (40,000 one-byte messages) would hold the loop for as long
+    as its queue takes to drain: other requests of a service waited seconds. Every TURN_AFTER
+    seconds of back-to-back reading, receive gives the loop a turn.
+    """
+
+    TURN_AFTER = 0.002  # seconds
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.turn_taken = time.monotonic()
 
     async def watch(self, timeout: float) -> None:  # type: ignore[override]
         """Take the connection's events for up to `timeout` seconds (messages stay queued)."""
@@ -103,9 +117,13 @@ class AsyncInbox(Inbox):
 
     async def receive(self, timeout: float) -> list[Any] | None:  # type: ignore[override]
         """The next message's frames, or None after `timeout` seconds without one."""
+        if time.monotonic() - self.turn_taken > self.TURN_AFTER:
+            await asyncio.sleep(0)  # the other tasks' turn
+            self.turn_taken = time.monotonic()
         frames = await ready_frames_async(self.socket)
         if frames is not None:
             return frames
+        self.turn_taken = time.monotonic()  # the poll below waits: a turn for the others
         events = dict(await self.poller.poll(timeout * 1000))
         if self.monitor in events:
             self.refusals.note(await self.monitor.recv_multipart())

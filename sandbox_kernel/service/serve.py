@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import sys
 from typing import Any
@@ -26,6 +27,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                 "(dify-sandbox compatible)", description=DESCRIPTION)
     service_config.add_arguments(serve)
     serve.set_defaults(handler=run)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+LARGE_BLOCK = 256 * 1024  # bytes: blocks this large get pages of their own, unmapped when freed
+
+
+def return_large_blocks() -> bool:
+    """Make the C allocator give a large block's memory back to the system when it is freed.
+
+    glibc raises its mmap threshold each time a large mapped block is freed, after which blocks
+    of that size come from the heap and stay in the process when freed: each 13 MB result a
+    request passed on left ~13 MB of RSS behind, run after run. A fixed threshold turns that
+    adjustment off. True if it was set (glibc); other C libraries keep their own policy.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK))
+    except (OSError, AttributeError):
+        return False
 
 
 def _logging(level: str) -> None:
@@ -58,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     config = service_config.from_arguments(args)
     effective = policy.from_arguments(args)
     _logging(config.log_level)
+    return_large_blocks()
     try:
         app = create_app(config, effective)
     except KeyFileError as exc:

@@ -57,8 +57,30 @@ class ExecutionJSON(Response):
         return execution_json(content)
 
 
+class JSONEvent(ServerSentEvent):
+    """An event whose data is JSON text, encoded in one join.
+
+    ServerSentEvent.encode splits the data at line breaks and copies it through a StringIO:
+    for a 13 MB result that held the event loop ~0.2 s per event. JSON holds CR or LF only as
+    whitespace between tokens (never raw inside a string), so as spaces they keep the event
+    one `data:` line with the same meaning.
+    """
+
+    def __init__(self, name: str, payload: bytes) -> None:
+        super().__init__(event=name)
+        self.payload = payload
+
+    def encode(self) -> bytes:
+        """The event's bytes on the wire."""
+        data = self.payload
+        if b"\n" in data or b"\r" in data:
+            data = data.replace(b"\r", b" ").replace(b"\n", b" ")
+        sep = self._sep.encode()
+        return b"".join((b"event: ", str(self.event).encode(), sep, b"data: ", data, sep, sep))
+
+
 def _event(name: str, data: Any) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data), event=name)
+    return JSONEvent(name, json.dumps(data).encode())
 
 
 def _final_events(execution: Execution) -> list[ServerSentEvent]:
@@ -68,8 +90,8 @@ def _final_events(execution: Execution) -> list[ServerSentEvent]:
     elif execution.result_json is not None or execution.result is not None \
             or execution.text is not None:
         result = _with_result({"text": execution.text}, execution)
-        events.append(ServerSentEvent(data=result.decode(), event="result"))
-    events.append(ServerSentEvent(data=execution_json(execution).decode(), event="done"))
+        events.append(JSONEvent("result", result))
+    events.append(JSONEvent("done", execution_json(execution)))
     return events
 
 
