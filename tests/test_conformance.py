@@ -205,7 +205,6 @@ REFUSED_CODE = {
     "%%bash": "%%bash\necho hi",
     "%%sh": "%%sh\necho hi",
     "%%script": "%%script python3\nprint(1)",
-    "%pip": "%pip install requests",
     "os.system": "import os\nos.system('ls')",
     "subprocess": "import subprocess\nsubprocess.run(['ls'])",
     "multiprocessing": "import multiprocessing\nmultiprocessing.Process(target=print).start()",
@@ -219,6 +218,16 @@ def test_process_creation_is_refused_with_a_clear_message(shared_client, code):
     assert reply["ename"] == "PermissionError", reply["evalue"]
     assert "the sandbox blocked" in reply["evalue"]
     assert "creating processes is not allowed in the sandbox" in reply["evalue"]
+    assert result_text(shared_client, "'still answering'") == "'still answering'"
+
+
+def test_pip_installs_in_process_and_says_which_setting_lets_it_reach_an_index(shared_client):
+    # %pip is the sandbox's own in-kernel installer (kernel/pip.py), not a process: with the
+    # network off it refuses at once and names the flag.
+    reply, _ = execute(shared_client, "%pip install requests")
+    assert reply["status"] == "error"
+    assert reply["ename"] == "PackageInstallError", reply["evalue"]
+    assert "the network is off in this sandbox (--network off)" in reply["evalue"]
     assert result_text(shared_client, "'still answering'") == "'still answering'"
 
 
