@@ -193,11 +193,27 @@ def test_without_a_mount_namespace_only_run_as_root_starts(private_dir, tmp_path
                 wait_until_ready(client, process)
                 layers = client.kernel_info(reply=True, timeout=30)["content"]["sandbox"]
                 assert layers["layers"]["privileges"]["reason"] == "--run-as root"
+                # without CAP_SYS_ADMIN there is no network namespace: said, not pretended
+                assert layers["layers"]["network"]["active"] is False
             finally:
                 client.stop_channels()
     finally:
         process.kill()
         process.wait(30)
+
+
+def test_without_a_network_namespace_a_network_kernel_refuses_to_start(private_dir, tmp_path):
+    from jupyter_client.connect import write_connection_file
+
+    connection_file, _ = write_connection_file(str(tmp_path / "kernel.json"))
+    done = subprocess.run(
+        [str(private_dir / "venv/bin/python"), "-c", NO_MOUNTS_LAUNCHER, "-m", "sandbox_kernel",
+         "-f", connection_file, "--scratch-size=0", "--run-as=root", "--max-threads=0",
+         "--SandboxPolicy.network=on"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert "uid 0 without capabilities cannot map itself into a user namespace" in done.stderr
+    assert "or use --network off" in done.stderr
 
 
 # --- a policy's --env never reaches the unconfined start-up (#20 item 2) -----------------------

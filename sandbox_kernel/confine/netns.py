@@ -26,6 +26,8 @@ import socket
 import struct
 from typing import Any
 
+from .errors import ConfinementError
+
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
@@ -84,12 +86,24 @@ def enter() -> dict[str, Any]:
         return {"active": True, "owner": "root", "namespace": current(), "launcher": before}
     first = ctypes.get_errno()
     uid, gid = os.getuid(), os.getgid()
+    if uid == 0:
+        # uid 0 without CAP_SYS_ADMIN (--run-as root drops every capability): a user namespace
+        # could not map uid 0 (that needs CAP_SETFCAP), and an unmapped process cannot even
+        # create its files, so there is no namespace to be had.
+        raise NamespaceError(first, "no network namespace: unshare(CLONE_NEWNET) failed with "
+                                    f"{errno.errorcode.get(first, first)} and uid 0 without "
+                                    "capabilities cannot map itself into a user namespace")
     if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
         second = ctypes.get_errno()
         raise NamespaceError(second, f"no network namespace: unshare(CLONE_NEWNET) failed with "
                                      f"{errno.errorcode.get(first, first)} and with a user "
                                      f"namespace {errno.errorcode.get(second, second)}")
-    _map_ids(uid, gid)
+    try:
+        _map_ids(uid, gid)
+    except OSError as exc:  # already inside: an unmapped process must not go on
+        raise ConfinementError(f"entering a user namespace failed half-way (mapping uid {uid}: "
+                               f"{exc.strerror}); the kernel cannot go on unmapped",
+                               layer="network") from exc
     return {"active": True, "owner": "user namespace", "namespace": current(),
             "launcher": before}
 
