@@ -240,13 +240,30 @@ class ForkServerClient:
         with conn:
             return peer_pid_uid(conn)[0]
 
-    def stop_server(self) -> int | None:
-        """End this interpreter's and preload set's server (its kernels live on); its pid."""
+    def stop_server(self, timeout: float = 10.0) -> int | None:
+        """End this interpreter's and preload set's server (its kernels live on); its pid.
+
+        Returns once the server is gone (at most timeout seconds): a launcher that stops it and
+        asks for a kernel at once must reach a new server, not the old one on its way out (which
+        resets the connection, and the kernel starts cold).
+        """
         pid = self.server_pid()
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        if pid is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return pid
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie is not: it is gone but for its exit status)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def stop_servers() -> list[int]:
