@@ -78,3 +78,30 @@ def test_close_stops_the_channels_it_opened_and_creates_no_other():
     assert (client._stdin_channel, client._hb_channel) == (None, None)
     assert client._control_channel is control and not control.is_alive()
     assert not client.shell_channel.is_alive() and not client.iopub_channel.is_alive()
+
+
+def test_the_async_sandbox_closes_the_same_way():
+    # AsyncKernelManager's own client_factory used to win over client_class: the plain
+    # AsyncKernelClient then created stdin and control sockets at every close.
+    async def scenario():
+        sandbox = AsyncSandbox(None)
+        await sandbox.start()
+        client = sandbox.client
+        await sandbox.close(now=True)
+        return client
+
+    client = asyncio.run(scenario())
+    assert type(client).__name__ == "AsyncSandboxKernelClient"
+    assert (client._stdin_channel, client._hb_channel, client._control_channel) == (None,) * 3
+
+
+def test_sandboxes_share_a_context_and_closing_one_leaves_the_others_working(sandbox):
+    # One ZMQ context (I/O thread) per process and limits, not one per kernel.
+    other = Sandbox(None)
+    assert other.context is sandbox.context is other.manager.context
+    other.start()
+    other.close(now=True)
+    assert not sandbox.context.closed
+    assert sandbox.run("print(6 * 7)").stdout == "42\n"
+    smaller = Sandbox(None, max_output=1234, max_result=1234)
+    assert smaller.context is not sandbox.context  # sockets of other limits

@@ -24,7 +24,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.client import KernelClient
 from jupyter_client.manager import AsyncKernelManager, KernelManager, _get_future
 from jupyter_core.utils import run_sync
-from traitlets import DottedObjectName
+from traitlets import DottedObjectName, Type
 
 Method = Callable[..., Coroutine[Any, Any, Any]]
 
@@ -101,6 +101,9 @@ class AsyncSandboxKernelManager(AsyncKernelManager):  # type: ignore[misc]
     """AsyncKernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.AsyncSandboxKernelClient")
+    # AsyncKernelManager declares its own client_factory, whose default is AsyncKernelClient
+    # whatever client_class says (that is only observed when it changes).
+    client_factory = Type(AsyncSandboxKernelClient, klass=AsyncKernelClient)
 
     _async_start_kernel = SandboxKernelManager._async_start_kernel
     _async_shutdown_kernel = SandboxKernelManager._async_shutdown_kernel

@@ -18,7 +18,9 @@ user code can switch off every check inside the kernel (``sys.stdout.write_uncap
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +79,27 @@ def bounded_context(limits: CallerLimits, context_class: type = zmq.Context) -> 
     context.setsockopt(zmq.MAXMSGSIZE, limits.max_message)
     context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
     return context
+
+
+_SHARED: dict[tuple[int, type, int], Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_context(limits: CallerLimits, context_class: type = zmq.Context) -> Any:
+    """The bounded context every sandbox of this process with these limits shares.
+
+    A context is an I/O thread: one per sandbox meant a thread started and joined (context
+    term) for every fresh kernel, a tenth of what a one-shot request cost its caller. The
+    options are the context's defaults for new sockets, the same for every sandbox of these
+    limits; each sandbox closes only its own sockets. A forked child gets its own (a context
+    does not survive a fork), and so does whoever closed the shared one.
+    """
+    key = (os.getpid(), context_class, limits.max_message)
+    with _SHARED_LOCK:
+        context = _SHARED.get(key)
+        if context is None or context.closed:
+            context = _SHARED[key] = bounded_context(limits, context_class)
+        return context
 
 
 def watch_connection(socket: Any) -> Any:

@@ -36,7 +36,7 @@ from .execution import Execution, error_from
 from .inbox import AsyncInbox, Inbox, queued_reply
 from .managers import AsyncSandboxKernelManager, SandboxKernelManager
 from .meter import KernelProcess, Meter, open_process
-from .receive import CallerLimits, bounded_context, oversize_error
+from .receive import CallerLimits, oversize_error, shared_context
 from .specs import installed_policy, manager_kwargs
 
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
@@ -271,14 +271,17 @@ class _SandboxCore:
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
         limit. one_shot: the kernel ends after one run (a timeout then keeps no state).
         python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/)."""
-        self.manager = self.manager_class(
-            **manager_kwargs(kernel_name, policy, cold_start, preload, python))
-        jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
         recorded = policy.as_dict() if policy is not None else (
             installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
         # Enforced here on what arrives, whatever the kernel does (see receive.py).
         self.limits = CallerLimits.from_policy(recorded, max_output, max_result)
-        self.context = bounded_context(self.limits, self.context_class)
+        self.context = shared_context(self.limits, self.context_class)
+        # The manager's control socket lives on the same context (its own was one more
+        # I/O thread per kernel).
+        self.manager = self.manager_class(
+            context=self.context,
+            **manager_kwargs(kernel_name, policy, cold_start, preload, python))
+        jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.timeout_source = timeout_source
@@ -293,14 +296,16 @@ class _SandboxCore:
         return context
 
     def _live_context(self) -> Any:
-        """The bounded ZMQ context for the client's sockets (a new one after close())."""
+        """The shared bounded ZMQ context for the sockets (another if someone closed it)."""
         if self.context.closed:
-            self.context = bounded_context(self.limits, self.context_class)
+            self.context = shared_context(self.limits, self.context_class)
         return self._sending_context(self.context)
 
     def _start_steps(self) -> Steps[None]:
         """Start the kernel and wait until it answers."""
-        self._sending_context(self.manager.context)  # its control socket (shutdown requests)
+        context = self._live_context()  # also the manager's control socket's (shutdown requests)
+        if self.manager.context is not context:
+            self.manager.context = context
         yield (_fast_reconnecting(self.manager).start_kernel,)
         yield from self._connect_steps()
 
@@ -350,7 +355,6 @@ class _SandboxCore:
                 yield (functools.partial(self.manager.shutdown_kernel, now=True),)
         self._close_inbox()
         self._forget_process()
-        self.context.destroy(linger=0)
 
     def _restart_steps(self) -> Steps[None]:
         """Replace the kernel with a fresh one; all state is lost."""

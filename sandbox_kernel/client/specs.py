@@ -25,13 +25,32 @@ class PackageSpecs(KernelSpecManager):
         return self.spec
 
 
+_MADE: dict[tuple[Any, ...], PackageSpecs] = {}
+_MADE_AT_MOST = 64  # different policies a process keeps specs of (a service has a handful)
+
+
+def package_specs(policy: SandboxPolicy, cold_start: bool = False, preload: Sequence[str] = (),
+                  python: str | None = None) -> PackageSpecs:
+    """The PackageSpecs of these settings, made once: the spec is the same for every kernel
+    of a policy, and building it (template file, traitlets objects) was a twentieth of what a
+    fresh-kernel request cost its caller. Nothing a kernel manager does changes it."""
+    key = (tuple(policy.to_argv()), cold_start, tuple(preload), python)
+    specs = _MADE.get(key)
+    if specs is None:
+        if len(_MADE) >= _MADE_AT_MOST:
+            _MADE.clear()
+        specs = _MADE[key] = PackageSpecs(policy, cold_start, preload, python)
+    return specs
+
+
 def manager_kwargs(kernel_name: str | None, policy: SandboxPolicy | None, cold_start: bool,
                    preload: Sequence[str], python: str | None = None) -> dict[str, Any]:
     """The kernel manager's arguments: an installed kernelspec's name, or the package's spec
     (on python, a runtime's interpreter, when given)."""
     if kernel_name is None:
-        specs = PackageSpecs(policy or SandboxPolicy(), cold_start, preload, python)
-        return {"kernel_name": "sandbox-package", "kernel_spec_manager": specs}
+        return {"kernel_name": "sandbox-package",
+                "kernel_spec_manager": package_specs(policy or SandboxPolicy(), cold_start,
+                                                     preload, python)}
     if policy is not None or cold_start or preload:
         raise ValueError("give either kernel_name (an installed kernelspec, which sets policy, "
                          "cold start and preload) or those options, not both")
