@@ -105,3 +105,18 @@ def test_sandboxes_share_a_context_and_closing_one_leaves_the_others_working(san
     assert sandbox.run("print(6 * 7)").stdout == "42\n"
     smaller = Sandbox(None, max_output=1234, max_result=1234)
     assert smaller.context is not sandbox.context  # sockets of other limits
+
+
+def test_the_control_socket_is_connected_only_to_send_on_it():
+    # A killed kernel never needed it; a graceful shutdown connects it and is still answered.
+    killed = Sandbox(None)
+    killed.start()
+    assert killed.manager._control_socket is None
+    killed.close(now=True)
+    assert killed.manager._control_socket is None
+    polite = Sandbox(None)
+    polite.start()
+    kernel = polite.manager.provisioner.process
+    assert polite.manager._control_socket is None
+    polite.close()
+    assert kernel.returncode == 0  # it shut itself down on the request: it was not killed

@@ -11,6 +11,7 @@ Their clients stop only the channels that were opened: jupyter_client's stop_cha
 of the five channels whether it runs, and asking creates the channel: a sandbox, which opens
 shell and IOPub only, created and connected stdin, heartbeat and control sockets at every close,
 just to close them (the kernel's I/O threads answering the handshakes on their way out).
+For the same reason their control socket is connected when first used (_ControlWhenUsed).
 """
 
 from __future__ import annotations
@@ -86,7 +87,30 @@ class AsyncSandboxKernelClient(AsyncKernelClient):  # type: ignore[misc]
     stop_channels = _stop_opened_channels
 
 
-class SandboxKernelManager(KernelManager):  # type: ignore[misc]
+class _ControlWhenUsed:
+    """The manager's control socket is connected when a request goes out on it, not at start.
+
+    jupyter_client connects it in post_start_kernel, and again (if needed) before each
+    request it sends on it (a shutdown request, a message-mode interrupt). A sandbox whose
+    kernel is killed at the end (`close(now=True)`, the service's every request) never sends
+    one: the socket, and the handshake the kernel's control thread answered, were waste.
+    """
+
+    _starting = False
+
+    def _connect_control_socket(self) -> None:
+        if not self._starting:
+            super()._connect_control_socket()  # type: ignore[misc]
+
+    async def _async_post_start_kernel(self, **kw: Any) -> None:
+        self._starting = True
+        try:
+            await super()._async_post_start_kernel(**kw)  # type: ignore[misc]
+        finally:
+            self._starting = False
+
+
+class SandboxKernelManager(_ControlWhenUsed, KernelManager):  # type: ignore[misc]
     """KernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.SandboxKernelClient")
@@ -95,9 +119,10 @@ class SandboxKernelManager(KernelManager):  # type: ignore[misc]
     _async_shutdown_kernel = _without_pause(KernelManager._async_shutdown_kernel)
     start_kernel = run_sync(_async_start_kernel)
     shutdown_kernel = run_sync(_async_shutdown_kernel)
+    post_start_kernel = run_sync(_ControlWhenUsed._async_post_start_kernel)
 
 
-class AsyncSandboxKernelManager(AsyncKernelManager):  # type: ignore[misc]
+class AsyncSandboxKernelManager(_ControlWhenUsed, AsyncKernelManager):  # type: ignore[misc]
     """AsyncKernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.AsyncSandboxKernelClient")
@@ -109,3 +134,4 @@ class AsyncSandboxKernelManager(AsyncKernelManager):  # type: ignore[misc]
     _async_shutdown_kernel = SandboxKernelManager._async_shutdown_kernel
     start_kernel = _async_start_kernel
     shutdown_kernel = _async_shutdown_kernel
+    post_start_kernel = _ControlWhenUsed._async_post_start_kernel

@@ -18,6 +18,7 @@ user code can switch off every check inside the kernel (``sys.stdout.write_uncap
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -102,10 +103,18 @@ def shared_context(limits: CallerLimits, context_class: type = zmq.Context) -> A
         return context
 
 
+_MONITORS = itertools.count()
+
+
 def watch_connection(socket: Any) -> Any:
-    """A monitor socket that reports when this socket's connection drops or is tried again."""
+    """A monitor socket that reports when this socket's connection drops or is tried again.
+
+    Its inproc address is unique in the process: pyzmq's default names it after the socket's
+    file descriptor, which a later socket of the shared context reuses (see shared_context).
+    """
     return socket.get_monitor_socket(
-        zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED)
+        zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_DELAYED | zmq.EVENT_CONNECT_RETRIED,
+        addr=f"inproc://sandbox-kernel-monitor-{os.getpid()}-{next(_MONITORS)}")
 
 
 class Refusals:
