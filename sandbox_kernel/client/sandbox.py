@@ -310,11 +310,7 @@ class _SandboxCore:
         yield from self._connect_steps()
 
     def _connect_steps(self) -> Steps[None]:
-        # The manager's session, not jupyter_client's clone of it (a Session built per kernel):
-        # the clone keeps two readers of one IOPub from sharing a replay history, and the
-        # manager reads nothing but its control replies.
-        self.client = _fast_reconnecting(self.manager.client(context=self._live_context(),
-                                                             session=self.manager.session))
+        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
         _start_channels(self.client)
         try:
             yield from self._wait_for_ready()
