@@ -120,3 +120,17 @@ def test_the_control_socket_is_connected_only_to_send_on_it():
     assert polite.manager._control_socket is None
     polite.close()
     assert kernel.returncode == 0  # it shut itself down on the request: it was not killed
+
+
+def test_the_sandbox_client_shares_the_managers_session_and_other_clients_get_a_clone(
+        fresh_sandbox):
+    sandbox = fresh_sandbox
+    # One Session per kernel for the sandbox's own client; a client made with manager.client()
+    # gets jupyter_client's clone (a replay history of its own), as before.
+    assert sandbox.client.session is sandbox.manager.session
+    other = sandbox.manager.client()
+    assert other.session is not sandbox.manager.session
+    assert other.session.key == sandbox.manager.session.key
+    sandbox.restart()  # a new client for the new kernel: the session is still the manager's
+    assert sandbox.client.session is sandbox.manager.session
+    assert sandbox.run("print('mine')").stdout == "mine\n"

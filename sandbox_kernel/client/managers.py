@@ -11,7 +11,8 @@ Their clients stop only the channels that were opened: jupyter_client's stop_cha
 of the five channels whether it runs, and asking creates the channel: a sandbox, which opens
 shell and IOPub only, created and connected stdin, heartbeat and control sockets at every close,
 just to close them (the kernel's I/O threads answering the handshakes on their way out).
-For the same reason their control socket is connected when first used (_ControlWhenUsed).
+For the same reason their control socket is connected when first used (_ControlWhenUsed),
+and their client shares the manager's session (_OneSession).
 """
 
 from __future__ import annotations
@@ -110,7 +111,38 @@ class _ControlWhenUsed:
             self._starting = False
 
 
-class SandboxKernelManager(_ControlWhenUsed, KernelManager):  # type: ignore[misc]
+class _OneSession:
+    """The sandbox's own client shares the manager's Session instead of a clone of it.
+
+    jupyter_client clones it so that two readers of one kernel's IOPub in a process do not
+    share a replay history (a message both receive would read as a replay to the second).
+    A sandbox has one client per kernel, and the manager itself reads only its control
+    replies; the clone (a Session built, every trait copied) was a tenth of a millisecond
+    to a millisecond of every fresh kernel's start. Other clients (manager.client()) still
+    get a clone.
+    """
+
+    _sharing = False
+
+    def sandbox_client(self, **kwargs: Any) -> Any:
+        """The sandbox's one client of this kernel, on the manager's own session."""
+        self._sharing = True
+        try:
+            return self.client(**kwargs)  # type: ignore[attr-defined]
+        finally:
+            self._sharing = False
+
+    def get_connection_info(self, session: bool = False) -> Any:
+        if not (session and self._sharing):
+            return super().get_connection_info(session=session)  # type: ignore[misc]
+        info = super().get_connection_info(session=False)  # type: ignore[misc]
+        for name in ("signature_scheme", "key"):  # what the session carries
+            info.pop(name, None)
+        info["session"] = self.session  # type: ignore[attr-defined]
+        return info
+
+
+class SandboxKernelManager(_OneSession, _ControlWhenUsed, KernelManager):  # type: ignore[misc]
     """KernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.SandboxKernelClient")
@@ -122,7 +154,7 @@ class SandboxKernelManager(_ControlWhenUsed, KernelManager):  # type: ignore[mis
     post_start_kernel = run_sync(_ControlWhenUsed._async_post_start_kernel)
 
 
-class AsyncSandboxKernelManager(_ControlWhenUsed, AsyncKernelManager):  # type: ignore[misc]
+class AsyncSandboxKernelManager(_OneSession, _ControlWhenUsed, AsyncKernelManager):  # type: ignore[misc]
     """AsyncKernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.AsyncSandboxKernelClient")

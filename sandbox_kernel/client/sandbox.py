@@ -310,7 +310,8 @@ class _SandboxCore:
         yield from self._connect_steps()
 
     def _connect_steps(self) -> Steps[None]:
-        self.client = _fast_reconnecting(self.manager.client(context=self._live_context()))
+        self.client = _fast_reconnecting(
+            self.manager.sandbox_client(context=self._live_context()))
         _start_channels(self.client)
         try:
             yield from self._wait_for_ready()
