@@ -2,8 +2,10 @@
 its clients stop the channels they opened and create no other on the way."""
 
 import asyncio
+import types
 
 import pytest
+import zmq
 from jupyter_client.kernelspec import NoSuchKernel
 
 from sandbox_kernel.client import AsyncSandbox, Sandbox
@@ -134,3 +136,31 @@ def test_the_sandbox_client_shares_the_managers_session_and_other_clients_get_a_
     sandbox.restart()  # a new client for the new kernel: the session is still the manager's
     assert sandbox.client.session is sandbox.manager.session
     assert sandbox.run("print('mine')").stdout == "mine\n"
+
+
+class _ClientOf:
+    """Stands in for a client whose IOPub socket lives on a given context."""
+
+    def __init__(self, context):
+        socket = context.socket(zmq.SUB)
+        socket.connect("tcp://127.0.0.1:9")  # never answered: only its monitor matters
+        self.iopub_channel = types.SimpleNamespace(socket=socket)
+
+    def stop_channels(self):
+        self.iopub_channel.socket.close(linger=0)
+
+
+def test_closing_a_client_leaves_no_monitor_socket_behind_in_the_shared_context():
+    # Sandboxes share a context; a monitor stopped after its socket closed stayed in it, and
+    # after a few hundred kernels that context's sockets went deaf.
+    context = zmq.Context()
+    context.MAX_SOCKETS = 16
+    sandbox = Sandbox(None)
+    try:
+        for _ in range(64):
+            sandbox.client = _ClientOf(context)
+            sandbox._current_inbox()  # the IOPub monitor, as a run makes it
+            sandbox._stop_client()
+    finally:
+        sandbox.client = None
+        context.destroy(linger=0)

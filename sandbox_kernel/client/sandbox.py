@@ -347,19 +347,18 @@ class _SandboxCore:
         scratch directory.
         """
         if self.client is not None:
-            self.client.stop_channels()
+            self._stop_client()
         if self.manager.has_kernel:
             # Graceful by default; either way the scratch reaper removes the scratch directory.
             try:
                 yield (functools.partial(self.manager.shutdown_kernel, now=now),)
             except zmq.Again:  # its control port takes nothing: no polite request, then
                 yield (functools.partial(self.manager.shutdown_kernel, now=True),)
-        self._close_inbox()
         self._forget_process()
 
     def _restart_steps(self) -> Steps[None]:
         """Replace the kernel with a fresh one; all state is lost."""
-        self.client.stop_channels()
+        self._stop_client()
         yield (functools.partial(self.manager.restart_kernel, now=True),)
         yield from self._connect_steps()
 
@@ -486,6 +485,16 @@ class _SandboxCore:
             self._close_inbox()
             self._inbox = self.inbox_class(self.client)
         return self._inbox
+
+    def _stop_client(self) -> None:
+        """Close the client's sockets, the IOPub monitor first.
+
+        libzmq stops a monitor only while its socket is open: closed afterwards, the monitor's
+        own socket stayed behind in the (shared) context, and after a few hundred kernels the
+        context's sockets stopped receiving (the next kernel never answered kernel_info).
+        """
+        self._close_inbox()
+        self.client.stop_channels()
 
     def _close_inbox(self) -> None:
         if self._inbox is not None:
