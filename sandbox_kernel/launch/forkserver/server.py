@@ -1,7 +1,8 @@
 """The fork server: a single-threaded process that has imported the kernel, forking kernels.
 
 It has done the imports a kernel needs once, in a clean environment, and holds no thread, ZMQ
-context, event loop, IPython shell or traitlets singleton. Per request it forks a child that does
+context, event loop, IPython shell or traitlets singleton (it built one shell to warm IPython's
+classes and discarded it: kernel/prebuilt.py). Per request it forks a child that does
 exactly what a cold kernel does after its re-exec (`environment.prepare`, then `app.main`): its
 own scratch and reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
 
@@ -107,6 +108,7 @@ class Server:
         # Policy-independent work every kernel would repeat: done once here, after the imports
         # (a preloaded module may extend sys.path).
         from sandbox_kernel.confine import paths, privileges, seccomp
+        from sandbox_kernel.kernel import prebuilt
         from sandbox_kernel.kernel.app import SandboxKernelApp
         from sandbox_kernel.launch import fontcache
 
@@ -115,9 +117,13 @@ class Server:
         privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
+        warmed = prebuilt.warm_shell()  # IPython's classes warmed; the shell itself discarded
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
+        if warmed() is not None:
+            raise ForkServerError("the IPython shell built to warm its classes is still "
+                                  "referenced after collection; a server must hold no shell")
         gc.freeze()
         if thread_count() != 1:
             raise ForkServerError(f"the server has {thread_count()} threads after importing "
