@@ -1,0 +1,128 @@
+"""The shell a fork server builds to warm IPython's classes leaves nothing behind.
+
+The server builds one ZMQInteractiveShell in `prepare` and discards it (kernel/prebuilt.py);
+each fork-served kernel builds its own. These tests check the server process is as it was (no
+shell, singleton, builtins, __main__, environment, prompts, warning filters, atexit handler,
+database or thread of it), and that two kernels of one server share no shell state.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from jupyter_client import KernelManager
+
+from sandbox_kernel.client import Sandbox
+
+from .helpers import evaluate, ok
+
+# Run in a fresh interpreter: prepare() imports, freezes and warms the whole process.
+SERVER_PROBE = textwrap.dedent("""
+    import atexit, builtins, gc, json, os, sys, threading, warnings
+    from IPython.core.interactiveshell import InteractiveShell
+    from sandbox_kernel.launch.forkserver import Server
+
+    # Marks a server shell's exit handler, should one still be registered at exit.
+    original = InteractiveShell.atexit_operations
+    def marked(self):
+        os.write(1, b"SERVER SHELL ATEXIT\\n")
+        return original(self)
+    InteractiveShell.atexit_operations = marked
+
+    import sandbox_kernel.kernel.app  # the imports prepare makes, before the snapshot
+    before = {"builtins": sorted(vars(builtins)), "main": id(sys.modules["__main__"]),
+              "environ": dict(os.environ), "path": list(sys.path),
+              "filters": len(warnings.filters), "hooks": [id(sys.displayhook), id(sys.excepthook)],
+              "ps1": hasattr(sys, "ps1"), "home": sorted(os.listdir(os.environ["HOME"]))}
+    Server(sys.argv[1]).prepare()
+    after = {"builtins": sorted(vars(builtins)), "main": id(sys.modules["__main__"]),
+             "environ": dict(os.environ), "path": list(sys.path),
+             "filters": len(warnings.filters), "hooks": [id(sys.displayhook), id(sys.excepthook)],
+             "ps1": hasattr(sys, "ps1"), "home": sorted(os.listdir(os.environ["HOME"]))}
+    import sqlite3
+    left = sorted({type(obj).__name__ for obj in gc.get_objects()
+                   if type(obj).__name__ in ("ZMQInteractiveShell", "HistoryManager",
+                                             "ProfileDir", "DisplayHook", "ZMQShellDisplayHook")
+                   or isinstance(obj, sqlite3.Connection)})
+    print(json.dumps({"changed": [k for k in before if before[k] != after[k]], "left": left,
+                      "singleton": InteractiveShell.initialized(),
+                      "threads": threading.active_count()}), flush=True)
+    if os.fork() == 0:  # a kernel's exit runs the inherited handlers (server._exit_like_python)
+        atexit._run_exitfuncs()
+        os._exit(0)
+    os.wait()
+    """)
+
+
+def test_the_server_keeps_nothing_of_the_shell_it_warmed(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", SERVER_PROBE, str(tmp_path / "server.sock")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert json.loads(lines[0]) == {"changed": [], "left": [], "singleton": False, "threads": 1}
+    assert lines[1:] == []  # neither the server's exit nor its child's ran the shell's handler
+    assert list(tmp_path.iterdir()) == [home]  # no profile or IPython dir left behind
+
+
+SHELL_STATE = textwrap.dedent("""
+    ip = get_ipython()
+    ({name: name in ip.user_ns for name in ('planted', 'json')},
+     ip.alias_manager.is_alias('planted'),
+     ip.Completer.omit__names,
+     ip.execution_count, len(In), sorted(k for k in Out), repr(_),
+     ip.history_manager.session_number,
+     ip.kernel.parent.connection_file, ip.profile_dir.location.startswith(os.environ['HOME']),
+     [f.__name__ for f in ip.events.callbacks['post_run_cell']])
+    """)
+
+
+def test_two_kernels_of_one_server_share_no_shell_state():
+    with Sandbox(None) as first, Sandbox(None) as second:
+        assert first.manager.provisioner.fork_served and second.manager.provisioner.fork_served
+        ok(first.run("import json\nplanted = 1\n%alias planted echo planted\n"
+                     "%config IPCompleter.omit__names = 0\n"
+                     "def hook(result): pass\n"
+                     "get_ipython().events.register('post_run_cell', hook)"))
+        ok(first.run("41 + 1"))
+        marked = evaluate(first, "import os\n" + SHELL_STATE)
+        fresh = evaluate(second, "import os\n" + SHELL_STATE)
+        files = first.manager.connection_file, second.manager.connection_file
+        assert marked[:3] == ({"planted": True, "json": True}, True, 0)
+        assert marked[5] == [2] and marked[6] == "42" and "hook" in marked[10]
+        assert fresh[0] == {"planted": False, "json": False}
+        assert fresh[1] is False and fresh[2] == 2  # IPython's default
+        assert fresh[3:8] == (2, 2, [], "''", 1)  # its first run: In[1] only, no Out, no _
+        assert (marked[8], fresh[8]) == files  # each shell's kernel is its own
+        assert fresh[9] is True  # the profile is in the kernel's own scratch (its HOME)
+        assert "hook" not in fresh[10]
+        for sandbox, word in ((first, "first"), (second, "second")):
+            ex = ok(sandbox.run(f"print({word!r})\n"
+                                f"from IPython.display import display, HTML\n"
+                                f"display(HTML('<b>{word}</b>'))"))
+            assert ex.stdout == f"{word}\n"
+            assert [d["text/html"] for d in ex.displays] == [f"<b>{word}</b>"]
+
+
+def test_a_shell_option_on_the_kernels_command_line_is_honoured():
+    manager = KernelManager(kernel_name="sandbox")
+    manager.start_kernel(extra_arguments=["--InteractiveShell.ast_node_interactivity=all"])
+    try:
+        assert manager.provisioner.fork_served
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        results = []
+        reply = client.execute_interactive(
+            "1 + 1\n2 + 2", timeout=30,
+            output_hook=lambda msg: results.append(msg["content"]["data"]["text/plain"])
+            if msg["msg_type"] == "execute_result" else None)
+        assert reply["content"]["status"] == "ok"
+        assert results == ["2", "4"]  # every expression shown, not only the last
+        client.stop_channels()
+    finally:
+        manager.shutdown_kernel(now=True)
