@@ -16,7 +16,7 @@ from typing import Any
 
 from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
-from traitlets import Dict
+from traitlets import Dict, Type
 
 from .. import __version__, jsonwire
 from ..confine import denials
@@ -24,6 +24,7 @@ from ..policy import SandboxPolicy
 from . import main_call, pip
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
+from .prebuilt import ZMQInteractiveShell
 from .usage import SelfUsage
 
 DEBUGGER_REFUSED = denials.DEBUGGER.why
@@ -66,6 +67,8 @@ class SandboxKernel(IPythonKernel):
     implementation_version = __version__
 
     sandbox_info = Dict(help="Effective policy and active layers, set by the application.")
+    shell_class = Type(ZMQInteractiveShell, klass="ipykernel.zmqshell.ZMQInteractiveShell",
+                       help="ipykernel's shell, adopted from a fork server (prebuilt.py).")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -1,21 +1,23 @@
-"""IPython's shell classes warmed in the fork server: one throwaway shell, built and undone.
+"""The IPython shell a fork server builds once, for each of its kernels to adopt.
 
-A fork-served kernel builds ipykernel's ZMQInteractiveShell in init_kernel. Much of that build is
-first-use work of the process, the same in every kernel: traitlets' per-class trait and default
-caches, IPython's lazily imported modules (magics, completer, formatters), compiled patterns and
-lexer look-ups. A fork server builds one shell before it forks and discards it; each kernel then
-builds its own shell (nothing of the server's is adopted) with that work already done.
+A fork-served kernel spent ~16 ms of CPU in init_kernel, most of it building ipykernel's
+ZMQInteractiveShell: ~30 configurables (prefilter checkers and handlers, formatters, magics,
+aliases, completer, traceback printers) that are the same in every kernel and hold no user
+state. The server builds that shell in `prepare` (`prebuild_shell`); the first shell a forked
+kernel asks for is the server's, adopted: everything per kernel is made again there
+(`ZMQInteractiveShell.adopt`): its kernel, config and parent, IPython and profile dirs, working
+and home dirs, compiler, environment, namespaces and sys.modules['__main__'], history (a new
+in-memory database: no sqlite connection crosses a fork, the server's is closed before any
+fork), builtins, prompts, display hook, excepthook, warning filters, atexit handler. ipykernel
+then rebinds the session and IOPub socket of the display hook and publisher as for any shell.
 
-Why not hand the server's shell itself to each kernel: it would have to be rebound to the
-kernel's config, session, sockets, profile, history and namespaces, and every object it reaches
-audited for state one kernel could leave to the next; a warmed build keeps the kernel's shell
-exactly what ipykernel makes, with the kernel's own configuration.
+The server's shell never ran code and never became the singleton. A kernel whose configuration
+sets anything on a class the shell is made of (--InteractiveShell.*, --PlainTextFormatter.*, a
+magics class...) or asks for another compiler builds its own shell, as without a server.
 
-Everything the build changes outside the shell is put back (`_ProcessState`): the environment
-variables ZMQInteractiveShell.init_environment writes, the names it adds to builtins,
-sys.modules['__main__'], sys's hooks, streams and prompts, sys.path, the warning filters, its
-atexit handler, the singleton, the profile directory (a temporary one, removed) and the history
-database (in memory, closed). After the server's gc.collect() no object of the shell is left.
+The server's build changes process state outside the shell; all of it is put back
+(`_ProcessState`) and what a kernel needs of it is made again by `adopt`. The class keeps
+ipykernel's name: libraries tell a notebook from a terminal by `type(get_ipython()).__name__`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import shutil
 import sys
 import tempfile
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from ipykernel import zmqshell
 
 _MISSING = object()
 _SYS_NAMES = ("displayhook", "excepthook", "stdin", "stdout", "stderr", "ps1", "ps2")
@@ -94,36 +97,162 @@ def _state_restored() -> Iterator[None]:
         saved.restore()
 
 
-def warm_shell() -> weakref.ref[Any]:
-    """Build ipykernel's shell once and undo it; a weak reference to check that it is gone.
+ADOPTABLE = frozenset({"parent", "profile_dir", "user_module", "user_ns", "kernel",
+                       "compiler_class"})  # what IPythonKernel passes to shell_class.instance
+REBUILT = frozenset({"HistoryManager", "HistoryAccessor"})  # made per kernel with its config
+WARM_PREFIX = "sandbox-kernel-prebuilt-"  # the server's temporary IPython dir, removed
 
-    Built as IPythonKernel builds it (its shell and compiler classes, a profile directory,
-    history in memory as SandboxKernelApp.init_kernel configures it), but never as the
-    singleton: no later get_ipython() can find it.
+
+class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
+    """ipykernel's shell; a fork-served kernel adopts the one its server built."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """The server's shell when it is pending and fits these arguments, else a new one."""
+        shell = _take(cls, args, kwargs)
+        return shell if shell is not None else super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if vars(self).pop("_adopting", False):
+            self.adopt(**kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+
+    def adopt(self, parent: Any = None, profile_dir: Any = None, user_module: Any = None,
+              user_ns: Any = None, kernel: Any = None, compiler_class: Any = None) -> None:
+        """Make again, for this kernel, every part of the server's shell that is per kernel."""
+        if parent is not None:
+            self.parent = parent
+            self.config = parent.config  # nothing in it for the shell's classes (_adoptable)
+        self.kernel = kernel
+        if "IPKernelApp" not in self.config:  # as ZMQInteractiveShell.__init__ (tqdm's probe)
+            self.config.IPKernelApp.tqdm = _SERVER_BUILD.tqdm_marker
+        server_parts = list(self.configurables)
+        server_history, server_hook = self.history_manager, self.displayhook
+        self.init_ipython_dir(None)
+        self.init_profile_dir(profile_dir)
+        self.init_instance_attrs()  # compiler, cwd, temporary files
+        self.init_environment()
+        self.init_create_namespaces(user_module, user_ns)
+        self.save_sys_module_state()
+        self.init_sys_modules()
+        self.init_history()
+        self.init_encoding()
+        self.init_pushd_popd_magic()  # home and directory stack
+        self.init_user_ns()
+        self.init_builtins()
+        self.Completer.namespace = self.user_ns
+        self.Completer.global_namespace = self.user_global_ns
+        self.sys_excepthook = sys.excepthook
+        self.init_prompts()
+        self.init_displayhook()  # its _, __, ___ go into the new namespace
+        made_again = {id(server_history): self.history_manager, id(server_hook): self.displayhook}
+        self.configurables = [made_again.get(id(part), part) for part in server_parts]
+        for spec in reversed(_SERVER_BUILD.warning_filters):
+            warnings.filters.insert(0, spec)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
+        atexit.register(self.atexit_operations)
+
+
+@dataclass
+class _ServerBuild:
+    """The shell the server built and what adopting it needs."""
+
+    shell: ZMQInteractiveShell | None = None
+    sections: frozenset[str] = frozenset()  # config sections of every class it is made of
+    warning_filters: list[Any] = field(default_factory=list)  # what its build added
+    tqdm_marker: Any = None
+    outcome: str = "no shell built in this process"  # what the first shell asked for got
+
+
+_SERVER_BUILD = _ServerBuild()
+
+
+def prebuild_shell() -> None:
+    """In the fork server: build the shell kernels adopt, leaving no trace outside it.
+
+    Built as IPythonKernel builds it (its compiler class, a profile directory, history in
+    memory as SandboxKernelApp.init_kernel configures it), never as the singleton, in a
+    temporary IPython dir that is removed; its history database is closed.
     """
     from ipykernel.ipkernel import IPythonKernel
     from IPython.core.profiledir import ProfileDir
     from traitlets.config import Config
 
-    shell_class: Any = IPythonKernel.shell_class.default_value
-    compiler_class = IPythonKernel.compiler_class.default_value
     config = Config({"HistoryManager": {"hist_file": ":memory:"}})
+    filters_before = list(warnings.filters)
     # mkdtemp, not TemporaryDirectory: its finalizer would register weakref's atexit hook.
-    home = tempfile.mkdtemp(prefix="sandbox-kernel-warm-")
+    home = tempfile.mkdtemp(prefix=WARM_PREFIX)
     try:
         with _state_restored():
-            shell = shell_class(config=config, ipython_dir=home,
-                                profile_dir=ProfileDir(location=os.path.join(home, "profile")),
-                                compiler_class=compiler_class, kernel=None)
-            try:
-                shell.history_manager.close()
-                atexit.unregister(shell.atexit_operations)
-            finally:
-                for cls in shell_class.__mro__:
-                    if getattr(cls, "_instance", None) is shell:
-                        cls._instance = None
-            built = weakref.ref(shell)
-            del shell
+            shell = ZMQInteractiveShell(
+                config=config, ipython_dir=home, kernel=None,
+                profile_dir=ProfileDir(location=os.path.join(home, "profile")),
+                compiler_class=IPythonKernel.compiler_class.default_value)
+            added = [spec for spec in warnings.filters if spec not in filters_before]
+            shell.history_manager.close()
+            atexit.unregister(shell.atexit_operations)
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    return built
+    _SERVER_BUILD.shell = shell
+    _SERVER_BUILD.sections = _config_sections(shell)
+    _SERVER_BUILD.warning_filters = added
+    _SERVER_BUILD.tqdm_marker = config.IPKernelApp.get("tqdm")
+
+
+def pending() -> ZMQInteractiveShell | None:
+    """The server's shell, while no kernel has taken it (tests, the server's checks)."""
+    return _SERVER_BUILD.shell
+
+
+def outcome() -> str:
+    """Whether this kernel adopted its server's shell, or why it built its own."""
+    return _SERVER_BUILD.outcome
+
+
+def discard_prebuilt() -> None:
+    """Forget the server's shell (a kernel that will not adopt it; tests)."""
+    _SERVER_BUILD.shell = None
+
+
+def _take(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The server's shell, once, if these are the arguments it can be adopted with."""
+    shell, _SERVER_BUILD.shell = _SERVER_BUILD.shell, None
+    if shell is None:
+        return None
+    if type(shell) is not cls or args or not _adoptable(shell, kwargs):
+        _SERVER_BUILD.outcome = "built: its configuration or arguments concern the shell"
+        return None
+    _SERVER_BUILD.outcome = "adopted"
+    shell._adopting = True
+    return shell
+
+
+def _adoptable(shell: ZMQInteractiveShell, kwargs: dict[str, Any]) -> bool:
+    """Whether a kernel asking for a shell with these arguments gets what the server built."""
+    if not set(kwargs) <= ADOPTABLE or kwargs.get("compiler_class") is not shell.compiler_class:
+        return False
+    parent = kwargs.get("parent")
+    config = parent.config if parent is not None else {}
+    # dict.get: a traitlets Config makes a section for every name it is asked for.
+    return not any(dict.get(config, name) for name in _SERVER_BUILD.sections - REBUILT)
+
+
+def _config_sections(shell: ZMQInteractiveShell) -> frozenset[str]:
+    """The names of every configurable class of every object the shell is made of."""
+    from traitlets.config import Configurable
+
+    names: set[str] = set()
+    seen: set[int] = set()
+    todo: list[Any] = [shell]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        names.update(c.__name__ for c in type(obj).__mro__
+                     if isinstance(c, type) and issubclass(c, Configurable))
+        for value in (*vars(obj).values(), *getattr(obj, "_trait_values", {}).values()):
+            items = value.values() if isinstance(value, dict) else (
+                value if isinstance(value, (list, tuple, set)) else (value,))
+            todo.extend(item for item in items if isinstance(item, Configurable))
+    return frozenset(names)

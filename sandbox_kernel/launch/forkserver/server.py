@@ -1,10 +1,10 @@
 """The fork server: a single-threaded process that has imported the kernel, forking kernels.
 
 It has done the imports a kernel needs once, in a clean environment, and holds no thread, ZMQ
-context, event loop, IPython shell or traitlets singleton (it built one shell to warm IPython's
-classes and discarded it: kernel/prebuilt.py). Per request it forks a child that does
-exactly what a cold kernel does after its re-exec (`environment.prepare`, then `app.main`): its
-own scratch and reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
+context, event loop or traitlets singleton; its one IPython shell never ran code and is there for
+its kernels to adopt (kernel/prebuilt.py). Per request it forks a child that does exactly what a
+cold kernel does after its re-exec (`environment.prepare`, then `app.main`): its own scratch and
+reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
 
 The server forks *before* it reads a request: the child reads its own request (argv, env, stdio)
 and tells the server, through a pipe, whether it was well formed. So no request's bytes, and
@@ -117,13 +117,10 @@ class Server:
         privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
-        warmed = prebuilt.warm_shell()  # IPython's classes warmed; the shell itself discarded
+        prebuilt.prebuild_shell()  # the IPython shell each kernel adopts (kernel/prebuilt.py)
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
-        if warmed() is not None:
-            raise ForkServerError("the IPython shell built to warm its classes is still "
-                                  "referenced after collection; a server must hold no shell")
         gc.freeze()
         if thread_count() != 1:
             raise ForkServerError(f"the server has {thread_count()} threads after importing "
