@@ -67,7 +67,8 @@ class SandboxKernel(IPythonKernel):
     implementation_version = __version__
 
     sandbox_info = Dict(help="Effective policy and active layers, set by the application.")
-    shell_class = Type(ZMQInteractiveShell, klass="ipykernel.zmqshell.ZMQInteractiveShell",
+    shell_class = Type(ZMQInteractiveShell,  # type: ignore[assignment]
+                       klass="ipykernel.zmqshell.ZMQInteractiveShell",
                        help="ipykernel's shell, adopted from a fork server (prebuilt.py).")
 
     def __init__(self, **kwargs: Any) -> None:

@@ -67,9 +67,14 @@ class _ProcessState:
             else:
                 setattr(sys, name, value)
         sys.path[:] = self.path
-        warnings.filters[:] = self.warning_filters
+        _warning_filters()[:] = self.warning_filters
         warnings._filters_mutated()  # type: ignore[attr-defined]  # drop the cached verdicts
         os.chdir(self.cwd)
+
+
+def _warning_filters() -> list[Any]:
+    """The warnings module's filter list, which it lets callers edit in place."""
+    return warnings.filters  # type: ignore[return-value]  # typeshed: a Sequence
 
 
 def _restore_dict(target: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -148,7 +153,7 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         made_again = {id(server_history): self.history_manager, id(server_hook): self.displayhook}
         self.configurables = [made_again.get(id(part), part) for part in server_parts]
         for spec in reversed(_SERVER_BUILD.warning_filters):
-            warnings.filters.insert(0, spec)
+            _warning_filters().insert(0, spec)
         warnings._filters_mutated()  # type: ignore[attr-defined]
         atexit.register(self.atexit_operations)
 
@@ -189,6 +194,7 @@ def prebuild_shell() -> None:
                 profile_dir=ProfileDir(location=os.path.join(home, "profile")),
                 compiler_class=IPythonKernel.compiler_class.default_value)
             added = [spec for spec in warnings.filters if spec not in filters_before]
+            assert shell.history_manager is not None
             shell.history_manager.close()
             atexit.unregister(shell.atexit_operations)
     finally:
@@ -223,7 +229,7 @@ def _take(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         _SERVER_BUILD.outcome = "built: its configuration or arguments concern the shell"
         return None
     _SERVER_BUILD.outcome = "adopted"
-    shell._adopting = True
+    vars(shell)["_adopting"] = True  # read (and dropped) by ZMQInteractiveShell.__init__
     return shell
 
 
