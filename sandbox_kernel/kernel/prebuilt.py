@@ -29,12 +29,15 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ipykernel import zmqshell
+from IPython import version_info
+from traitlets import HasTraits
 
 _MISSING = object()
 _SYS_NAMES = ("displayhook", "excepthook", "stdin", "stdout", "stderr", "ps1", "ps2")
@@ -94,6 +97,30 @@ def _restore_item(target: dict[str, Any], name: str, value: Any) -> None:
 
 
 @contextmanager
+def _exit_handlers_taken() -> Iterator[list[Callable[[], Any]]]:
+    """Collect the atexit handlers the shell's objects register, and unregister them after.
+
+    Only bound methods of traitlets objects: a process-wide hook registered on the way (weakref's
+    finalizers') stays, as it would after an import.
+    """
+    taken: list[Callable[[], Any]] = []
+    register = atexit.register
+
+    def recorded(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if isinstance(getattr(func, "__self__", None), HasTraits) and not (args or kwargs):
+            taken.append(func)
+        return register(func, *args, **kwargs)
+
+    atexit.register = recorded  # type: ignore[assignment]
+    try:
+        yield taken
+    finally:
+        atexit.register = register
+        for func in taken:
+            atexit.unregister(func)
+
+
+@contextmanager
 def _state_restored() -> Iterator[None]:
     saved = _ProcessState()
     try:
@@ -106,6 +133,9 @@ ADOPTABLE = frozenset({"parent", "profile_dir", "user_module", "user_ns", "kerne
                        "compiler_class"})  # what IPythonKernel passes to shell_class.instance
 REBUILT = frozenset({"HistoryManager", "HistoryAccessor"})  # made per kernel with its config
 WARM_PREFIX = "sandbox-kernel-prebuilt-"  # the server's temporary IPython dir, removed
+# IPython 8 also builds, eagerly, parts from the profile and home dirs (its pickleshare db, the
+# logger) that `adopt` does not make again: there the server's build only warms the classes.
+ADOPTS = version_info >= (9,)
 
 
 class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
@@ -155,7 +185,8 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         for spec in reversed(_SERVER_BUILD.warning_filters):
             _warning_filters().insert(0, spec)
         warnings._filters_mutated()  # type: ignore[attr-defined]
-        atexit.register(self.atexit_operations)
+        for handler in _SERVER_BUILD.exit_handlers:  # atexit_operations, as the build did
+            atexit.register(handler)
 
 
 @dataclass
@@ -167,6 +198,8 @@ class _ServerBuild:
     warning_filters: list[Any] = field(default_factory=list)  # what its build added
     tqdm_marker: Any = None
     outcome: str = "no shell built in this process"  # what the first shell asked for got
+    built: Callable[[], Any] = lambda: None  # weakly, the shell built (kept or not)
+    exit_handlers: list[Callable[[], Any]] = field(default_factory=list)  # its own, taken back
 
 
 _SERVER_BUILD = _ServerBuild()
@@ -188,20 +221,23 @@ def prebuild_shell() -> None:
     # mkdtemp, not TemporaryDirectory: its finalizer would register weakref's atexit hook.
     home = tempfile.mkdtemp(prefix=WARM_PREFIX)
     try:
-        with _state_restored():
+        with _state_restored(), _exit_handlers_taken() as exit_handlers:
             shell = ZMQInteractiveShell(
                 config=config, ipython_dir=home, kernel=None,
                 profile_dir=ProfileDir(location=os.path.join(home, "profile")),
                 compiler_class=IPythonKernel.compiler_class.default_value)
             added = [spec for spec in warnings.filters if spec not in filters_before]
-            assert shell.history_manager is not None
-            shell.history_manager.close()
-            atexit.unregister(shell.atexit_operations)
+            history = shell.history_manager
+            assert history is not None
+            # IPython 9 closes its manager; 8 has only the connection to close.
+            getattr(history, "close", history.db.close)()
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    _SERVER_BUILD.shell = shell
+    _SERVER_BUILD.shell = shell if ADOPTS else None
+    _SERVER_BUILD.built = weakref.ref(shell)
     _SERVER_BUILD.sections = _config_sections(shell)
     _SERVER_BUILD.warning_filters = added
+    _SERVER_BUILD.exit_handlers = exit_handlers if ADOPTS else []  # they hold the shell
     _SERVER_BUILD.tqdm_marker = config.IPKernelApp.get("tqdm")
 
 
@@ -213,6 +249,12 @@ def pending() -> ZMQInteractiveShell | None:
 def outcome() -> str:
     """Whether this kernel adopted its server's shell, or why it built its own."""
     return _SERVER_BUILD.outcome
+
+
+def left_behind() -> bool:
+    """Whether a shell the server built and did not keep is still alive (after gc.collect)."""
+    built = _SERVER_BUILD.built()
+    return built is not None and built is not _SERVER_BUILD.shell
 
 
 def discard_prebuilt() -> None:

@@ -121,6 +121,9 @@ class Server:
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
+        if prebuilt.left_behind():
+            raise ForkServerError("the IPython shell built to warm its classes is still "
+                                  "referenced after collection; a server holds no such shell")
         gc.freeze()
         if thread_count() != 1:
             raise ForkServerError(f"the server has {thread_count()} threads after importing "
