@@ -8,8 +8,9 @@ kernel asks for is the server's, adopted: everything per kernel is made again th
 (`ZMQInteractiveShell.adopt`): its kernel, config and parent, IPython and profile dirs, working
 and home dirs, compiler, environment, namespaces and sys.modules['__main__'], history (a new
 in-memory database: no sqlite connection crosses a fork, the server's is closed before any
-fork), builtins, prompts, display hook, excepthook, warning filters, atexit handler. ipykernel
+fork), builtins, prompts, display hook, excepthook, warning filters, atexit handlers. ipykernel
 then rebinds the session and IOPub socket of the display hook and publisher as for any shell.
+On IPython 8 (`ADOPTS` false) the server's build only warms the classes and is discarded.
 
 The server's shell never ran code and never became the singleton. A kernel whose configuration
 sets anything on a class the shell is made of (--InteractiveShell.*, --PlainTextFormatter.*, a
