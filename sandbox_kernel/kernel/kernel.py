@@ -16,6 +16,7 @@ from typing import Any
 
 from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
+from IPython.core.inputtransformer2 import TransformerManager
 from traitlets import Dict
 
 from .. import __version__, jsonwire
@@ -27,6 +28,20 @@ from .output import BUDGET
 from .usage import SelfUsage
 
 DEBUGGER_REFUSED = denials.DEBUGGER.why
+
+
+def _compile_cell_patterns() -> None:
+    """Compile the regular expressions IPython's cell transformer needs, once per process.
+
+    The first cell a kernel runs compiled them (tokenize's token pattern above all): most of a
+    fresh kernel's first execution. Done on import instead, a fork server compiles them once and
+    every kernel it forks starts with them in the re and tokenize caches, so a kernel's first
+    request costs what any later one does (and needs no warm-up execution to pay for it).
+    """
+    TransformerManager().transform_cell("pass\n")
+
+
+_compile_cell_patterns()
 
 
 def _timeout_source(label: Any) -> str:
