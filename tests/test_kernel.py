@@ -208,3 +208,43 @@ def test_install_into_unwritable_prefix_exits_2(tmp_path):
     assert result.returncode == 2
     assert "cannot write the kernelspec" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class _CountingShell:
+    """A shell whose transform_cell counts its calls (for the transform-once hook)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def transform_cell(self, raw_cell: str) -> str:
+        self.calls.append(raw_cell)
+        if raw_cell == "boom":
+            raise SyntaxError("cannot transform")
+        return raw_cell.upper()
+
+
+def test_a_cell_is_transformed_once_per_execution():
+    from sandbox_kernel.kernel.kernel import _transformed_once
+
+    shell = _CountingShell()
+    with _transformed_once(shell, "x = 1"):
+        # ipykernel's call, then IPython's run_cell: one real transform, the same result
+        assert shell.transform_cell("x = 1") == shell.transform_cell("x = 1") == "X = 1"
+        assert shell.calls == ["x = 1"]
+        assert shell.transform_cell("x = 1") == "X = 1"  # kept once only: computed again
+        assert shell.transform_cell("y") == "Y"  # other text: as before
+        assert shell.calls == ["x = 1", "x = 1", "y"]
+    assert "transform_cell" not in vars(shell)  # the class's method again
+    with _transformed_once(shell, "boom"):  # a failed transform is not kept: it fails again
+        for _ in range(2):
+            with pytest.raises(SyntaxError):
+                shell.transform_cell("boom")
+    assert shell.calls.count("boom") == 2
+
+
+def test_ipython_syntax_still_runs_in_cells_and_main_calls(sandbox):
+    ex = ok(sandbox.run("_here = %pwd\nget_ipython().transform_cell('%time 1')"))
+    assert "run_line_magic('time', '1')" in ex.text
+    ex = ok(sandbox.run("here = %pwd\ndef main():\n    return {'same': here == _here}", inputs={}))
+    assert ex.result == {"same": True}
+    ok(sandbox.run("del _here, here, main"))
