@@ -248,3 +248,18 @@ def test_ipython_syntax_still_runs_in_cells_and_main_calls(sandbox):
     ex = ok(sandbox.run("here = %pwd\ndef main():\n    return {'same': here == _here}", inputs={}))
     assert ex.result == {"same": True}
     ok(sandbox.run("del _here, here, main"))
+
+
+def test_the_kernel_log_builds_only_the_records_its_handlers_show():
+    import logging
+
+    from sandbox_kernel.kernel.app import SandboxKernelApp
+
+    app = SandboxKernelApp()
+    app.parse_command_line(["-f", "/tmp/kernel-log.json"])
+    assert app.log.isEnabledFor(logging.WARNING)
+    assert not app.log.isEnabledFor(logging.DEBUG)  # traitlets left it at DEBUG: every start
+    # built the records of its debug lines, for handlers that showed none of them
+    app.parse_command_line(["--debug"])
+    assert app.log.isEnabledFor(logging.DEBUG)  # --debug still shows them
+    app.log_level = logging.WARNING

@@ -59,7 +59,7 @@ from ..confine.environment import (
 from ..confine.errors import ConfinementError
 from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
-from .kernel import SandboxKernel
+from .kernel import SandboxKernel, skip_unshown_records
 from .parser_cache import PrebuiltParser
 
 # ipykernel's IOPub pipe carries output of forked children, which cannot exist in this kernel;
@@ -142,6 +142,11 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
+
+    def _configure_logging(self) -> None:
+        """traitlets' logging set-up; then the logger drops records no handler shows."""
+        super()._configure_logging()
+        skip_unshown_records(self.log)
 
     def _ip_default(self) -> str:
         """Loopback, without the host scan behind jupyter_client's default.

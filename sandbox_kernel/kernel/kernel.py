@@ -57,6 +57,19 @@ def _is_warm_up(parent: dict[str, Any]) -> bool:
     return isinstance(sandbox, dict) and sandbox.get("warm_up") is True
 
 
+def skip_unshown_records(log: Any) -> None:
+    """Let a logger drop what none of its handlers shows before building a record for it.
+
+    traitlets sets its application's logger to DEBUG and filters in the handlers, so the
+    debug lines of every start (config files looked for, ports bound) and of every message
+    were built, formatted and thrown away.
+    """
+    handlers = log.handlers if isinstance(log, logging.Logger) else []
+    shown = min((handler.level for handler in handlers), default=logging.NOTSET)
+    if shown > log.level:
+        log.setLevel(shown)
+
+
 @contextmanager
 def _no_trace(shell: Any) -> Iterator[None]:
     """Undo what a silent execution still leaves where user code can read it: the shell's last
@@ -130,15 +143,7 @@ class SandboxKernel(IPythonKernel):
             (asyncio.CancelledError, ExecutionTimeout, OSError), self.show_error)
 
     def _skip_unshown_log_records(self) -> None:
-        """Let the logger drop what no handler shows before building a record for it.
-
-        traitlets sets the logger to DEBUG and filters in its handlers, so ipykernel's debug
-        lines about every message were formatted and thrown away on every call.
-        """
-        handlers = self.log.handlers if isinstance(self.log, logging.Logger) else []
-        shown = min((handler.level for handler in handlers), default=logging.NOTSET)
-        if shown > self.log.level:
-            self.log.setLevel(shown)
+        skip_unshown_records(self.log)  # the application did so too, unless there is none
 
     @property
     def banner(self) -> str:  # type: ignore[override]
