@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.request import Request, urlopen
 
+from bench.stats import publish
 from tests.load.service import free_port
 
 PLAIN, FORK = "plain", "fork"
@@ -245,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_kernel.launch import forkserver
 
         forkserver.stop_servers()
-    text = report(times, args.repeats, (load_before, os.getloadavg()[0]))
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return 0
+    return publish(report(times, args.repeats, (load_before, os.getloadavg()[0])), args.out)
 
 
 if __name__ == "__main__":

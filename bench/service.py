@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.stats import publish
 from tests.load.service import Service, Settings, free_port
 
 ANCHOR = Path(os.environ.get("SANDBOX_BENCH_DIFY_SANDBOX",
@@ -347,11 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchor-key", default=KEY, help="that dify-sandbox's key")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    text = run(args)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    return 0
+    return publish(run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -33,3 +34,11 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.values)
+
+
+def publish(text: str, out: Path) -> int:
+    """Print a bench's report and keep it in `out` (bench/results/); the exit status, 0."""
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return 0

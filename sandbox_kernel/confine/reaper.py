@@ -92,6 +92,7 @@ class Reaper:
         self.channel_socket = socket.socket(fileno=channel)
         self.held: list[int] = []  # the uid lock: released when we exit
         self.auditor: audit.Auditor | None = None
+        self.egress: tuple[dict[str, Any], int, int | None] | None = None  # until a connection
         self.poller = select.poll()
         for fd in (log_read, channel) + ((kernel,) if kernel >= 0 else ()):
             self.poller.register(fd, select.POLLIN)
@@ -127,6 +128,8 @@ class Reaper:
             self._receive()
         elif self.auditor is not None and fd == self.auditor.listener:
             self.auditor.answer_one()
+        elif self.egress is not None and fd == self.egress[1]:
+            self._serve_egress_now()
 
     def _drain_log(self) -> None:
         """Relay what the kernel wrote before it ended (its write ends are closed now)."""
@@ -158,10 +161,23 @@ class Reaper:
                 os.close(fd)
 
     def _start_egress(self, settings: dict[str, Any], fds: list[int]) -> None:
+        """Serve the egress listener once user code first connects to it.
+
+        Most runs of a network kernel never connect (every Dify request asks for the network);
+        a thread and an event loop per kernel cost ~3 ms of CPU, so they wait for a connection,
+        which waits in the listener's backlog meanwhile.
+        """
         listener, *files = fds
+        self.egress = (settings, listener, files[0] if files else None)
+        self.poller.register(listener, select.POLLIN)
+
+    def _serve_egress_now(self) -> None:
+        assert self.egress is not None
+        settings, listener, audit_file = self.egress
+        self.poller.unregister(listener)
+        self.egress = None
         threading.Thread(target=_serve_egress, daemon=True, name="egress",
-                         args=(settings, listener, files[0] if files else None,
-                               self.out)).start()
+                         args=(settings, listener, audit_file, self.out)).start()
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
         listener, *files = fds

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from .. import __version__
 from ..client import Execution
@@ -19,6 +20,7 @@ from .runs import SERVICE_TIMEOUT, Admission, Runner
 from .sessions import Sessions
 
 log = logging.getLogger("sandbox_kernel.service")
+T = TypeVar("T")
 CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
 
 
@@ -47,7 +49,7 @@ class Service:
         self.stopping = False
         self._kernels_proven = False
         self._culler: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Future[Any]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
 
     def make_source(self) -> KernelSource:
         """Where kernels come from: this interpreter's, or the runtime's current build."""
@@ -62,7 +64,7 @@ class Service:
         await self.kernels.source.start()
         self.background(old.close())
 
-    def background(self, work: Any) -> asyncio.Future[Any]:
+    def background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run a coroutine on its own, keeping a reference until it is done (an exception no
         one asks for is retrieved here, not reported as "never retrieved")."""
         task = asyncio.ensure_future(work)

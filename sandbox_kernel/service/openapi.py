@@ -22,7 +22,7 @@ _ENVELOPE_DATA = {
                    "error": {"type": "string", "description": "empty, or why the run failed "
                              "(\"process exited with code 255\" and the traceback)"},
                    "exit_code": {"type": "integer"}}}
-ENVELOPE = {
+ENVELOPE: dict[str, Any] = {
     "type": "object", "required": ["code", "message", "data"],
     "properties": {
         "code": {"type": "integer", "description": "0: success; -400: the request was refused "

@@ -57,12 +57,12 @@ def run_data(execution: Execution, code: str = "") -> dict[str, Any]:
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(-1, stderr, f"error: {error.value}\n"), "exit_code": -1}
     if error.name == "SystemExit":
-        code, printed = _exit_status(error.value)
+        status, printed = _exit_status(error.value)
         stderr = "".join(chunk["text"] for chunk in execution.logs
                          if chunk["name"] == "stderr" and _EXIT_HINT not in chunk["text"])
         stderr += printed
         return {"stdout": stdout, "stderr": stderr,
-                "error": _failure(code, stderr) if code else "", "exit_code": code}
+                "error": _failure(status, stderr) if status else "", "exit_code": status}
     traceback = plain(error.traceback, user_lines(code)) if error.traceback \
         else f"{error.name}: {error.value}\n"
     stderr += traceback

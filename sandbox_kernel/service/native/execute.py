@@ -125,7 +125,10 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
             with contextlib.suppress(Exception):  # it ended meanwhile
                 await sandbox.interrupt()
 
-    return lambda _work: service.background(interrupt())
+    def abandon(_work: Any) -> None:
+        service.background(interrupt())
+
+    return abandon
 
 
 @router.post("/sessions/{session_id}/execute", response_model=ExecutionShape,
@@ -176,5 +179,5 @@ async def install_in_session(session_id: str, body: InstallRequest, request: Req
         code = install_code(body.packages, body.upgrade)
     except ValueError as exc:  # not a requirement the %pip magic takes: the caller's to fix
         raise HTTPException(422, str(exc)) from None
-    return await execute_in_session(session_id, ExecuteRequest(code=code, timeout=body.timeout),
-                                    request, key, service)
+    request_body = ExecuteRequest(code=code, inputs=None, timeout=body.timeout)
+    return await execute_in_session(session_id, request_body, request, key, service)
