@@ -263,3 +263,25 @@ def test_the_kernel_log_builds_only_the_records_its_handlers_show():
     app.parse_command_line(["--debug"])
     assert app.log.isEnabledFor(logging.DEBUG)  # --debug still shows them
     app.log_level = logging.WARNING
+
+
+def test_user_code_runs_with_the_collector_on(sandbox):
+    # The start runs without the collector and freezes what it built (kernel/app.py); user
+    # code's garbage is collected as in any Python, automatically and on gc.collect().
+    code = """
+import gc, weakref
+class Node: pass
+def cycle():
+    node = Node(); node.me = node
+    return weakref.ref(node)
+refs = [cycle() for _ in range(5)]
+before = sum(ref() is not None for ref in refs)
+for _ in range(2000): cycle()  # allocations enough for automatic collections
+automatic = sum(ref() is not None for ref in refs)
+gc.collect()
+(gc.isenabled(), gc.get_freeze_count() > 0, before, automatic, [ref() for ref in refs])
+"""
+    enabled, frozen, before, automatic, left = evaluate(sandbox, code)
+    ok(sandbox.run("del gc, weakref, Node, cycle, refs, before, automatic"))
+    assert (enabled, frozen, before, left) == (True, True, 5, [None] * 5)
+    assert automatic == 0

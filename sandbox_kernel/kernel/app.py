@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, ClassVar, NoReturn
 
 import zmq
@@ -86,6 +89,25 @@ class SandboxHeartbeat(Heartbeat):
         return result
 
 
+@contextlib.contextmanager
+def _kept_without_collection() -> Iterator[None]:
+    """Start without the garbage collector, then keep what the start built out of its reach.
+
+    The start builds the kernel's long-lived objects (the shell, the sockets' streams, the
+    threads): the collector's passes over them while it runs found next to nothing to free
+    (~200 objects) for ~0.9 ms of CPU. Frozen afterwards, they are never walked again either,
+    as a fork server freezes what it imported. User code runs with the collector as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _use_prebound(sock: zmq.Socket[Any], prebound: dict[int, socket.socket], port: int) -> None:
     """Let libzmq take the listener already bound to port (in the launcher's namespace)."""
     listener = prebound.pop(port, None)
@@ -127,12 +149,13 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
         try:
-            super().initialize(argv)
-            if self.subapp is not None:
-                return
-            # Switching user only now: ipykernel re-reads its root-only connection file above.
-            privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
-            self.init_seccomp()
+            with _kept_without_collection():
+                super().initialize(argv)
+                if self.subapp is not None:
+                    return
+                # Switching user only now: ipykernel re-reads its root-only connection file.
+                privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+                self.init_seccomp()
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
