@@ -116,11 +116,27 @@ def load(program: bytes, listener: bool) -> int | None:
     return None
 
 
+_SECCOMP_FIELD = b"\nSeccomp:"
+
+
 def thread_modes() -> dict[int, int]:
-    """Seccomp mode of every thread of this process (2 means a filter is active)."""
+    """Seccomp mode of every thread of this process (2 means a filter is active).
+
+    Raw reads of each /proc/self/task/TID/status: in a freshly forked kernel, pathlib's
+    objects cost three times the reads themselves (~0.75 ms of every start).
+    """
     modes = {}
-    for task in Path("/proc/self/task").iterdir():
-        for line in (task / "status").read_text().splitlines():
-            if line.startswith("Seccomp:"):
-                modes[int(task.name)] = int(line.split()[1])
+    for name in os.listdir("/proc/self/task"):
+        try:
+            fd = os.open(f"/proc/self/task/{name}/status", os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # the thread ended meanwhile: it runs nothing unfiltered
+            continue
+        try:
+            status = os.read(fd, 65536)  # the whole file (about 1.5 KiB) in one read
+        finally:
+            os.close(fd)
+        start = status.find(_SECCOMP_FIELD)
+        if start >= 0:  # a Linux without seccomp has no such line
+            value = status[start + len(_SECCOMP_FIELD):].split(b"\n", 1)[0]
+            modes[int(name)] = int(value)
     return modes
