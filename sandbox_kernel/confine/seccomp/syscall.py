@@ -66,10 +66,16 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
+@functools.cache
+def _seccomp_number() -> int:
+    """seccomp(2)'s number here, looked up once (a fork server's kernels inherit it)."""
+    assert sc is not None
+    return int(sc.resolve_syscall(sc.Arch.NATIVE, "seccomp"))
+
+
 def _seccomp(flags: int, program: Any) -> int:
     """seccomp(SECCOMP_SET_MODE_FILTER, flags, program); OSError when it fails."""
-    assert sc is not None
-    number = sc.resolve_syscall(sc.Arch.NATIVE, "seccomp")
+    number = _seccomp_number()
     result = _libc().syscall(ctypes.c_long(number), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
                              ctypes.c_long(flags), program)
     if result < 0:
