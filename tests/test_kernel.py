@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -240,6 +241,19 @@ def test_a_cell_is_transformed_once_per_execution():
             with pytest.raises(SyntaxError):
                 shell.transform_cell("boom")
     assert shell.calls.count("boom") == 2
+    # a subshell's cell runs in a thread of its own beside the main one: left as it is
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(_in_context(shell)))
+    worker.start()
+    worker.join()
+    assert seen == [False]
+
+
+def _in_context(shell):
+    from sandbox_kernel.kernel.kernel import _transformed_once
+
+    with _transformed_once(shell, "x = 1"):
+        return "transform_cell" in vars(shell)
 
 
 def test_ipython_syntax_still_runs_in_cells_and_main_calls(sandbox):

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -94,8 +95,12 @@ def _transformed_once(shell: Any, code: str) -> Iterator[None]:
     ipykernel transforms the cell to decide whether it must run as a coroutine, then IPython's
     run_cell transforms the same text again: a pure-Python tokenizer pass over the whole cell
     (about 0.5 ms for ten lines). The second call for this code takes the first one's result,
-    once; every other call (and a transform that raised) computes as before.
+    once; every other call (and a transform that raised) computes as before. Main thread
+    only: cells of subshells run in threads of their own, beside it, on the same shell.
     """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     own = shell.__dict__.get("transform_cell")  # an instance override, restored after
     transform = shell.transform_cell
     kept: list[str] = []
