@@ -137,6 +137,8 @@ WARM_PREFIX = "sandbox-kernel-prebuilt-"  # the server's temporary IPython dir, 
 # IPython 8 also builds, eagerly, parts from the profile and home dirs (its pickleshare db, the
 # logger) that `adopt` does not make again: there the server's build only warms the classes.
 ADOPTS = version_info >= (9,)
+PER_KERNEL = ("user_ns", "user_module", "history_manager", "displayhook", "display_trap",
+              "compile", "builtin_trap", "profile_dir")  # made again by adopt
 
 
 class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
@@ -201,6 +203,7 @@ class _ServerBuild:
     outcome: str = "no shell built in this process"  # what the first shell asked for got
     built: Callable[[], Any] = lambda: None  # weakly, the shell built (kept or not)
     exit_handlers: list[Callable[[], Any]] = field(default_factory=list)  # its own, taken back
+    parts: dict[str, int] = field(default_factory=dict)  # id of each per-kernel part it had
 
 
 _SERVER_BUILD = _ServerBuild()
@@ -239,6 +242,7 @@ def prebuild_shell() -> None:
     _SERVER_BUILD.sections = _config_sections(shell)
     _SERVER_BUILD.warning_filters = added
     _SERVER_BUILD.exit_handlers = exit_handlers if ADOPTS else []  # they hold the shell
+    _SERVER_BUILD.parts = {name: id(getattr(shell, name)) for name in PER_KERNEL}
     _SERVER_BUILD.tqdm_marker = config.IPKernelApp.get("tqdm")
 
 
@@ -250,6 +254,16 @@ def pending() -> ZMQInteractiveShell | None:
 def outcome() -> str:
     """Whether this kernel adopted its server's shell, or why it built its own."""
     return _SERVER_BUILD.outcome
+
+
+def server_parts(shell: Any) -> list[str]:
+    """The per-kernel parts of an adopted shell that are still the server's (none, if sound).
+
+    Compared by id: each new part is made while the server's is still referenced, so a new
+    object cannot take an old one's address.
+    """
+    return [name for name, ident in _SERVER_BUILD.parts.items()
+            if id(getattr(shell, name)) == ident]
 
 
 def left_behind() -> bool:
