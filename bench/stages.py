@@ -25,6 +25,7 @@ if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
 import sandbox_kernel.kernel.app
 from bench._profiled_fork import marked_lines
 from sandbox_kernel.confine import environment, privileges, seccomp
+from sandbox_kernel.kernel import prebuilt
 from sandbox_kernel.launch.forkserver import Server
 
 MARKER = "BENCH-STAGE "
@@ -70,6 +71,8 @@ def _instrument() -> None:
     _timed(environment, "prepare", "prepare (scratch, reaper)")
     _timed(seccomp, "install", "seccomp.install")
     _timed(privileges, "switch", "privileges.switch")
+    # The server's shell made the kernel's (kernel/prebuilt.py), inside init_kernel.
+    _timed(prebuilt.ZMQInteractiveShell, "adopt", "shell adopt")
 
 
 def _measured_main(argv: list[str] | None = None) -> None:

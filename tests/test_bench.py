@@ -82,6 +82,20 @@ def test_quick_run_draws_the_chart(quick_run):
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
 
 
+def test_execution_phases_of_fork_served_kernels():
+    done = subprocess.run([sys.executable, "-I", "-m", "bench.executions", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line[:28].strip(): [float(x) for x in line[28:].split()]
+            for line in done.stdout.splitlines()[2:]}
+    assert set(rows) == {"ready (warmed kernel)", "warm-up (warmed kernel)",
+                         "first run (warmed kernel)", "later run (warmed kernel)",
+                         "ready (no warm-up)", "first run (no warm-up)",
+                         "later run (no warm-up)", "warm-up + first run", "first run, cold"}
+    assert all(len(row) == 3 for row in rows.values()), done.stdout
+    assert rows["ready (no warm-up)"][0] > rows["later run (no warm-up)"][0] > 0
+
+
 def test_stage_timings_cover_a_fork_served_start():
     done = subprocess.run([sys.executable, "-I", "-m", "bench.stages", "2"], cwd=REPO,
                           capture_output=True, text=True, timeout=60, check=False)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -208,3 +209,93 @@ def test_install_into_unwritable_prefix_exits_2(tmp_path):
     assert result.returncode == 2
     assert "cannot write the kernelspec" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+class _CountingShell:
+    """A shell whose transform_cell counts its calls (for the transform-once hook)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def transform_cell(self, raw_cell: str) -> str:
+        self.calls.append(raw_cell)
+        if raw_cell == "boom":
+            raise SyntaxError("cannot transform")
+        return raw_cell.upper()
+
+
+def test_a_cell_is_transformed_once_per_execution():
+    from sandbox_kernel.kernel.kernel import _transformed_once
+
+    shell = _CountingShell()
+    with _transformed_once(shell, "x = 1"):
+        # ipykernel's call, then IPython's run_cell: one real transform, the same result
+        assert shell.transform_cell("x = 1") == shell.transform_cell("x = 1") == "X = 1"
+        assert shell.calls == ["x = 1"]
+        assert shell.transform_cell("x = 1") == "X = 1"  # kept once only: computed again
+        assert shell.transform_cell("y") == "Y"  # other text: as before
+        assert shell.calls == ["x = 1", "x = 1", "y"]
+    assert "transform_cell" not in vars(shell)  # the class's method again
+    with _transformed_once(shell, "boom"):  # a failed transform is not kept: it fails again
+        for _ in range(2):
+            with pytest.raises(SyntaxError):
+                shell.transform_cell("boom")
+    assert shell.calls.count("boom") == 2
+    # a subshell's cell runs in a thread of its own beside the main one: left as it is
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(_in_context(shell)))
+    worker.start()
+    worker.join()
+    assert seen == [False]
+
+
+def _in_context(shell):
+    from sandbox_kernel.kernel.kernel import _transformed_once
+
+    with _transformed_once(shell, "x = 1"):
+        return "transform_cell" in vars(shell)
+
+
+def test_ipython_syntax_still_runs_in_cells_and_main_calls(sandbox):
+    ex = ok(sandbox.run("_here = %pwd\nget_ipython().transform_cell('%time 1')"))
+    assert "run_line_magic('time', '1')" in ex.text
+    ex = ok(sandbox.run("here = %pwd\ndef main():\n    return {'same': here == _here}", inputs={}))
+    assert ex.result == {"same": True}
+    ok(sandbox.run("del _here, here, main"))
+
+
+def test_the_kernel_log_builds_only_the_records_its_handlers_show():
+    import logging
+
+    from sandbox_kernel.kernel.app import SandboxKernelApp
+
+    app = SandboxKernelApp()
+    app.parse_command_line(["-f", "/tmp/kernel-log.json"])
+    assert app.log.isEnabledFor(logging.WARNING)
+    assert not app.log.isEnabledFor(logging.DEBUG)  # traitlets left it at DEBUG: every start
+    # built the records of its debug lines, for handlers that showed none of them
+    app.parse_command_line(["--debug"])
+    assert app.log.isEnabledFor(logging.DEBUG)  # --debug still shows them
+    app.log_level = logging.WARNING
+
+
+def test_user_code_runs_with_the_collector_on(sandbox):
+    # The start runs without the collector and freezes what it built (kernel/app.py); user
+    # code's garbage is collected as in any Python, automatically and on gc.collect().
+    code = """
+import gc, weakref
+class Node: pass
+def cycle():
+    node = Node(); node.me = node
+    return weakref.ref(node)
+refs = [cycle() for _ in range(5)]
+before = sum(ref() is not None for ref in refs)
+for _ in range(2000): cycle()  # allocations enough for automatic collections
+automatic = sum(ref() is not None for ref in refs)
+gc.collect()
+(gc.isenabled(), gc.get_freeze_count() > 0, before, automatic, [ref() for ref in refs])
+"""
+    enabled, frozen, before, automatic, left = evaluate(sandbox, code)
+    ok(sandbox.run("del gc, weakref, Node, cycle, refs, before, automatic"))
+    assert (enabled, frozen, before, left) == (True, True, 5, [None] * 5)
+    assert automatic == 0

@@ -331,6 +331,28 @@ t.start(); t.join()
     assert evaluate(sandbox, code) == (True, ["1", "2"], True, True)
 
 
+def test_thread_modes_reads_every_threads_filter_state():
+    # The check install() makes after loading: one mode per thread, 0 before and 2 after.
+    code = """
+import os, threading
+from sandbox_kernel.confine.seccomp import denylist, load, thread_modes
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+for thread in threads:
+    thread.start()
+tids = {os.getpid(), *(thread.native_id for thread in threads)}
+before = thread_modes()
+load(denylist(False), listener=False)
+after = thread_modes()
+stop.set()
+print(set(before) == set(after) == tids, sorted(set(before.values())), sorted(set(after.values())))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "True [0] [2]"
+
+
 def test_subshell_threads_are_filtered(fresh_sandbox):
     client = fresh_sandbox.client
     if "kernel subshells" not in fresh_sandbox.kernel_info()["supported_features"]:

@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -25,6 +27,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, ClassVar, NoReturn
 
 import zmq
@@ -59,7 +62,7 @@ from ..confine.environment import (
 from ..confine.errors import ConfinementError
 from ..confine.tally import Tally
 from ..policy import SandboxPolicy, app_aliases, app_flags
-from .kernel import SandboxKernel
+from .kernel import SandboxKernel, skip_unshown_records
 from .parser_cache import PrebuiltParser
 
 # ipykernel's IOPub pipe carries output of forked children, which cannot exist in this kernel;
@@ -84,6 +87,27 @@ class SandboxHeartbeat(Heartbeat):
         result = super()._try_bind_socket()
         self.bound.set()
         return result
+
+
+@contextlib.contextmanager
+def _kept_without_collection() -> Iterator[None]:
+    """Start without the garbage collector, then keep what the start built out of its reach.
+
+    The start builds the kernel's long-lived objects (the shell, the sockets' streams, the
+    threads): the collector's passes over them while it runs found next to nothing to free
+    (~200 objects) for ~0.9 ms of CPU. Frozen afterwards, they are never walked again either,
+    as a fork server freezes what it imported (a cold kernel's full collections skip its
+    imports too). User code runs with the collector as usual; jsonwire then never parks large
+    inputs in the permanent generation, in a cold kernel as in a fork-served one.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def _use_prebound(sock: zmq.Socket[Any], prebound: dict[int, socket.socket], port: int) -> None:
@@ -127,12 +151,13 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         # (never the launcher's own stderr: only the reaper holds that) for refuse_to_start.
         self.launcher_stderr = os.dup(2)
         try:
-            super().initialize(argv)
-            if self.subapp is not None:
-                return
-            # Switching user only now: ipykernel re-reads its root-only connection file above.
-            privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
-            self.init_seccomp()
+            with _kept_without_collection():
+                super().initialize(argv)
+                if self.subapp is not None:
+                    return
+                # Switching user only now: ipykernel re-reads its root-only connection file.
+                privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+                self.init_seccomp()
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
         self.close_handovers()
@@ -142,6 +167,11 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
         self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
+
+    def _configure_logging(self) -> None:
+        """traitlets' logging set-up; then the logger drops records no handler shows."""
+        super()._configure_logging()
+        skip_unshown_records(self.log)
 
     def _ip_default(self) -> str:
         """Loopback, without the host scan behind jupyter_client's default.

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -16,7 +17,8 @@ from typing import Any
 
 from ipykernel.compiler import get_tmp_directory
 from ipykernel.ipkernel import IPythonKernel
-from traitlets import Dict
+from IPython.core.inputtransformer2 import TransformerManager
+from traitlets import Dict, Type
 
 from .. import __version__, jsonwire
 from ..confine import denials
@@ -24,9 +26,24 @@ from ..policy import SandboxPolicy
 from . import main_call, pip
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
+from .prebuilt import ZMQInteractiveShell
 from .usage import SelfUsage
 
 DEBUGGER_REFUSED = denials.DEBUGGER.why
+
+
+def _compile_cell_patterns() -> None:
+    """Compile the regular expressions IPython's cell transformer needs, once per process.
+
+    The first cell a kernel runs compiled them (tokenize's token pattern above all): most of a
+    fresh kernel's first execution. Done on import instead, a fork server compiles them once and
+    every kernel it forks starts with them in the re and tokenize caches, so a kernel's first
+    request costs what any later one does (and needs no warm-up execution to pay for it).
+    """
+    TransformerManager().transform_cell("pass\n")
+
+
+_compile_cell_patterns()
 
 
 def _timeout_source(label: Any) -> str:
@@ -40,6 +57,19 @@ def _is_warm_up(parent: dict[str, Any]) -> bool:
     """Whether a request is a client's warm-up (Sandbox.warm_up), which must leave no trace."""
     sandbox = parent.get("metadata", {}).get("sandbox")
     return isinstance(sandbox, dict) and sandbox.get("warm_up") is True
+
+
+def skip_unshown_records(log: Any) -> None:
+    """Let a logger drop what none of its handlers shows before building a record for it.
+
+    traitlets sets its application's logger to DEBUG and filters in the handlers, so the
+    debug lines of every start (config files looked for, ports bound) and of every message
+    were built, formatted and thrown away.
+    """
+    handlers = log.handlers if isinstance(log, logging.Logger) else []
+    shown = min((handler.level for handler in handlers), default=logging.NOTSET)
+    if shown > log.level:
+        log.setLevel(shown)
 
 
 @contextmanager
@@ -59,6 +89,43 @@ def _no_trace(shell: Any) -> Iterator[None]:
             shell.compile._filename_map.pop(name, None)
 
 
+@contextmanager
+def _transformed_once(shell: Any, code: str) -> Iterator[None]:
+    """Transform the cell's code once for its execution, where IPython would do it twice.
+
+    ipykernel transforms the cell to decide whether it must run as a coroutine, then IPython's
+    run_cell transforms the same text again: a pure-Python tokenizer pass over the whole cell
+    (about 0.5 ms for ten lines). The second call for this code takes the first one's result,
+    once; every other call (and a transform that raised) computes as before. Main thread
+    only: cells of subshells run in threads of their own, beside it, on the same shell.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    own = shell.__dict__.get("transform_cell")  # an instance override, restored after
+    transform = shell.transform_cell
+    kept: list[str] = []
+
+    def transform_cell(raw_cell: str) -> str:
+        if raw_cell == code and kept:
+            return kept.pop()
+        result = transform(raw_cell)
+        if raw_cell == code and not done:
+            done.append(True)
+            kept.append(result)
+        return result  # type: ignore[no-any-return]
+
+    done: list[bool] = []
+    shell.transform_cell = transform_cell
+    try:
+        yield
+    finally:
+        if own is None:
+            del shell.transform_cell
+        else:
+            shell.transform_cell = own
+
+
 class SandboxKernel(IPythonKernel):
     """An IPython kernel that runs inside the sandbox its application set up."""
 
@@ -66,6 +133,9 @@ class SandboxKernel(IPythonKernel):
     implementation_version = __version__
 
     sandbox_info = Dict(help="Effective policy and active layers, set by the application.")
+    shell_class = Type(ZMQInteractiveShell,  # type: ignore[assignment]
+                       klass="ipykernel.zmqshell.ZMQInteractiveShell",
+                       help="ipykernel's shell, adopted from a fork server (prebuilt.py).")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -82,15 +152,7 @@ class SandboxKernel(IPythonKernel):
             (asyncio.CancelledError, ExecutionTimeout, OSError), self.show_error)
 
     def _skip_unshown_log_records(self) -> None:
-        """Let the logger drop what no handler shows before building a record for it.
-
-        traitlets sets the logger to DEBUG and filters in its handlers, so ipykernel's debug
-        lines about every message were formatted and thrown away on every call.
-        """
-        handlers = self.log.handlers if isinstance(self.log, logging.Logger) else []
-        shown = min((handler.level for handler in handlers), default=logging.NOTSET)
-        if shown > self.log.level:
-            self.log.setLevel(shown)
+        skip_unshown_records(self.log)  # the application did so too, unless there is none
 
     @property
     def banner(self) -> str:  # type: ignore[override]
@@ -180,7 +242,7 @@ class SandboxKernel(IPythonKernel):
             request = main_call.request_from(self.get_parent().get("metadata"))
             run_code = partial(super().do_execute, code, silent, store_history,
                                user_expressions, allow_stdin, **kwargs)
-            with deadline.armed():
+            with deadline.armed(), _transformed_once(self.shell, code):
                 reply = await (run_code() if request is None  # main(): see main_call.py
                                else main_call.execute(self, request, run_code,
                                                        self.translate_error))

@@ -1,9 +1,10 @@
 """The fork server: a single-threaded process that has imported the kernel, forking kernels.
 
 It has done the imports a kernel needs once, in a clean environment, and holds no thread, ZMQ
-context, event loop, IPython shell or traitlets singleton. Per request it forks a child that does
-exactly what a cold kernel does after its re-exec (`environment.prepare`, then `app.main`): its
-own scratch and reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
+context, event loop or traitlets singleton; its one IPython shell never ran code and is there for
+its kernels to adopt (kernel/prebuilt.py). Per request it forks a child that does exactly what a
+cold kernel does after its re-exec (`environment.prepare`, then `app.main`): its own scratch and
+reaper, rlimits, identity, Landlock, sockets, seccomp, serve.
 
 The server forks *before* it reads a request: the child reads its own request (argv, env, stdio)
 and tells the server, through a pipe, whether it was well formed. So no request's bytes, and
@@ -107,6 +108,7 @@ class Server:
         # Policy-independent work every kernel would repeat: done once here, after the imports
         # (a preloaded module may extend sys.path).
         from sandbox_kernel.confine import paths, privileges, seccomp
+        from sandbox_kernel.kernel import prebuilt
         from sandbox_kernel.kernel.app import SandboxKernelApp
         from sandbox_kernel.launch import fontcache
 
@@ -115,9 +117,13 @@ class Server:
         privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
+        prebuilt.prebuild_shell()  # the IPython shell each kernel adopts (kernel/prebuilt.py)
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
         gc.collect()
+        if prebuilt.left_behind():
+            raise ForkServerError("the IPython shell built to warm its classes is still "
+                                  "referenced after collection; a server holds no such shell")
         gc.freeze()
         if thread_count() != 1:
             raise ForkServerError(f"the server has {thread_count()} threads after importing "
