@@ -139,28 +139,35 @@ def test_the_sandbox_client_shares_the_managers_session_and_other_clients_get_a_
 
 
 class _ClientOf:
-    """Stands in for a client whose IOPub socket lives on a given context."""
+    """Stands in for a client: its IOPub socket, and what was closed when it was stopped."""
 
     def __init__(self, context):
-        socket = context.socket(zmq.SUB)
-        socket.connect("tcp://127.0.0.1:9")  # never answered: only its monitor matters
-        self.iopub_channel = types.SimpleNamespace(socket=socket)
+        self.iopub_channel = types.SimpleNamespace(socket=context.socket(zmq.SUB))
+        self.monitor = None
+        self.monitor_closed_first = None
 
     def stop_channels(self):
+        self.monitor_closed_first = self.monitor.closed
         self.iopub_channel.socket.close(linger=0)
 
 
-def test_closing_a_client_leaves_no_monitor_socket_behind_in_the_shared_context():
-    # Sandboxes share a context; a monitor stopped after its socket closed stayed in it, and
-    # after a few hundred kernels that context's sockets went deaf.
+def test_the_iopub_monitor_is_closed_before_the_clients_sockets():
+    # Sandboxes share a context. libzmq stops a socket's monitor only while the socket is
+    # open: stopped after it closed (the old order), the monitor's own socket could stay in
+    # the context, and a service's context went deaf after a few hundred kernels (its next
+    # kernel never heard its kernel_info reply). Both ways out of a client close it first.
     context = zmq.Context()
-    context.MAX_SOCKETS = 16
     sandbox = Sandbox(None)
     try:
-        for _ in range(64):
-            sandbox.client = _ClientOf(context)
-            sandbox._current_inbox()  # the IOPub monitor, as a run makes it
-            sandbox._stop_client()
+        for leave in (sandbox._stop_client, lambda: sandbox.close.__wrapped__(sandbox)):
+            client = sandbox.client = _ClientOf(context)
+            client.monitor = sandbox._current_inbox().monitor  # as a run makes it
+            steps = leave()
+            if steps is not None:  # close(): its steps, run to the end (no kernel to stop)
+                for _ in steps:
+                    pass
+            assert client.monitor_closed_first is True and client.iopub_channel.socket.closed
+            assert sandbox._inbox is None
     finally:
         sandbox.client = None
         context.destroy(linger=0)
