@@ -56,6 +56,8 @@ def test_pool_settings_are_checked():
         KernelPool(size=1, refill_delay=-1)
     with pytest.raises(ValueError, match="at least one kernel"):
         SandboxPool(size=0)
+    with pytest.raises(ValueError, match="parallel is at least one kernel, not 0"):
+        KernelPool(size=1, parallel=0)
 
 
 def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
@@ -169,9 +171,10 @@ def test_closing_a_refilling_pool_leaves_no_kernel_behind(wait):
 
 
 def test_a_kernel_starting_unclaimed_is_coming_and_goes_to_the_next_taker():
-    """`coming` counts a kernel half-way through its start until a get() claims it."""
+    """`coming` counts a kernel half-way through its start until a get() claims it; the pool
+    then starts its own replacement beside it, without waiting for the first to finish."""
     async def scenario():
-        async with KernelPool(size=1, refill_delay=0) as pool:
+        async with KernelPool(size=1, refill_delay=0, parallel=2) as pool:
             while pool.ready < 1:
                 await asyncio.sleep(0.02)
             first = await pool.get()  # the replacement starts now
@@ -179,17 +182,19 @@ def test_a_kernel_starting_unclaimed_is_coming_and_goes_to_the_next_taker():
                 await asyncio.sleep(0.001)
             coming_while_starting = pool.coming
             taker = asyncio.ensure_future(pool.get())
-            while pool._waiting < 1:
+            while pool._starting < 2 and not taker.done():
                 await asyncio.sleep(0.001)
-            claimed = pool.coming  # the start in flight is the taker's now
-            second = await taker
+            side_by_side = pool._starting
+            second = await taker  # the first start in flight, claimed by the taker
             pids = [(await sb.run(PID)).text for sb in (first, second)]
             for sb in (first, second):
                 await sb.close(now=True)
-            return coming_while_starting, claimed, pids
+            while pool.ready < 1:  # the replacement started beside it stays the pool's
+                await asyncio.sleep(0.02)
+            return coming_while_starting, side_by_side, pids
 
-    coming_while_starting, claimed, pids = asyncio.run(scenario())
-    assert (coming_while_starting, claimed) == (1, 0)
+    coming_while_starting, side_by_side, pids = asyncio.run(scenario())
+    assert (coming_while_starting, side_by_side) == (1, 2)
     assert len(set(pids)) == 2
 
 

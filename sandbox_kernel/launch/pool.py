@@ -10,9 +10,12 @@
 The pool refills in the background after every hand-out, a moment later (`refill_delay`): a
 replacement's start (a fork, and tens of milliseconds of CPU) would otherwise compete with the
 first call of the kernel just handed out, on the same cores and, for `KernelPool`, in the same
-event loop. A pool that is already refilling goes on without pausing. Every kernel is warmed up
-before it is handed out (`Sandbox.warm_up`: invisible to user code), so its first call is a warm
-one. `SandboxPool` is the same for the synchronous `Sandbox`, with a thread doing the refilling.
+event loop. A pool that is already refilling goes on without pausing, and `KernelPool` starts up
+to `parallel` kernels at once (by default one per CPU this process may use). Kernels are not
+warmed up before they are handed out: a kernel's first run now costs about what a later one
+does (kernel/kernel.py), and a warm-up `pass` cost more CPU (kernel and launcher) than it saved.
+`SandboxPool` is the same for the synchronous `Sandbox`, with a thread doing the refilling one
+kernel at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 from typing import Any
@@ -80,14 +84,20 @@ class KernelPool(_PoolSettings):
     """Keeps `size` started AsyncSandbox kernels ready; `await get()` takes one."""
 
     def __init__(self, size: int = 2, *, refill_delay: float = REFILL_DELAY,
-                 **sandbox_options: Any) -> None:
+                 parallel: int | None = None, **sandbox_options: Any) -> None:
+        """parallel: kernels started at once at the most (default: the CPUs usable here)."""
         super().__init__(size, refill_delay=refill_delay, **sandbox_options)
+        if parallel is not None and parallel < 1:
+            raise ValueError(f"parallel is at least one kernel, not {parallel}")
+        self.parallel = parallel or len(os.sched_getaffinity(0))
         # A start failure takes a kernel's place, so that a waiting get() hears of it.
         self._ready: asyncio.Queue[AsyncSandbox | PoolStartError] = asyncio.Queue()
         self._wanted = asyncio.Event()
         self._starting = 0  # kernels this pool is starting right now
         self._waiting = 0  # get() calls waiting for one
         self._filler: asyncio.Task[None] | None = None
+        self._starts: set[asyncio.Task[None]] = set()
+        self._failed = False  # a start failed since the filler last looked
         self._closed = False
 
     async def __aenter__(self) -> KernelPool:
@@ -141,42 +151,58 @@ class KernelPool(_PoolSettings):
         return await start_sandbox(**self.sandbox_options)
 
     async def _fill(self) -> None:
+        """Start kernels until the pool holds `size` (plus one per waiting get()), several at
+        once: one start uses about one core, and a pool refilled one kernel at a time left the
+        others idle while a steady stream of runs waited for each start in turn."""
         filled = False  # the first fill starts at once: nothing was handed out to make room for
         while not self._closed:
             await self._wanted.wait()
-            if filled and not self._waiting:
+            if self._failed:  # a kernel could not start: pause before trying again
+                self._failed = False
+                await asyncio.sleep(_RETRY_SECONDS)
+            elif filled and not self._waiting:
                 await asyncio.sleep(self.refill_delay)  # the handed-out kernel's call first
             filled = True
             self._wanted.clear()
-            while not self._closed and self._ready.qsize() < self.size + self._waiting:
-                sandbox = AsyncSandbox(**self.sandbox_options)
+            while not self._closed and self._missing() > 0 and self._starting < self.parallel:
                 self._starting += 1
-                try:
-                    await sandbox.start()
-                    await sandbox.warm_up()  # the first run is a warm one
-                except asyncio.CancelledError:  # close() while it starts: it must not live on
-                    await asyncio.shield(_close_quietly(sandbox))
-                    raise
-                except Exception as exc:  # a kernel that cannot start: tell a taker, go on
-                    await _close_quietly(sandbox)  # one that started but failed its warm-up
-                    self._ready.put_nowait(_failure(exc))
-                    self._wanted.clear()  # try again once a taker has heard of it
-                    await asyncio.sleep(_RETRY_SECONDS)
-                    break
-                finally:
-                    self._starting -= 1
-                if self._closed:
-                    await sandbox.close()
-                    return
-                self._ready.put_nowait(sandbox)
+                start = asyncio.create_task(self._start_one())
+                self._starts.add(start)
+                start.add_done_callback(self._starts.discard)
+
+    def _missing(self) -> int:
+        """Kernels to start: the pool's size and every waiting get(), less what is coming."""
+        return self.size + self._waiting - self._ready.qsize() - self._starting
+
+    async def _start_one(self) -> None:
+        """Start one kernel and queue it (or its failure, for a waiting get() to hear of)."""
+        sandbox = AsyncSandbox(**self.sandbox_options)
+        try:
+            await sandbox.start()
+        except asyncio.CancelledError:  # close() while it starts: it must not live on
+            await asyncio.shield(_close_quietly(sandbox))
+            raise
+        except Exception as exc:  # a kernel that cannot start: tell a taker, go on
+            await _close_quietly(sandbox)
+            self._ready.put_nowait(_failure(exc))
+            self._failed = True
+            return
+        finally:
+            self._starting -= 1
+            self._wanted.set()  # the filler counts again
+        if self._closed:
+            await sandbox.close()
+        else:
+            self._ready.put_nowait(sandbox)
 
     async def close(self) -> None:
         """Stop refilling and shut down every kernel not handed out."""
         self._closed = True
-        if self._filler is not None:
-            self._filler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._filler
+        for task in (self._filler, *self._starts):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         while not self._ready.empty():
             waiting = self._ready.get_nowait()
             if not isinstance(waiting, PoolStartError):
@@ -232,10 +258,9 @@ class SandboxPool(_PoolSettings):
                 sandbox = Sandbox(**self.sandbox_options)
                 try:
                     sandbox.start()
-                    sandbox.warm_up()
                 except Exception as exc:
                     with contextlib.suppress(Exception):
-                        sandbox.close()  # one that started but failed its warm-up ends
+                        sandbox.close()
                     self._ready.put(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     self._closed.wait(_RETRY_SECONDS)
