@@ -1,8 +1,9 @@
 """`python -I -m bench.caller [KERNELS]`: the caller's CPU per fresh fork-served kernel, by phase.
 
 What a service pays for each one-shot request besides the kernel's own work: an AsyncSandbox is
-started, warmed up (what the pool does before it hands a kernel out), runs the Dify-wrapped
-`main()` once and is closed at once (`close(now=True)`, the service's way). Each phase's CPU is
+started, warmed up (Sandbox.warm_up; the service's pool no longer does it, the column says what
+it would cost), runs the Dify-wrapped `main()` once and is closed at once (`close(now=True)`,
+the service's way). Each phase's CPU is
 this process's (every thread: the event loop's and libzmq's I/O threads), from
 time.process_time; the kernel's CPU is not counted. The first kernels are left out (server start,
 first-time imports). Medians; load from elsewhere on the machine inflates them a little.
