@@ -138,6 +138,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     prebound: ClassVar[dict[int, socket.socket]] = {}  # port -> listener, until libzmq takes it
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     ready_pipe: int | None = None  # the launcher's: told when the sockets listen, then closed
+    told_listening = False
     audit_file: int | None = None
     refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
 
@@ -336,6 +337,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             for name, listener in listeners.items():
                 setattr(self, f"{name}_port", listener.getsockname()[1])
             self.prebound.update({lsn.getsockname()[1]: lsn for lsn in listeners.values()})
+            # All five listen now: a client that connects waits in their backlogs until libzmq
+            # takes them over, so its connections and first request overlap the rest of the
+            # start instead of following it.
+            self.tell_listening()
         try:
             layer = netns.enter()
         except netns.NamespaceError as exc:
@@ -501,18 +506,24 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         name = os.path.splitext(os.path.basename(self.connection_file))[0]
         return name.removeprefix("kernel-") or str(os.getpid())
 
-    def close_handovers(self) -> None:
-        """Close the channel to the reaper, the audit file and the log dup: user code is next.
-
-        The launcher's ready pipe hears first that every socket listens (the heartbeat's too,
-        see init_seccomp): its clients' first connections succeed, instead of waiting out
-        libzmq's 100 ms reconnect interval after connecting to a port not bound yet.
-        """
-        if self.ready_pipe is not None:
+    def tell_listening(self) -> None:
+        """Tell the launcher's ready pipe, once, that every channel accepts connections."""
+        if self.ready_pipe is not None and not self.told_listening:
+            self.told_listening = True
             try:
                 os.write(self.ready_pipe, b"listening\n")
             except OSError:
                 pass  # the launcher stopped waiting: nothing to tell
+
+    def close_handovers(self) -> None:
+        """Close the channel to the reaper, the audit file and the log dup: user code is next.
+
+        The launcher's ready pipe hears first that every socket listens, unless the prebound
+        TCP listeners told it already (init_network): its clients' first connections succeed,
+        instead of waiting out libzmq's 100 ms reconnect interval after connecting to a port
+        not bound yet.
+        """
+        self.tell_listening()
         for fd in (self.reaper_channel, self.audit_file, self.launcher_stderr, self.ready_pipe):
             if fd is not None and fd > 2:
                 os.close(fd)
