@@ -2,6 +2,7 @@
 its clients stop the channels they opened and create no other on the way."""
 
 import asyncio
+import signal
 import types
 
 import pytest
@@ -171,3 +172,23 @@ def test_the_iopub_monitor_is_closed_before_the_clients_sockets():
     finally:
         sandbox.client = None
         context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("now", [True, False])
+def test_a_kill_sends_no_interrupt_first_and_a_graceful_close_still_does(now):
+    """jupyter_client interrupts before every shutdown; a kill (now=True) no longer does."""
+    sandbox = Sandbox(None)
+    sandbox.start()
+    sent = []
+    provisioner = sandbox.manager.provisioner
+    original = provisioner.send_signal
+
+    async def recorded(signum):
+        sent.append(signum)
+        return await original(signum)
+
+    provisioner.send_signal = recorded
+    process = provisioner.process
+    sandbox.close(now=now)
+    assert process.poll() is not None  # the kernel is gone either way
+    assert (signal.SIGINT in sent) is (not now)

@@ -12,7 +12,8 @@ of the five channels whether it runs, and asking creates the channel: a sandbox,
 shell and IOPub only, created and connected stdin, heartbeat and control sockets at every close,
 just to close them (the kernel's I/O threads answering the handshakes on their way out).
 For the same reason their control socket is connected when first used (_ControlWhenUsed),
-and their client shares the manager's session (_OneSession).
+and their client shares the manager's session (_OneSession). A kill (`shutdown_kernel(now=True)`)
+sends no SIGINT first (_killed_without_interrupt).
 """
 
 from __future__ import annotations
@@ -111,6 +112,35 @@ class _ControlWhenUsed:
             self._starting = False
 
 
+def _killed_without_interrupt(shutdown: Method) -> Method:
+    """shutdown_kernel, minus the SIGINT it sends before a kill (now=True).
+
+    jupyter_client interrupts every kernel it shuts down, to stop code that runs, and then kills
+    it at once when now=True: the signal only woke a kernel about to be killed (one still
+    starting, a pool's at close, could end in a KeyboardInterrupt half-way and print it on its
+    way out). A graceful shutdown keeps the interrupt.
+    """
+    @functools.wraps(shutdown)
+    async def shutdown_kernel(self: Any, now: bool = False, restart: bool = False) -> Any:
+        self._killing = now
+        try:
+            return await shutdown(self, now=now, restart=restart)
+        finally:
+            self._killing = False
+
+    return shutdown_kernel
+
+
+class _NoInterruptBeforeKill:
+    """Skips the interrupt while _killed_without_interrupt's shutdown kills the kernel."""
+
+    _killing = False
+
+    async def _async_interrupt_kernel(self) -> None:
+        if not self._killing:
+            await super()._async_interrupt_kernel()  # type: ignore[misc]
+
+
 class _OneSession:
     """The sandbox's own client shares the manager's Session instead of a clone of it.
 
@@ -142,19 +172,22 @@ class _OneSession:
         return info
 
 
-class SandboxKernelManager(_OneSession, _ControlWhenUsed, KernelManager):  # type: ignore[misc]
+class SandboxKernelManager(_OneSession, _ControlWhenUsed, _NoInterruptBeforeKill,  # type: ignore[misc]
+                           KernelManager):
     """KernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.SandboxKernelClient")
 
     _async_start_kernel = _without_pause(KernelManager._async_start_kernel)
-    _async_shutdown_kernel = _without_pause(KernelManager._async_shutdown_kernel)
+    _async_shutdown_kernel = _killed_without_interrupt(
+        _without_pause(KernelManager._async_shutdown_kernel))
     start_kernel = run_sync(_async_start_kernel)
     shutdown_kernel = run_sync(_async_shutdown_kernel)
     post_start_kernel = run_sync(_ControlWhenUsed._async_post_start_kernel)
 
 
-class AsyncSandboxKernelManager(_OneSession, _ControlWhenUsed, AsyncKernelManager):  # type: ignore[misc]
+class AsyncSandboxKernelManager(_OneSession, _ControlWhenUsed,  # type: ignore[misc]
+                                _NoInterruptBeforeKill, AsyncKernelManager):
     """AsyncKernelManager whose start and shutdown return as soon as their work is done."""
 
     client_class = DottedObjectName("sandbox_kernel.client.managers.AsyncSandboxKernelClient")
