@@ -112,11 +112,14 @@ def _first_look(execution):
 
 
 def test_a_pool_kernel_is_indistinguishable_from_a_fresh_one():
-    """The pool's warm-up leaves nothing user code could see: same first look as a fresh kernel."""
+    """Pools and an explicit warm-up leave nothing user code could see: the same first look."""
     from sandbox_kernel.client import Sandbox
 
     with Sandbox() as fresh:
         expected = _first_look(fresh.run(FINGERPRINT))
+    with Sandbox() as warmed:
+        warmed.warm_up()
+        assert _first_look(warmed.run(FINGERPRINT)) == expected
 
     async def from_pool():
         async with KernelPool(size=1) as pool:
