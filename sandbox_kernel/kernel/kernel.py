@@ -104,18 +104,20 @@ def _transformed_once(shell: Any, code: str) -> Iterator[None]:
         return
     own = shell.__dict__.get("transform_cell")  # an instance override, restored after
     transform = shell.transform_cell
-    kept: list[str] = []
+    calls = 0  # of this code: the first one's result serves the second, once
+    first: str | None = None
 
     def transform_cell(raw_cell: str) -> str:
-        if raw_cell == code and kept:
-            return kept.pop()
-        result = transform(raw_cell)
-        if raw_cell == code and not done:
-            done.append(True)
-            kept.append(result)
-        return result  # type: ignore[no-any-return]
+        nonlocal calls, first
+        if raw_cell != code:
+            return transform(raw_cell)  # type: ignore[no-any-return]
+        calls += 1
+        if calls == 2 and first is not None:
+            return first
+        result: str = transform(raw_cell)
+        first = result if calls == 1 else None
+        return result
 
-    done: list[bool] = []
     shell.transform_cell = transform_cell
     try:
         yield
