@@ -70,7 +70,7 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             try:
                 process = await asyncio.to_thread(self._fork, cmd, kwargs, ready)
             except forkserver.ForkServerError as exc:
-                self.log.warning("sandbox-kernel: starting the kernel cold: %s", exc)
+                _say_once(self.log, f"sandbox-kernel: starting kernels cold: {exc}")
             else:
                 self.process, self.pid, self.pgid = process, process.pid, process.pid  # type: ignore[assignment]
                 self.cwd = kwargs.get("cwd", pathlib.Path.cwd())
@@ -139,6 +139,16 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             return client.spawn(argv, env, stdio, kwargs.get("cwd"), ready=ready)
         finally:
             os.close(stdio[0])
+
+
+_said: set[str] = set()
+
+
+def _say_once(log: Any, line: str) -> None:
+    """Log why kernels start cold once per process and reason, not on every start."""
+    if line not in _said:
+        _said.add(line)
+        log.warning(line)
 
 
 async def _until_listening(read_end: int, timeout: float) -> None:

@@ -32,6 +32,7 @@ from .protocol import (
     peer_pid_uid,
     receive,
     runtime_dir,
+    runtime_path,
     server_key,
     split_names,
 )
@@ -150,7 +151,7 @@ class ForkServerClient:
 
     def __post_init__(self) -> None:
         self.preload = split_names(self.preload)
-        self.directory = runtime_dir()
+        self.directory = runtime_path()  # made (and checked) by the first connect()
         self.key = server_key(self.python, self.preload)
         self.socket_path = str(self.directory / f"{self.key}.sock")
 
@@ -180,11 +181,23 @@ class ForkServerClient:
         return ForkedKernel(conn, int(reply["pid"]), fds[0])
 
     def connect(self) -> socket.socket:
-        """A connection to a running server; start one (once, under a lock) if there is none."""
+        """A connection to a running server; start one (once, under a lock) if there is none.
+
+        Whatever the host refuses on the way (a read-only runtime directory, a full disk) is a
+        ForkServerError, the launcher's cue to start the kernel cold.
+        """
+        runtime_dir()  # owner-only (made now if need be): no one else could plant a socket
         try:
             return self._connect()
         except OSError:
             pass
+        try:
+            return self._start_and_connect()
+        except OSError as exc:
+            raise ForkServerError(f"cannot start the fork server in {self.directory}: "
+                                  f"{exc}") from exc
+
+    def _start_and_connect(self) -> socket.socket:
         with open(self.directory / f"{self.key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
@@ -269,7 +282,7 @@ def _running(pid: int) -> bool:
 def stop_servers() -> list[int]:
     """End every fork server of this runtime dir (its kernels live on); their pids."""
     stopped = []
-    for path in runtime_dir().glob("*.sock"):
+    for path in runtime_path().glob("*.sock"):
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(str(path))

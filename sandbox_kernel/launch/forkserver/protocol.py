@@ -31,13 +31,26 @@ class ForkServerError(RuntimeError):
     """The fork server cannot give a kernel; the caller starts one cold instead."""
 
 
-def runtime_dir() -> Path:
-    """The owner-only directory holding the servers' sockets, locks and logs."""
+def runtime_path() -> Path:
+    """Where the servers' sockets, locks and logs live (JUPYTER_RUNTIME_DIR/sandbox-kernel)."""
     from jupyter_core.paths import jupyter_runtime_dir
 
-    path = Path(jupyter_runtime_dir()) / "sandbox-kernel"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.lstat()
+    return Path(jupyter_runtime_dir()) / "sandbox-kernel"
+
+
+def runtime_dir() -> Path:
+    """The owner-only directory holding the servers' sockets, locks and logs, made if need be.
+
+    A directory that cannot be made (a read-only root, say) is a ForkServerError like any
+    other: the launcher starts its kernels cold instead.
+    """
+    path = runtime_path()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise ForkServerError(f"cannot use {path}: {exc.strerror}; set JUPYTER_RUNTIME_DIR "
+                              "to a writable directory") from exc
     if not path.is_dir() or info.st_uid != os.geteuid() or info.st_mode & 0o077:
         raise ForkServerError(f"{path} must be a directory owned by uid {os.geteuid()} with "
                               "mode 0700; remove it to let the fork server recreate it")
