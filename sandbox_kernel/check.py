@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import resource
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from .confine import landlock, netns, paths, privileges, promises, seccomp
+from .confine import landlock, netns, paths, privileges, promises, scratch, seccomp
 from .policy import SandboxPolicy
+
+# Set in the service's image and compose files: where any is, `check` checks the service too.
+SERVICE_VARIABLES = ("ENABLE_NETWORK", "SANDBOX_RUNTIME", "SANDBOX_PORT")
 
 
 def _landlock(policy: SandboxPolicy) -> dict[str, Any]:
@@ -43,9 +50,12 @@ def _user_code_uid(policy: SandboxPolicy) -> tuple[int, str | None]:
     return uid, None
 
 
-def _network(policy: SandboxPolicy) -> dict[str, Any]:
-    """The network setting and whether this host gives each kernel a namespace of its own."""
-    report: dict[str, Any] = {"mode": policy.network, "namespace": netns.available()}
+def _network(policy: SandboxPolicy, uid: int) -> dict[str, Any]:
+    """The network setting and whether this host gives each kernel a namespace of its own
+    (tried as the kernel would: as root, else as user code's uid in a user namespace)."""
+    switch_to = (uid, uid) if os.geteuid() == 0 and uid != 0 else None
+    report: dict[str, Any] = {"mode": policy.network,
+                              "namespace": netns.available(switch_to)}
     if policy.network == "hosts":
         report["allow_hosts"] = policy.allow_hosts
     if policy.network != "off":
@@ -59,7 +69,9 @@ def _network_problem(network: dict[str, Any]) -> str | None:
         return None
     return (f"network {network['mode']}: no network namespace here "
             f"({network['namespace']['reason']}): run as root or where unprivileged user "
-            "namespaces are enabled, or use --network off")
+            "namespaces are enabled (in a container: its seccomp profile must allow "
+            "unshare(CLONE_NEWUSER|CLONE_NEWNET), deploy/service/seccomp.json), or use "
+            "--network off")
 
 
 def _problems(policy: SandboxPolicy, judged: list[promises.Promise],
@@ -86,7 +98,7 @@ def host_report(policy: SandboxPolicy) -> dict[str, Any]:
     # a kernel started as `python -I -m sandbox_kernel` has a reaper to record denials.
     rules = seccomp.describe(policy.allow_network, notify=True,
                              landlock_abi=lock["abi"] if policy.require_landlock else 0)
-    network = _network(policy)
+    network = _network(policy, uid)
     return {
         "seccomp": {"available": seccomp_reason is None, "reason": seccomp_reason,
                     "rules": rules if policy.require_seccomp else None},
@@ -99,6 +111,96 @@ def host_report(policy: SandboxPolicy) -> dict[str, Any]:
         "policy": policy.as_dict(),
         "problems": _problems(policy, judged, run_as_problem, network),
     }
+
+
+def _writable(directory: Path) -> str | None:
+    """None when root can make directory and write in it; else why not."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _directories(policy: SandboxPolicy) -> tuple[dict[str, str], list[str]]:
+    """The directories the service writes, and a problem (naming the fix) per one it cannot."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    found, problems = {}, []
+    runtime = Path(jupyter_runtime_dir())
+    found["connection files and fork server"] = str(runtime)
+    if (why := _writable(runtime)):
+        problems.append(f"cannot write JUPYTER_RUNTIME_DIR {runtime} ({why}), where the "
+                        "kernels' connection files go: set JUPYTER_RUNTIME_DIR to a writable "
+                        "directory (the image's compose files mount a tmpfs on /run)")
+    found["scratch directories"] = str(scratch.root().parent)
+    if (why := _writable(scratch.root().parent)):
+        problems.append(f"cannot write {scratch.root().parent} ({why}), where the kernels' "
+                        "scratch directories go: give the container a /tmp tmpfs, or TMPDIR")
+    if os.geteuid() == 0 and policy.run_as == "auto":
+        try:
+            found["uid locks"] = str(privileges.lock_dir(policy.uid_lock_dir))
+        except privileges.PrivilegeError as exc:
+            problems.append(str(exc))
+    return found, problems
+
+
+def service_report(policy: SandboxPolicy, environ: Mapping[str, str]) -> dict[str, Any]:
+    """What `sandbox-kernel serve` would run with this environment: each network policy it
+    serves (ENABLE_NETWORK), its runtime (SANDBOX_RUNTIME), the directories it writes."""
+    import argparse
+
+    from traitlets import TraitError
+
+    from .service import config as service_config
+
+    try:
+        config = service_config.from_arguments(argparse.Namespace(), dict(environ))
+    except TraitError as exc:
+        return {"problems": [f"serve would refuse its settings: {exc}"]}
+    from .service.kernels import with_network
+
+    problems: list[str] = []
+    served = {"offline": with_network(policy, False)}
+    if config.enable_network:
+        served["network"] = with_network(policy, True, service_config.upstream_proxy(config))
+    policies = {}
+    for name, kernel_policy in served.items():
+        found = host_report(kernel_policy)["problems"]
+        policies[name] = "the kernel will start" if not found else "; ".join(found)
+        problems += [f"{name} kernels (ENABLE_NETWORK={str(config.enable_network).lower()}): "
+                     f"{problem}" for problem in found]
+    runtime = None
+    if config.runtime:
+        from .runtimes import RuntimesError, find
+
+        try:
+            runtime = str(find(config.runtime).python())
+        except RuntimesError as exc:
+            problems.append(f"SANDBOX_RUNTIME={config.runtime}: {exc}")
+    directories, unwritable = _directories(policy)
+    return {"enable_network": config.enable_network, "runtime": runtime,
+            "policies": policies, "directories": directories, "problems": problems + unwritable}
+
+
+def wants_service(environ: Mapping[str, str]) -> bool:
+    """Whether the environment is the service's (its image sets SERVICE_VARIABLES)."""
+    return any(name in environ for name in SERVICE_VARIABLES)
+
+
+def _service_lines(service: dict[str, Any]) -> list[str]:
+    lines = ["what `sandbox-kernel serve` would run here:"]
+    for name, state in service.get("policies", {}).items():
+        lines.append(f"  {name} kernels: {state}")
+    if service.get("runtime"):
+        lines.append(f"  runtime: {service['runtime']}")
+    for what, where in service.get("directories", {}).items():
+        lines.append(f"  writes {what} in {where}")
+    lines += [f"  MISSING  {problem}" for problem in service["problems"]]
+    lines.append("  the service's kernels will start" if not service["problems"] else
+                 "  the service would serve nothing: /ready stays 503 (see MISSING above)")
+    return lines
 
 
 def _user_name(uid: int) -> str:
@@ -167,6 +269,25 @@ def summary(report: dict[str, Any]) -> str:
                          f"waive with {item['waiver']}")
     if (network_problem := _network_problem(report["network"])):
         lines.append(f"  MISSING  {network_problem}")
-    lines.append("the kernel will start" if not report["problems"] else
+    if "service" in report:
+        lines += _service_lines(report["service"])
+    service_problems = len(report.get("service", {}).get("problems", ()))
+    lines.append("the kernel will start" if len(report["problems"]) == service_problems else
                  "the kernel will refuse to start (see MISSING above)")
     return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m sandbox_kernel.check POLICY_JSON`: the problems of that policy, as JSON.
+
+    The service asks this of a fresh interpreter when a policy's kernels fail to start, so its
+    /ready can say why (the kernel's own refusal went to the log); the probes fork, which the
+    service's threads make unsafe in its own process.
+    """
+    print(json.dumps(host_report(SandboxPolicy(**json.loads(argv[0])))["problems"]))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 from traitlets import TraitError
 
 from . import __version__, check, client, install, policy
+from .check import SERVICE_VARIABLES
 from .launch import eg_kernelspec
 
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
@@ -50,7 +52,11 @@ def _uninstall(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    report = check.host_report(policy.from_arguments(args))
+    effective = policy.from_arguments(args)
+    report = check.host_report(effective)
+    if args.service or check.wants_service(os.environ):
+        report["service"] = check.service_report(effective, os.environ)
+        report["problems"] += report["service"]["problems"]
     print(json.dumps(report, indent=2) if args.json else check.summary(report))
     for problem in report["problems"]:
         print(f"sandbox-kernel check: cannot enforce: {problem}", file=sys.stderr)
@@ -259,6 +265,11 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="what this host supports and the effective policy")
     check.add_argument("--json", action="store_true",
                        help="print the whole report as one JSON object, for machines")
+    check.add_argument("--service", action="store_true",
+                       help="also check what `serve` would run (each network policy "
+                       "ENABLE_NETWORK serves, SANDBOX_RUNTIME, the directories it writes); "
+                       f"on by itself where any of {', '.join(SERVICE_VARIABLES)} "
+                       "is set, as in the service's image")
     policy.add_arguments(check)
     check.set_defaults(handler=_check)
 

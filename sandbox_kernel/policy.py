@@ -184,6 +184,13 @@ class SandboxPolicy(Configurable):
         "/etc/subuid ranges are skipped.",
     ).tag(config=True, flag="uid-range", metavar="FIRST-LAST")
 
+    uid_lock_dir = Unicode(
+        "", help="When started as root with --run-as auto, the root-only directory of the "
+        "locks that keep each uid to one kernel; every kernel of the host must use the same. "
+        "Default: /run/sandbox-kernel/uids, or /tmp/sandbox-kernel-uids where /run is "
+        "read-only.",
+    ).tag(config=True, flag="uid-lock-dir", metavar="DIR")
+
     audit_log = Unicode(
         "", help="Append one JSON line per system call the filter refused (kernel id, call, "
         "arguments) to this file, written by the kernel's unconfined reaper; user code cannot "

@@ -32,6 +32,7 @@ CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 _CAP_VERSION_3 = 0x20080522
+_PR_SET_DUMPABLE = 4
 
 
 class NamespaceError(OSError):
@@ -119,6 +120,21 @@ def _map_ids(uid: int, gid: int) -> None:
             os.close(fd)
 
 
+def _try_enter(switch_to: tuple[int, int] | None) -> str:
+    try:
+        return str(enter()["owner"])
+    except NamespaceError:
+        if switch_to is None or os.geteuid() != 0:
+            raise
+    os.setgroups([])
+    os.setgid(switch_to[1])
+    os.setuid(switch_to[0])
+    # As privileges.switch does for a uid of the kernel's own: /proc/self is ours again, and
+    # with it the user namespace's uid_map.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    return f"{enter()['owner']} of uid {switch_to[0]}"
+
+
 def drop_capabilities() -> None:
     """Drop every capability (a new user namespace grants them all inside it)."""
     header = struct.pack("=Ii", _CAP_VERSION_3, 0)
@@ -144,16 +160,22 @@ def egress_listener(port: int) -> socket.socket:
     return listener
 
 
-def available() -> dict[str, Any]:
-    """Whether a kernel can have a network namespace here, and what owns it (tried in a child)."""
+def available(switch_to: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Whether a kernel can have a network namespace here, and what owns it (tried in a child).
+
+    switch_to: the (uid, gid) a root kernel drops to; where root cannot make the namespace,
+    the kernel tries again as that uid, in a user namespace (kernel/app.py), and so does this.
+    """
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
         os.close(read)
         try:
-            message = "ok " + enter()["owner"]
+            message = "ok " + _try_enter(switch_to)
         except OSError as exc:
             message = str(exc.strerror or exc)
+        except Exception as exc:  # ConfinementError: the user namespace failed half-way
+            message = str(exc)
         os.write(write, message.encode())
         os._exit(0)
     os.close(write)

@@ -35,6 +35,9 @@ from .errors import ConfinementError
 NOBODY = 65534
 DEFAULT_UID_RANGE = "200000-265535"
 LOCK_DIR = "/run/sandbox-kernel/uids"
+# Where the locks go when /run cannot hold them (a container's read-only root without a /run
+# tmpfs): the one other place such a root keeps writable. Root-only like the first (checked).
+FALLBACK_LOCK_DIR = "/tmp/sandbox-kernel-uids"  # noqa: S108 - root-only, checked in lock_dir
 SUBORDINATE_TABLES = ("/etc/subuid", "/etc/subgid")
 NSSWITCH = "/etc/nsswitch.conf"
 # What the account database is read from, per nsswitch source whose state lives in files only:
@@ -205,9 +208,26 @@ def _sources_in_files() -> bool:
                and set(sources[name]) <= {"files", "systemd"} for name in ("passwd", "group"))
 
 
-def _lock_dir() -> Path:
-    directory = Path(LOCK_DIR)
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+def lock_dir(configured: str = "") -> Path:
+    """The directory of the uid locks (--uid-lock-dir), made if need be; root-only, checked.
+
+    Every kernel of a host must use the same one. By default LOCK_DIR, or FALLBACK_LOCK_DIR
+    where LOCK_DIR cannot be made (a read-only /run).
+    """
+    directory = Path(configured or LOCK_DIR)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        if configured:
+            raise PrivilegeError(f"cannot make --uid-lock-dir {directory}: {exc.strerror}; "
+                                 "choose a directory root can write") from None
+        directory = Path(FALLBACK_LOCK_DIR)
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as second:
+            raise PrivilegeError(f"cannot make {LOCK_DIR} ({exc.strerror}) nor "
+                                 f"{FALLBACK_LOCK_DIR} ({second.strerror}) for the uid locks: "
+                                 "give --uid-lock-dir a directory root can write") from None
     info = directory.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
         raise PrivilegeError(f"{directory} must be a directory only root can use; remove it "
@@ -215,13 +235,15 @@ def _lock_dir() -> Path:
     return directory
 
 
-def allocate(id_range: range, writable: Sequence[str] = ()) -> tuple[int, int]:
+def allocate(id_range: range, writable: Sequence[str] = (),
+             locks: str = "") -> tuple[int, int]:
     """A uid of id_range no account uses, no live kernel holds and no earlier kernel left files
-    of in a write grant; and the fd of its lock. writable: the new kernel's write grants.
+    of in a write grant; and the fd of its lock. writable: the new kernel's write grants;
+    locks: --uid-lock-dir (see lock_dir).
 
     Whoever holds the fd (the reaper, until the kernel is gone) owns the uid.
     """
-    directory = _lock_dir()
+    directory = lock_dir(locks)
     taken, subordinate = accounts_ids()
     for uid in id_range:
         if uid in taken or any(uid in ranges for ranges in subordinate):
@@ -324,7 +346,7 @@ def _last_capability() -> int:
     return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
 
 
-def _drop_bounding_set() -> None:
+def drop_bounding_set() -> None:
     """Empty this thread's bounding set: no execve can ever grant a capability again."""
     libc = _libc()
     for cap in range(_last_capability() + 1):
@@ -335,7 +357,7 @@ def _drop_bounding_set() -> None:
 
 def _drop_capabilities() -> None:
     """Empty the bounding, permitted, effective and inheritable sets of this thread."""
-    _drop_bounding_set()
+    drop_bounding_set()
     libc = _libc()
     header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # two empty __user_cap_data_struct
@@ -345,13 +367,14 @@ def _drop_capabilities() -> None:
 
 
 def plan(run_as: str, uid_range: str, grants: list[str], visible: list[str],
-         writable: Sequence[str] = ()) -> tuple[dict[str, Any], int | None]:
+         writable: Sequence[str] = (), locks: str = "") -> tuple[dict[str, Any], int | None]:
     """Decide whom the kernel runs as; return that and the uid lock to hand to the reaper.
 
     'auto' takes a uid of its own; 'root' stays uid 0 without capabilities; a user name or
     UID[:GID] is taken as given. When the uid cannot reach the interpreter, the kernel's mount
     namespace shows it the paths it needs: the interpreter and the grants (and `visible`, the
-    connection file root reads once more); writable: the write grants (see allocate).
+    connection file root reads once more); writable: the write grants, locks: --uid-lock-dir
+    (see allocate).
     Call as root, while single-threaded and before Landlock.
     """
     if os.geteuid() != 0:
@@ -363,7 +386,7 @@ def plan(run_as: str, uid_range: str, grants: list[str], visible: list[str],
                 "reason": "--run-as root"}, None
     lock = None
     if run_as == "auto":
-        uid, lock = allocate(parse_range(uid_range), writable)
+        uid, lock = allocate(parse_range(uid_range), writable, locks)
         gid = uid
     else:
         uid, gid = resolve(run_as)
@@ -375,7 +398,7 @@ def plan(run_as: str, uid_range: str, grants: list[str], visible: list[str],
         if lock is not None:
             os.close(lock)
         raise
-    _drop_bounding_set()  # threads started from here on inherit the empty set
+    drop_bounding_set()  # threads started from here on inherit the empty set
     planned: dict[str, Any] = {"uid": uid, "gid": gid, "dropped": True,
                                "own": lock is not None}
     if covered:

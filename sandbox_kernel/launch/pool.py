@@ -99,6 +99,9 @@ class KernelPool(_PoolSettings):
         self._starts: set[asyncio.Task[None]] = set()
         self._failed = False  # a start failed since the filler last looked
         self._closed = False
+        self._kernels = 0  # of the queue, the started kernels (not the failures)
+        self.started = 0  # kernels this pool has started, ever
+        self.last_error = ""  # why its latest start failed; "" once one started after it
 
     async def __aenter__(self) -> KernelPool:
         self.start()
@@ -115,8 +118,8 @@ class KernelPool(_PoolSettings):
 
     @property
     def ready(self) -> int:
-        """Kernels waiting to be handed out."""
-        return self._ready.qsize()
+        """Started kernels waiting to be handed out (a failed start is never one)."""
+        return self._kernels
 
     @property
     def coming(self) -> int:
@@ -138,6 +141,7 @@ class KernelPool(_PoolSettings):
         self._wanted.set()
         if isinstance(sandbox, PoolStartError):
             raise sandbox
+        self._kernels -= 1
         return sandbox
 
     async def get_soonest(self) -> AsyncSandbox:
@@ -184,15 +188,20 @@ class KernelPool(_PoolSettings):
             raise
         except Exception as exc:  # a kernel that cannot start: tell a taker, go on
             await _close_quietly(sandbox)
-            self._ready.put_nowait(_failure(exc))
+            failure = _failure(exc)
+            self.last_error = str(exc)
+            self._ready.put_nowait(failure)
             self._failed = True
             return
         finally:
             self._starting -= 1
             self._wanted.set()  # the filler counts again
+        self.started += 1
+        self.last_error = ""
         if self._closed:
             await sandbox.close()
         else:
+            self._kernels += 1
             self._ready.put_nowait(sandbox)
 
     async def close(self) -> None:
@@ -206,6 +215,7 @@ class KernelPool(_PoolSettings):
         while not self._ready.empty():
             waiting = self._ready.get_nowait()
             if not isinstance(waiting, PoolStartError):
+                self._kernels -= 1
                 await waiting.close()
 
 
@@ -230,8 +240,8 @@ class SandboxPool(_PoolSettings):
 
     @property
     def ready(self) -> int:
-        """Kernels waiting to be handed out."""
-        return self._ready.qsize()
+        """Started kernels waiting to be handed out (a failed start is never one)."""
+        return sum(not isinstance(waiting, PoolStartError) for waiting in list(self._ready.queue))
 
     def get(self, timeout: float | None = None) -> Sandbox:
         """A started kernel of its own for the caller, who must close it."""

@@ -47,7 +47,6 @@ class Service:
                           lambda: len(self.sessions), lambda: self.admission.in_flight)
         self.started = False
         self.stopping = False
-        self._kernels_proven = False
         self._culler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -119,12 +118,16 @@ class Service:
         log.info(json_line(event="stopped"))
 
     def readiness(self) -> dict[str, Any]:
-        """Ready once started and (with a pool) once every policy's pool had a kernel ready:
-        proof that kernels start on this host. Not ready again once stopping."""
-        pool = self.kernels.source.ready()
-        if self.config.pool_size == 0 or all(count > 0 for count in pool.values()):
-            self._kernels_proven = self._kernels_proven or self.started
-        return {"ready": self._kernels_proven and not self.stopping,
-                "pool": pool, "pool_size": self.config.pool_size,
+        """Ready once a kernel of every policy served has started and answered here (proof
+        that every layer applies), while the latest start of none has failed; never once
+        stopping. "reason" says what it waits for, naming the policy and its error."""
+        health = self.kernels.source.health()
+        waiting = {name: state["error"] or "no kernel of it has started yet"
+                   for name, state in health.items() if not state["started"]}
+        reason = ("stopping" if self.stopping else "not started" if not self.started
+                  else "; ".join(f"{name} kernels: {why}" for name, why in waiting.items()))
+        return {"ready": self.started and not self.stopping and not waiting,
+                **({"reason": reason} if reason else {}), "policies": health,
+                "pool": self.kernels.source.ready(), "pool_size": self.config.pool_size,
                 "kernels_live": len(self.kernels.live), "sessions": len(self.sessions),
                 "runs_in_flight": self.admission.in_flight}

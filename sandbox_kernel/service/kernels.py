@@ -11,6 +11,7 @@ in the background so a response never waits for a shutdown, and at shutdown clos
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ class KernelSource(Protocol):
 
     def ready(self) -> dict[str, int]:
         """Started kernels waiting to be handed out, per policy name ("offline", "network")."""
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per policy name: whether its kernels start here ("started") and, if its latest
+        start failed, why ("error")."""
 
     async def close(self) -> None:
         """Shut down every kernel not handed out."""
@@ -93,24 +98,63 @@ def with_network(base: SandboxPolicy, network: bool, upstream_proxy: str = "",
     return SandboxPolicy(**values)
 
 
+@dataclass
+class Starts:
+    """The latest kernel starts of one policy without a pool: readiness rests on them."""
+
+    started: bool = False  # a kernel of the policy started and answered
+    error: str = ""  # why the latest start failed; "" once one started after it
+
+    def note(self, error: BaseException | None) -> None:
+        """Record a start's outcome (None: it started)."""
+        self.started = self.started or error is None
+        self.error = "" if error is None else str(error) or type(error).__name__
+
+
 class PoolSource:
     """Kernels from a warm pool per network policy (launch/pool.py), else started on demand.
 
     A run takes the pool's kernel when one is ready or already starting unclaimed (it comes
     sooner than a new one). Otherwise the kernel is started here with the pool's own options
     rather than waiting behind other runs for the refill, so a burst of runs starts kernels
-    side by side.
+    side by side. Without a pool (--pool-size 0) one kernel per policy is started at once and
+    closed again, and started again every PROBE_RETRY seconds until one has started: the proof
+    /ready waits for.
     """
+
+    PROBE_RETRY = 2.0
 
     def __init__(self, options: dict[bool, dict[str, Any]], pool_size: int) -> None:
         self.options = options  # AsyncSandbox's keyword arguments, per network policy
         self.pools = {network: KernelPool(pool_size, **kwargs)
                       for network, kwargs in options.items()} if pool_size > 0 else {}
+        self.starts = {network: Starts() for network in options if network not in self.pools}
+        self._probes: set[asyncio.Task[None]] = set()
+        self.diagnoses: dict[bool, str] = {}  # per policy, once a start failed: check's words
 
     async def start(self) -> None:
-        """Start filling the pools."""
+        """Start filling the pools, and prove the policies without one."""
         for pool in self.pools.values():
             pool.start()
+        for network in self.starts:
+            probe = asyncio.get_running_loop().create_task(self._probe(network))
+            self._probes.add(probe)
+            probe.add_done_callback(self._probes.discard)
+
+    async def _probe(self, network: bool) -> None:
+        """Start (and close) a kernel of the policy until one has started."""
+        record = self.starts[network]
+        while not record.started:
+            try:
+                sandbox = await start_sandbox(**self.options[network])
+            except Exception as exc:
+                record.note(exc)
+                log.warning(json_line(event="kernel_start_failed",
+                                      policy=policy_name(network), error=record.error))
+                await asyncio.sleep(self.PROBE_RETRY)
+                continue
+            record.note(None)
+            await sandbox.close(now=True)
 
     async def get(self, network: Network) -> AsyncSandbox:
         """A started kernel for that network: a pooled one when there is a pool, else a new one."""
@@ -124,16 +168,62 @@ class PoolSource:
             options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
         if pool is not None:
             return await pool.get_soonest()
-        return await start_sandbox(**options)
+        if hosts is not None:  # the caller's allowlist, not the policy, might be what fails
+            return await start_sandbox(**options)
+        try:
+            sandbox = await start_sandbox(**options)
+        except Exception as exc:
+            self.starts[allowed].note(exc)
+            raise
+        self.starts[allowed].note(None)
+        return sandbox
 
     def ready(self) -> dict[str, int]:
         """How many kernels of each kind are ready now."""
         return {policy_name(network): self.pools[network].ready if network in self.pools else 0
                 for network in self.options}
 
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Per policy: started (a kernel of it has, and the latest start did not fail), and
+        the latest start's error, with what `check` finds missing for it (once known). A
+        pool's own starts speak for a pooled policy."""
+        found = {}
+        for network in self.options:
+            pool = self.pools.get(network)
+            started, error = ((pool.started > 0, pool.last_error) if pool is not None
+                              else (self.starts[network].started, self.starts[network].error))
+            if error:
+                error += self._diagnosis(network)
+            found[policy_name(network)] = {"started": started and not error, "error": error}
+        return found
+
+    def _diagnosis(self, network: bool) -> str:
+        """What `check` says this policy misses ("" until known; asked once per policy)."""
+        if network not in self.diagnoses:
+            self.diagnoses[network] = ""
+            task = asyncio.get_running_loop().create_task(self._diagnose(network))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+        return self.diagnoses[network]
+
+    async def _diagnose(self, network: bool) -> None:
+        values = json.dumps(self.options[network]["policy"].as_dict())
+        checker = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-m", "sandbox_kernel.check", values,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        out, _ = await checker.communicate()
+        try:
+            problems = json.loads(out)
+        except ValueError:
+            return
+        self.diagnoses[network] = (f"; sandbox-kernel check: {'; '.join(problems)}" if problems
+                                   else "; sandbox-kernel check finds nothing missing")
+
     async def close(self) -> None:
         """Close the pools and stop the fork servers their kernels came from."""
-        await asyncio.gather(*(pool.close() for pool in self.pools.values()),
+        for probe in list(self._probes):
+            probe.cancel()
+        await asyncio.gather(*self._probes, *(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
         # No process outlives the service: the fork server its kernels came from ends too (a
         # later kernel of this interpreter, from anyone, starts a new one).

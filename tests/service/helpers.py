@@ -57,7 +57,8 @@ class Server:
 
     def __init__(self, tmp: Path, *flags: str, env: dict[str, str] | None = None,
                  launcher: tuple[str, ...] = ("-m", "sandbox_kernel"),
-                 unset: tuple[str, ...] = ()) -> None:
+                 unset: tuple[str, ...] = (), ready: bool = True) -> None:
+        """ready: wait until /ready is 200 (else only until it answers)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
@@ -69,7 +70,18 @@ class Server:
             self.process = subprocess.Popen(
                 [sys.executable, *launcher, "serve", "--host", "127.0.0.1", *flags],
                 env=environ, stdout=log, stderr=subprocess.STDOUT)
-        self.wait_ready()
+        self.wait_ready() if ready else self.wait_answering()
+
+    def wait_answering(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                http.get(f"{self.url}/ready", timeout=2)
+                return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise AssertionError(f"the server did not answer:\n{self.log.read_text()}")
 
     def wait_ready(self, timeout: float = 60) -> dict:
         deadline = time.monotonic() + timeout

@@ -218,8 +218,12 @@ def test_a_socks5_upstream_is_refused_at_start(tmp_path):
 
 
 def test_a_kernel_that_cannot_start_is_a_500_envelope(tmp_path):
-    srv = Server(tmp_path, "--pool-size", "0", "--memory-limit", "1M")
+    srv = Server(tmp_path, "--pool-size", "0", "--memory-limit", "1M", ready=False)
     try:
+        state = srv.wait_until(lambda state: state.get("policies", {}).get(
+            "offline", {}).get("error"), timeout=60)
+        assert state["ready"] is False  # never ready while no kernel can start
+        assert state["reason"].startswith("offline kernels: Kernel died before replying")
         answer = http.post(srv.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=90, json={
             "language": "python3", "code": "print(1)"})
         assert answer.status_code == 200
