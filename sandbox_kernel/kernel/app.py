@@ -139,6 +139,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
     reaper_channel: int | None = None  # handovers to the reaper, closed before user code runs
     ready_pipe: int | None = None  # the launcher's: told when the sockets listen, then closed
     told_listening = False
+    switched = False  # user code's uid taken already (enter_namespace)
+    connection_read_as_root: dict[str, Any] | None = None  # the file, read before that switch
     audit_file: int | None = None
     refusals: Tally | None = None  # the reaper's count of refused calls, read-only here
 
@@ -156,8 +158,10 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 super().initialize(argv)
                 if self.subapp is not None:
                     return
-                # Switching user only now: ipykernel re-reads its root-only connection file.
-                privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+                # Switching user only now: ipykernel re-reads its root-only connection file
+                # (unless the network namespace needed the switch first: enter_namespace).
+                if not self.switched:
+                    privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
                 self.init_seccomp()
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
@@ -220,17 +224,21 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         """ipykernel's, unless the launcher's file already says all of it.
 
         With CurveZMQ keys ipykernel compares its keys (bytes) with the file's (text), finds
-        them different and rewrites a file that Landlock lets the kernel only read.
+        them different and rewrites a file that Landlock lets the kernel only read. A kernel
+        that left root before this (enter_namespace) compares with what it read as root.
         """
         cf = self.abs_connection_file
-        if self.curve_publickey is not None and os.path.exists(cf):
-            with open(cf) as file:
-                existing = json.load(file)
-            ours = {"curve_publickey": self.curve_publickey.decode(),
-                    "curve_secretkey": (self.curve_secretkey or b"").decode(),
-                    "key": self.session.key.decode(),
+        existing = self.connection_read_as_root
+        if existing is not None or (self.curve_publickey is not None and os.path.exists(cf)):
+            if existing is None:
+                with open(cf) as file:
+                    existing = json.load(file)
+            ours = {"key": self.session.key.decode(),
                     **{f"{name}_port": getattr(self, f"{name}_port")
                        for name in ("shell", "iopub", "stdin", "control", "hb")}}
+            if self.curve_publickey is not None:
+                ours.update(curve_publickey=self.curve_publickey.decode(),
+                            curve_secretkey=(self.curve_secretkey or b"").decode())
             if all(existing.get(name) == value for name, value in ours.items()):
                 return
         super().write_connection_file(**kwargs)
@@ -342,7 +350,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             # start instead of following it.
             self.tell_listening()
         try:
-            layer = netns.enter()
+            layer = self.enter_namespace()
         except netns.NamespaceError as exc:
             if policy.network != "off":
                 raise ConfinementError(
@@ -356,8 +364,32 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         if policy.network != "off":
             layer["egress"] = self.init_egress()
         if layer["owner"] != "root":
+            # A new user namespace grants every capability in it, bounding set included.
+            privileges.drop_bounding_set()
             netns.drop_capabilities()
         self.layers["network"] = layer
+
+    def enter_namespace(self) -> dict[str, Any]:
+        """Enter a network namespace of the kernel's own; return netns.enter's description.
+
+        Root makes it where root may (a host; a container with CAP_SYS_ADMIN). Where root may
+        not (a container without it), a kernel that takes a uid of its own switches to it now
+        and makes it inside a user namespace of its own, which a container's seccomp profile
+        can allow alone: unshare(CLONE_NEWUSER|CLONE_NEWNET), nothing wider (deploy/service).
+        """
+        try:
+            return netns.enter()
+        except netns.NamespaceError:
+            planned = self.layers["privileges"]
+            # A uid of its own only: the maps need /proc/self, which a shared uid keeps closed.
+            if os.geteuid() != 0 or not planned.get("own"):
+                raise
+        # ipykernel re-reads the root-only connection file after this: read it while we can.
+        with open(self.abs_connection_file) as file:
+            self.connection_read_as_root = json.load(file)
+        privileges.switch(planned, self.layers["scratch"]["path"])
+        self.switched = True
+        return netns.enter()
 
     def init_egress(self) -> dict[str, Any]:
         """The egress listener on the namespace's loopback, served by the reaper from outside."""
@@ -428,7 +460,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file], writable)
+                                        [self.abs_connection_file], writable,
+                                        policy.uid_lock_dir)
         if lock is not None:
             assert self.reaper_channel is not None
             try:

@@ -154,9 +154,21 @@ async def refresh_dependencies(request: Request, service: ServiceDep) -> Respons
     operator's file (running kernels keep theirs) and new kernels take the new build."""
     async def rebuilt() -> dict[str, Any]:
         if service.config.runtime:
-            await asyncio.to_thread(runtimes.update, service.config.runtime, force=True)
+            await asyncio.to_thread(_rebuild, service.config.runtime)
             await service.use_current_runtime()
         else:
             _installed.cache_clear()
         return {"dependencies": _dependencies(service)}
     return await _dependency_route(request, service, rebuilt)
+
+
+def _rebuild(name: str) -> None:
+    """Rebuild the runtime from the operator's file; a directory it cannot write is said so."""
+    try:
+        runtimes.update(name, force=True)
+    except OSError as exc:  # the shipped compose files' read-only root holds /opt/runtimes
+        raise runtimes.RuntimesError(
+            f"the runtime {name} cannot be rebuilt here: {exc.strerror} ({exc.filename}). With "
+            "a read-only root, add the packages to python-requirements.txt and rebuild the "
+            "image, or give the container a writable volume at the runtimes directory "
+            "(docs/deploy.md)") from exc

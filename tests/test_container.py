@@ -1,0 +1,407 @@
+"""The shipped container, as an operator runs it: deploy/service/Dockerfile built unchanged and
+run with exactly deploy/service/compose.yaml's settings (read from the file), on Debian's own
+Docker.
+
+The public image registry is out of reach here, so the base is a stand-in for the Dockerfile's
+default (debootstrap bookworm with python3, python3-venv and libseccomp2, `docker import`),
+handed over as the Dockerfile's BASE build argument; made once per machine and reused. The
+image build reaches the package index the way this machine's pip does: its index settings and
+CA bundle go to the build as build secrets, never into a layer of the image.
+
+In CI (CI=true) the test fails when Docker cannot run; elsewhere it skips, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICE = ROOT / "deploy" / "service"
+DOCKER = "/usr/bin/docker"  # Debian's: /usr/local/bin/docker may be another, client-only one
+BASE = "sandbox-kernel-test-base:bookworm"
+IMAGE = "sandbox-kernel-service:test"
+# In the pip.conf handed to the build; fixed, so that a cached layer was built with it too.
+MARKER = "sandbox-kernel test build: pip settings"
+BASE_PACKAGES = "python3,python3-venv,python-is-python3,libseccomp2,ca-certificates"
+RUN = "/v1/sandbox/run"
+# The first test builds the base and the image (minutes on a fresh machine; cached after).
+pytestmark = pytest.mark.timeout(1800)
+
+
+def _docker_problem() -> str | None:
+    if not os.access(DOCKER, os.X_OK):
+        return f"{DOCKER} is missing (apt-get install docker.io; .ci/run does)"
+    answer = subprocess.run([DOCKER, "info", "--format", "{{.ServerVersion}}"],
+                            capture_output=True, text=True, timeout=60)
+    if answer.returncode != 0:
+        return f"the Docker daemon does not answer: {answer.stderr.strip()[-300:]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def say(request):
+    """Progress lines on the terminal while the long steps run (pytest captures the rest)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+
+    def say(line: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"[container test {time.strftime('%H:%M:%S')}] {line}", flush=True)
+    return say
+
+
+@pytest.fixture(scope="module")
+def docker():
+    problem = _docker_problem()
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Docker cannot run in CI: {problem}")
+        pytest.skip(problem)
+
+
+def _docker(*args: str, timeout: float = 600, check: bool = True,
+            **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run([DOCKER, *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+    if check and done.returncode != 0:
+        raise AssertionError(f"docker {' '.join(args[:3])} failed:\n{done.stdout[-3000:]}\n"
+                             f"{done.stderr[-3000:]}")
+    return done
+
+
+def _debian_mirror() -> str:
+    """The Debian mirror this machine's apt uses (deb822 or one-line sources)."""
+    sources = [Path("/etc/apt/sources.list.d/debian.sources"), Path("/etc/apt/sources.list"),
+               *sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))]
+    for path in sources:
+        text = path.read_text() if path.exists() else ""
+        found = (re.search(r"^URIs:\s*(\S+/debian)\s*$", text, re.M)
+                 or re.search(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+/debian)\s+bookworm", text, re.M))
+        if found:
+            return found.group(1)
+    raise AssertionError("no Debian mirror in this machine's apt sources for debootstrap")
+
+
+def _make_base(say) -> None:
+    if _docker("image", "inspect", BASE, check=False).returncode == 0:
+        say(f"stand-in base {BASE}: reused")
+        return
+    if not shutil.which("debootstrap"):
+        raise AssertionError("debootstrap is missing (apt-get install debootstrap; .ci/run does)")
+    say(f"stand-in base: debootstrap bookworm ({BASE_PACKAGES}); a few minutes")
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as target:
+        subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}",
+                        "bookworm", target, _debian_mirror()],
+                       check=True, capture_output=True, timeout=1200)
+        tar = subprocess.Popen(["tar", "-C", target, "-c", "."], stdout=subprocess.PIPE)
+        _docker("import", "-", BASE, stdin=tar.stdout)
+        assert tar.wait() == 0
+    say(f"stand-in base {BASE}: made")
+
+
+def _pip_settings(directory: Path) -> list[str]:
+    """Build secrets giving the image build this machine's way to the package index: its
+    index URLs (local file:// ones mean nothing inside the build) and its CA bundle."""
+    listed = subprocess.run(["python3", "-m", "pip", "config", "list"], capture_output=True,
+                            text=True).stdout
+    settings: dict[str, str] = {}
+    for line in listed.splitlines():
+        name, _, value = line.partition("=")
+        key = name.split(".", 1)[-1]
+        settings[key] = value.strip().strip("'\"")
+    for key in ("index-url", "extra-index-url", "trusted-host"):
+        env = os.environ.get(f"PIP_{key.upper().replace('-', '_')}")
+        if env:
+            settings[key] = env
+    lines = [f"# {MARKER}", "[global]", f"timeout = {settings.get('timeout', '120')}"]
+    for key in ("index-url", "extra-index-url"):
+        urls = [url for url in settings.get(key, "").split() if url.startswith(("http:", "https:"))]
+        if urls:
+            lines.append(f"{key} = {' '.join(urls)}")
+    if settings.get("trusted-host"):
+        lines.append(f"trusted-host = {settings['trusted-host']}")
+    conf = directory / "pip.conf"
+    conf.write_text("\n".join(lines) + "\n")
+    secrets = ["--secret", f"id=pip.conf,src={conf}"]
+    bundle = (settings.get("cert") or os.environ.get("PIP_CERT")
+              or os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE"))
+    if bundle and Path(bundle).is_file():
+        secrets += ["--secret", f"id=ca.pem,src={bundle}"]
+    return secrets
+
+
+def _build(say, tmp: Path) -> None:
+    say("image: docker build -f deploy/service/Dockerfile (BASE = the stand-in); cached "
+        "layers are reused, a fresh build takes minutes")
+    started = time.monotonic()
+    _docker("build", "--build-arg", f"BASE={BASE}", *_pip_settings(tmp),
+            "-f", str(SERVICE / "Dockerfile"), "-t", IMAGE, str(ROOT),
+            timeout=1800, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    say(f"image {IMAGE}: built in {time.monotonic() - started:.0f} s")
+    # Nothing of the build's pip settings is in the image: not its file, not its variables.
+    assert MARKER not in _docker("history", "--no-trunc", IMAGE).stdout
+    found = _docker("run", "--rm", "--entrypoint", "sh", IMAGE, "-c",
+                    f"grep -rlsF '{MARKER}' /etc /opt /root /usr/local /run; "
+                    "env | grep ^PIP_; ls -A /run/secrets 2>/dev/null; true")
+    assert found.stdout == "", found.stdout
+
+
+def _substitute(value: str) -> str:
+    """Compose's ${NAME:-default}, from the defaults alone (the test sets no variables)."""
+    return re.sub(r"\$\{[A-Za-z_]+:-([^}]*)\}", r"\1", value)
+
+
+def run_options(service: dict, host_port: int) -> list[str]:
+    """`docker run` options for every setting of a compose service; an unknown one fails."""
+    options: list[str] = []
+    for key, value in service.items():
+        if key in ("image", "build", "restart"):
+            continue  # the test's image; built above; a test container must not come back
+        if key == "environment":
+            for name, setting in value.items():
+                options += ["-e", f"{name}={_substitute(str(setting))}"]
+        elif key == "ports":
+            for mapping in value:
+                *_, container = str(mapping).split(":")
+                options += ["-p", f"127.0.0.1:{host_port}:{container}"]
+        elif key == "user":
+            options += ["--user", str(value)]
+        elif key == "read_only":
+            options += ["--read-only"] if value else []
+        elif key == "tmpfs":
+            for mount in value:
+                options += ["--tmpfs", mount]
+        elif key in ("cap_drop", "cap_add"):
+            for cap in value:
+                options += [f"--{key.replace('_', '-')}", cap]
+        elif key == "security_opt":
+            for item in value:
+                name, sep, setting = item.partition(":" if item.startswith("no-new") else "=")
+                if name == "seccomp" and setting not in ("unconfined",):
+                    setting = str((SERVICE / setting).resolve())  # relative to the file
+                options += ["--security-opt", f"{name}{sep}{setting}"]
+        elif key == "pids_limit":
+            options += ["--pids-limit", str(value)]
+        elif key == "mem_limit":
+            options += ["--memory", str(value)]
+        elif key == "stop_grace_period":
+            options += ["--stop-timeout", str(int(str(value).rstrip("s")))]
+        else:
+            raise AssertionError(f"compose.yaml's {key!r} has no docker run option here: "
+                                 "translate it, or the test would run something else")
+    return options
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: `!reset VALUE` (an overlay's replacement) is that value."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: loader.construct_sequence(node))
+
+
+def _compose_file(path: Path) -> dict:
+    return yaml.load(path.read_text(), Loader=ComposeLoader)["services"]["sandbox"]
+
+
+def _compose_service() -> dict:
+    return _compose_file(SERVICE / "compose.yaml")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Container:
+    """One container of the image, run detached with the given options."""
+
+    def __init__(self, options: list[str], port: int) -> None:
+        self.name = f"sandbox-kernel-test-{uuid.uuid4().hex[:8]}"
+        self.url = f"http://127.0.0.1:{port}"
+        _docker("run", "-d", "--name", self.name, *options, IMAGE)
+
+    def logs(self) -> str:
+        done = _docker("logs", "--tail", "60", self.name, check=False)
+        return done.stdout + done.stderr
+
+    def ready_state(self) -> tuple[int | None, dict]:
+        try:
+            answer = httpx.get(f"{self.url}/ready", timeout=5)
+        except httpx.TransportError:
+            return None, {}
+        return answer.status_code, answer.json()
+
+    def wait_answering(self, timeout: float = 120) -> list[tuple[int | None, dict]]:
+        """Every /ready answer until one is 200 or the last is a settled 503."""
+        seen, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            seen.append(self.ready_state())
+            if seen[-1][0] == 200:
+                return seen
+            time.sleep(0.5)
+        return seen
+
+    def run(self, code: str, network: bool) -> dict:
+        answer = httpx.post(self.url + RUN, headers={"X-Api-Key": "dify-sandbox"}, timeout=60,
+                            json={"language": "python3", "code": code, "preload": "",
+                                  "enable_network": network})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def remove(self) -> None:
+        _docker("rm", "-f", self.name, check=False)
+
+
+@pytest.fixture(scope="module")
+def image(docker, say, tmp_path_factory):
+    started = time.monotonic()
+    _make_base(say)
+    _build(say, tmp_path_factory.mktemp("build"))
+    yield IMAGE
+    say(f"done in {time.monotonic() - started:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def shipped(image, say):
+    """The container as compose.yaml runs it, once /ready said 200."""
+    port = _free_port()
+    container = Container(run_options(_compose_service(), port), port)
+    say(f"container {container.name}: started with compose.yaml's settings")
+    try:
+        container.answers = container.wait_answering()
+        assert container.answers[-1][0] == 200, f"{container.answers[-1]}\n{container.logs()}"
+        say("container: /ready 200")
+        yield container
+    finally:
+        container.remove()
+
+
+def test_check_passes_with_the_compose_settings(image):
+    done = _docker("run", "--rm", *run_options(_compose_service(), _free_port()), IMAGE,
+                   "check", check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "network kernels: the kernel will start" in done.stdout
+    assert "the service's kernels will start" in done.stdout
+
+
+def test_ready_only_once_every_policy_started(shipped):
+    status, state = shipped.answers[-1]
+    assert status == 200 and state["ready"] is True
+    assert state["policies"] == {"offline": {"started": True, "error": ""},
+                                 "network": {"started": True, "error": ""}}
+    # Any answer before it said why it was not ready yet.
+    for early_status, early in shipped.answers[:-1]:
+        assert early_status in (None, 503) and (early_status is None or early["reason"])
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_dify_runs_with_and_without_network(shipped, network):
+    answer = shipped.run("print('hello from', 6 * 7)", network)
+    assert answer == {"code": 0, "message": "success",
+                      "data": {"stdout": "hello from 42\n", "stderr": "", "error": "",
+                               "exit_code": 0}}
+
+
+PROBE = """
+status = dict(line.split(':', 1) for line in open('/proc/self/status').read().splitlines())
+print(*(status[name].split()[0] for name in ('Seccomp', 'NoNewPrivs', 'CapEff', 'Uid')))
+"""
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_a_run_is_confined_on_a_uid_of_its_own(shipped, network):
+    first, second = (shipped.run(PROBE, network)["data"]["stdout"].split() for _ in range(2))
+    assert first[:3] == ["2", "1", "0000000000000000"], first
+    assert 200000 <= int(first[3]) <= 265535, first  # --uid-range's, never root's
+    assert first[3] != second[3]  # a uid per kernel, not one for all
+
+
+HOSTILE = """
+import os, socket
+for name, attempt in (("fork", os.fork),
+                      ("service port", lambda: socket.create_connection(("127.0.0.1", 8194), 3)),
+                      ("shadow", lambda: open("/etc/shadow").read())):
+    try:
+        attempt()
+        print(name, "ALLOWED")
+    except OSError as exc:
+        print(name, type(exc).__name__, exc.errno)
+"""
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_hostile_code_is_refused(shipped, network):
+    lines = shipped.run(HOSTILE, network)["data"]["stdout"].splitlines()
+    assert lines[0] == "fork PermissionError 1"
+    assert lines[2] == "shadow PermissionError 13"
+    # Offline: no socket at all. With the network: the kernel's own namespace has no route
+    # to the service, and the egress proxy refuses loopback.
+    assert lines[1] in ("service port PermissionError 1",
+                        "service port ConnectionRefusedError 111",
+                        "service port OSError 101"), lines
+    assert "ALLOWED" not in "\n".join(lines)
+    assert shipped.ready_state()[0] == 200  # the service is unharmed
+
+
+def test_refreshing_the_dependencies_says_the_image_is_read_only(shipped):
+    answer = httpx.get(shipped.url + "/v1/sandbox/dependencies/refresh?language=python3",
+                       headers={"X-Api-Key": "dify-sandbox"}, timeout=60)
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body["code"] == -500 and body["message"].startswith(
+        "the runtime default cannot be rebuilt here: Read-only file system (/opt/runtimes/")
+    assert shipped.run("print(1)", False)["data"]["stdout"] == "1\n"  # still serving
+
+
+def test_without_the_seccomp_profile_it_is_not_ready_and_check_says_why(image, say):
+    """The runtime's default seccomp profile in place of the shipped one: network kernels
+    cannot make their namespace, so the service must not call itself ready."""
+    service = _compose_service()
+    service["security_opt"] = [item for item in service["security_opt"]
+                               if not item.startswith("seccomp")]
+    port = _free_port()
+    options = run_options(service, port)
+    done = _docker("run", "--rm", *options, IMAGE, "check", check=False)
+    assert done.returncode == 1, done.stdout
+    assert "network kernels (ENABLE_NETWORK=true): network on: no network namespace" in \
+        done.stdout
+    assert "deploy/service/seccomp.json" in done.stdout
+    container = Container(options, port)
+    try:
+        answers = container.wait_answering(timeout=45)
+        assert all(status in (None, 503) for status, _ in answers), answers[-1]
+        status, state = answers[-1]
+        assert status == 503 and state["policies"]["offline"]["started"] is True
+        assert state["policies"]["network"]["started"] is False
+        assert "network kernels: " in state["reason"] and "namespace" in state["reason"]
+        say("container without the profile: /ready 503, naming the network kernels")
+    finally:
+        container.remove()
+
+
+def test_the_dify_overlay_hardens_the_container_the_same_way():
+    overlay = _compose_file(SERVICE / "dify" / "docker-compose.override.yaml")
+    shipped = _compose_service()
+    for key in ("user", "read_only", "tmpfs", "cap_drop", "cap_add", "pids_limit", "mem_limit"):
+        assert overlay[key] == shipped[key], key
+    # The same profile: the overlay's is named relative to the Dify directory it is copied to,
+    # beside it (as Compose v2 resolves it), and in this checkout links to the standalone one.
+    profile = [item for item in overlay["security_opt"] if item.startswith("seccomp")]
+    assert profile == ["seccomp=sandbox-kernel-seccomp.json"]
+    assert json.loads((SERVICE / "dify" / "sandbox-kernel-seccomp.json").read_text()) == \
+        json.loads((SERVICE / "seccomp.json").read_text())
+    assert overlay["environment"]["JUPYTER_RUNTIME_DIR"] == shipped["environment"].get(
+        "JUPYTER_RUNTIME_DIR", "/run/jupyter")
