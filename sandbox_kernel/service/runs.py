@@ -159,8 +159,11 @@ class Runner:
 
     async def run(self, code: str, *, network: Network, timeout: float,
                   inputs: dict | None = None, record: RunRecord,
-                  on_output: Callable[[str, Any], None] | None = None) -> tuple[Execution, bool]:
-        """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot."""
+                  on_output: Callable[[str, Any], None] | None = None,
+                  entrypoint: str = "main") -> tuple[Execution, bool]:
+        """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot.
+
+        With inputs, entrypoint(**inputs) is called after the code (the main() convention)."""
         async with self.admission.workers:
             sandbox = await self.kernels.get(network)
             record.kernel_id = kernel_id(sandbox)
@@ -169,7 +172,7 @@ class Runner:
                 return await bounded(
                     sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
                                 on_stderr=on["stderr"], on_display=on["display"],
-                                raw_result=True),
+                                raw_result=True, entrypoint=entrypoint),
                     timeout, self.grace, record, self.stopping)
             except OutputLimit as exc:
                 return output_limited(record, str(exc), state_lost=True), False

@@ -18,7 +18,7 @@ from ..deps import ServiceDep
 from ..kernels import KernelUnavailable
 from ..openapi import DEPENDENCIES_DOC, RUN_DOC
 from ..runs import Busy, RunRecord, unless_disconnected
-from . import dependencies
+from . import dependencies, framing
 from .answers import run_data
 from .gin import GoJSON, bind, error_answer, success
 from .nodejs import run_nodejs
@@ -78,9 +78,11 @@ async def _run_admitted(request: Request, service: Service) -> Response:
     record = RunRecord()
     request.state.record = record
     timeout = service.config.worker_timeout
+    runner = framing.split(values["code"])  # Dify's runner: its result survives any logs
     try:
         outcome = await unless_disconnected(request, service.runner.run(
-            values["code"], network=network, timeout=timeout, record=record))
+            runner or values["code"], network=network, timeout=timeout, record=record,
+            inputs={} if runner else None, entrypoint=framing.ENTRYPOINT))
     except KernelUnavailable as exc:  # dify-sandbox answers a runner failure so, too
         log.error(json_line(event="kernel_unavailable", error=str(exc)))
         return error_answer(200, -500, str(exc))
@@ -89,7 +91,10 @@ async def _run_admitted(request: Request, service: Service) -> Response:
         return Response(status_code=499)
     execution, _ = outcome
     service.count_run("dify", execution)
-    return success(run_data(execution, values["code"]))
+    data = run_data(execution, values["code"])
+    if runner:
+        data["stdout"] = framing.framed_stdout(execution, data["stdout"], data["stderr"])
+    return success(data)
 
 
 @functools.lru_cache(maxsize=1)
