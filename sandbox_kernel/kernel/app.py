@@ -9,7 +9,8 @@
    egress listener in it, handed to the reaper         }
 3. Landlock                                            }
 4. IPKernelApp hands the bound listeners to libzmq and starts its threads (all of them in the
-   private namespace); the uid is switched
+   private namespace); the uid is switched (before the namespace instead, where root may not
+   make one: the kernel's own uid makes it in a user namespace, see enter_namespace)
 5. seccomp with TSYNC, into every thread; its listener (and the audit file) go to the reaper
 6. start(): user code runs only from here on
 """
