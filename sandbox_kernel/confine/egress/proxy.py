@@ -212,8 +212,8 @@ class EgressProxy:
         if entry.method == "CONNECT":
             await self._tunnel(reader, writer, entry, rest)
         else:
-            head = _forwarded_head(request, entry, path if self.upstream is None else None)
             far_reader, far_writer = await self._open(entry, tunnel=False)
+            head = _forwarded_head(request, entry, path if self.upstream is None else None)
             self._opened(entry)
             far_writer.write(head + rest)
             entry.sent += len(head) + len(rest)
