@@ -628,3 +628,25 @@ def test_the_hosts_own_addresses_are_refused_unless_granted(tmp_path):
     assert ast.literal_eval(found["granted"]) == (
         "host service", "HTTP/1.1 200 Connection established | +OK host banner\r\n",
         "host service")
+
+
+def test_connections_are_paced_so_the_companion_cost_is_bounded():
+    """Whatever each connection carries, it costs the unconfined companion about a millisecond:
+    past a burst the proxy accepts at most CONNECTION_RATE a second (the rest wait in the
+    listener's backlog, costing the kernel its waiting). An upper bound only: a loaded machine
+    answers fewer."""
+    from sandbox_kernel.confine.egress.proxy import CONNECTION_BURST, CONNECTION_RATE
+
+    served = Served(_rules("hosts", [], []))
+    answered, started = 0, time.monotonic()
+    try:
+        while time.monotonic() - started < 1.5 + CONNECTION_BURST / 1000:
+            with socket.create_connection(served.url.removeprefix("http://").split(":"),
+                                          timeout=10) as raw:
+                raw.sendall(b"GET http://10.0.0.1/ HTTP/1.1\r\nHost: 10.0.0.1\r\n\r\n")
+                assert raw.recv(4096).startswith(b"HTTP/1.1 403 ")
+            answered += 1
+        elapsed = time.monotonic() - started
+    finally:
+        served.close()
+    assert answered <= CONNECTION_BURST + CONNECTION_RATE * elapsed + 2, (answered, elapsed)

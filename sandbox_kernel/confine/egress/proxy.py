@@ -45,6 +45,7 @@ MAX_HEADERS = 100  # header lines of a request head (h11's cost grows with their
 HEAD_TIMEOUT = 30.0  # seconds to send a request head, or a ClientHello into a tunnel
 CONNECT_TIMEOUT = 15.0  # seconds to reach the destination (or the upstream proxy)
 MAX_CONNECTIONS = 128  # open at once per kernel; more are answered 503
+CONNECTION_BURST, CONNECTION_RATE = 200, 100.0  # connections accepted at once, then per second
 REFUSAL_BURST, REFUSAL_RATE = 100, 10.0  # refusals recorded at once, and per second after
 FLUSH_AFTER = 1.0  # seconds after a refusal left out of the record, its count is written
 PROXY_PORT = 3128  # in the kernel's own namespace: nothing else listens there
@@ -121,6 +122,7 @@ class EgressProxy:
         self.upstream = upstream
         self.slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self.open: set[asyncio.Task[Any]] = set()  # the connections being served
+        self.pace = TokenBucket(CONNECTION_BURST, CONNECTION_RATE)
         self.flushing: asyncio.TimerHandle | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task[Any] | None = None
@@ -133,19 +135,32 @@ class EgressProxy:
         """
         self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
         listener.setblocking(False)
-        server = await asyncio.start_server(self.handle, sock=listener, limit=HEAD_LIMIT)
         try:
-            if not self.stopped:
-                await server.serve_forever()
+            while not self.stopped:
+                await self._paced()
+                conn, _ = await self.loop.sock_accept(listener)
+                self.loop.create_task(self._connected(conn))
         finally:
-            server.close()
             for task in self.open:
                 task.cancel()
             await asyncio.gather(*self.open, return_exceptions=True)
-            await server.wait_closed()  # (since 3.12 it waits for the connections: all closed)
             if self.flushing is not None:
                 self.flushing.cancel()
             self.record.flush()
+
+    async def _paced(self) -> None:
+        """Wait for the next connection's turn: at most CONNECTION_RATE a second after a burst.
+
+        Every connection costs the unconfined companion about a millisecond (accept, the event
+        loop, an answer), whatever it carries; the kernel's further connects wait in the
+        listener's backlog meanwhile, so the kernel waits, not the companion.
+        """
+        while not self.pace.take():
+            await asyncio.sleep((1 - self.pace.available()) / CONNECTION_RATE)
+
+    async def _connected(self, conn: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=conn, limit=HEAD_LIMIT)
+        await self.handle(reader, writer)
 
     def stop(self) -> None:
         """End serve() from another thread (the kernel has ended): its connections are recorded."""
@@ -174,9 +189,7 @@ class EgressProxy:
             if not entry.allowed:
                 entry.reason = entry.reason or f"client: {exc!r}"
         except asyncio.CancelledError:  # stop(): the kernel has ended
-            # Not raised on: asyncio's stream protocol reads the handler's outcome and reports
-            # a cancelled one as an error; the handler ends here anyway, recorded.
-            entry.reason = "cut when the kernel ended"
+            entry.reason = "cut when the kernel ended"  # and the handler ends: not raised on
         finally:
             self.open.discard(task)  # type: ignore[arg-type]
             writer.close()
