@@ -61,6 +61,14 @@ def records(path, timeout=10.0, at_least=0):
         time.sleep(0.1)
 
 
+def _records_until(path, wanted, timeout=10.0):
+    """The audit file's records once wanted(records) holds, or when the time is up."""
+    deadline = time.monotonic() + timeout
+    while not wanted(found := records(path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory):
     """A kernel recording its denials into a file of the test's."""
@@ -161,6 +169,10 @@ def test_rate_limit_counts_what_it_does_not_record(tmp_path):
     with Sandbox(None, policy=SandboxPolicy(audit_log=str(path))) as sb:
         assert evaluate(sb, flood) == {(-1, 1)}
         assert evaluate(sb, RAW_SYSCALL + f"raw({SYS_ACCT}, 1)") == (-1, 1)
+        # The count of what was left out is written within a second, while the kernel runs
+        # and no later record comes.
+        assert any("suppressed" in r for r in _records_until(
+            path, lambda found: any("suppressed" in r for r in found)))
     deadline = time.monotonic() + 30  # the reaper writes the last count when the kernel ends
     while True:
         found = records(path)
