@@ -650,3 +650,28 @@ def test_connections_are_paced_so_the_companion_cost_is_bounded():
     finally:
         served.close()
     assert answered <= CONNECTION_BURST + CONNECTION_RATE * elapsed + 2, (answered, elapsed)
+
+
+def test_an_upstream_answer_past_the_head_limit_is_refused_cleanly():
+    """The upstream proxy's answer to CONNECT is read within HEAD_LIMIT: a longer one is a 502,
+    not an exception out of the handler."""
+    from sandbox_kernel.confine.egress.proxy import HEAD_LIMIT
+
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def answer_forever() -> None:
+        conn, _ = upstream.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX: " + b"x" * (HEAD_LIMIT + 10))
+            time.sleep(5)
+
+    threading.Thread(target=answer_forever, daemon=True).start()
+    served = Served(_rules("on", [], []), Upstream("127.0.0.1", upstream.getsockname()[1]))
+    try:
+        with pytest.raises(requests.exceptions.ProxyError, match="502 the upstream proxy "
+                           f"127.0.0.1:{upstream.getsockname()[1]} gave no answer"):
+            served.get("https://8.8.8.8/")
+    finally:
+        served.close()  # asserts that nothing escaped a handler
+        upstream.close()

@@ -360,7 +360,13 @@ class EgressProxy:
         if upstream.authorization:
             head += f"Proxy-Authorization: {upstream.authorization}\r\n"
         far_writer.write(head.encode() + b"\r\n")
-        answer = await asyncio.wait_for(far_reader.readuntil(b"\r\n\r\n"), CONNECT_TIMEOUT)
+        try:
+            answer = await asyncio.wait_for(far_reader.readuntil(b"\r\n\r\n"), CONNECT_TIMEOUT)
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            far_writer.close()  # an answer too long, cut short or too slow: not one to trust
+            raise Refused(502, f"the upstream proxy {upstream.host}:{upstream.port} gave no "
+                               f"answer to CONNECT {authority} within {HEAD_LIMIT} bytes and "
+                               f"{CONNECT_TIMEOUT:g} s") from None
         status_line = answer.split(b"\r\n", 1)[0].decode("latin-1")
         parts = status_line.split(" ", 2)
         if len(parts) < 2 or parts[1] != "200":
