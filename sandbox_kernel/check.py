@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .confine import landlock, netns, paths, privileges, promises, scratch, seccomp
+from .confine import audit, landlock, netns, paths, privileges, promises, scratch, seccomp
 from .policy import SandboxPolicy
 
 # Set in the service's image and compose files: where any is, `check` checks the service too.
@@ -104,6 +104,7 @@ def host_report(policy: SandboxPolicy) -> dict[str, Any]:
                     "rules": rules if policy.require_seccomp else None},
         "landlock": lock,
         "network": network,
+        "audit_log": policy.audit_log or audit.default_path(),
         "rlimits": _rlimits(),
         "uid": os.geteuid(),
         "user_code_uid": uid,
@@ -250,6 +251,9 @@ def summary(report: dict[str, Any]) -> str:
         f"  Landlock: ABI {lock['abi']}{capped}" if lock["abi"] else
         f"  Landlock: NOT available{capped}",
         *_network_lines(report["network"]),
+        f"  audit record (refused calls, egress connections): {report['audit_log']}"
+        + ("" if report["policy"].get("audit_log") else " (the default; --audit-log PATH "
+           "chooses another)"),
         f"  user code runs as: uid {uid} ({_user_name(uid)})" if report["uid"] != 0
         or report["policy"].get("run_as") != "auto" else
         f"  user code runs as: a uid of its own per kernel from {report['policy']['uid_range']}",

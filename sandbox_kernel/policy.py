@@ -192,9 +192,12 @@ class SandboxPolicy(Configurable):
     ).tag(config=True, flag="uid-lock-dir", metavar="DIR")
 
     audit_log = Unicode(
-        "", help="Append one JSON line per system call the filter refused (kernel id, call, "
-        "arguments) to this file, written by the kernel's unconfined reaper; user code cannot "
-        "reach it. Denials also go to the launcher's log either way.",
+        "", help="Append the audit record to this file: one JSON line per system call the "
+        "filter refused (kernel id, call, arguments) and per egress connection (at its open "
+        "and its end), written by the kernel's unconfined companion; user code cannot reach "
+        "it. Without it the record goes to /var/log/sandbox-kernel/audit.jsonl (as root) or "
+        "~/.local/state/sandbox-kernel/audit.jsonl (`sandbox-kernel check` names it); none of "
+        "it goes to the launcher's terminal.",
     ).tag(config=True, flag="audit-log", metavar="PATH")
 
     require_landlock = Bool(

@@ -101,3 +101,33 @@ class Listener:
     def close(self) -> None:
         """Close the listener."""
         self.sock.close()
+
+
+class Catcher:
+    """A TCP server on the host's 127.0.0.1 that keeps every byte it is sent (a Redis, say)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = bytearray()
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._keep, args=(conn,), daemon=True).start()
+
+    def _keep(self, conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):
+                self.received += data
+
+    def close(self) -> None:
+        """Stop accepting."""
+        self.sock.close()

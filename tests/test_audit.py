@@ -61,6 +61,14 @@ def records(path, timeout=10.0, at_least=0):
         time.sleep(0.1)
 
 
+def _records_until(path, wanted, timeout=10.0):
+    """The audit file's records once wanted(records) holds, or when the time is up."""
+    deadline = time.monotonic() + timeout
+    while not wanted(found := records(path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory):
     """A kernel recording its denials into a file of the test's."""
@@ -161,6 +169,10 @@ def test_rate_limit_counts_what_it_does_not_record(tmp_path):
     with Sandbox(None, policy=SandboxPolicy(audit_log=str(path))) as sb:
         assert evaluate(sb, flood) == {(-1, 1)}
         assert evaluate(sb, RAW_SYSCALL + f"raw({SYS_ACCT}, 1)") == (-1, 1)
+        # The count of what was left out is written within a second, while the kernel runs
+        # and no later record comes.
+        assert any("suppressed" in r for r in _records_until(
+            path, lambda found: any("suppressed" in r for r in found)))
     deadline = time.monotonic() + 30  # the reaper writes the last count when the kernel ends
     while True:
         found = records(path)
@@ -171,3 +183,63 @@ def test_rate_limit_counts_what_it_does_not_record(tmp_path):
         time.sleep(0.2)
     assert len(recorded) < 200
     assert len(recorded) + suppressed == 1001, (len(recorded), suppressed)
+
+
+def test_without_audit_log_the_record_goes_to_the_default_file_that_check_names(fresh_sandbox):
+    """No --audit-log: the record is still kept, in the default audit file, and the launcher's
+    `sandbox-kernel check` names that file."""
+    import random
+    import subprocess
+    import sys
+
+    from sandbox_kernel.confine import audit
+
+    marker = random.getrandbits(48)
+    assert evaluate(fresh_sandbox, RAW_SYSCALL + f"raw({SYS_ACCT}, {marker})") == (-1, 1)
+    path = Path(audit.default_path())
+    assert str(path) == ("/var/log/sandbox-kernel/audit.jsonl" if os.getuid() == 0 else
+                         os.path.expanduser("~/.local/state/sandbox-kernel/audit.jsonl"))
+    deadline = time.monotonic() + 10
+    while not (path.exists() and hex(marker).encode() in path.read_bytes()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [entry] = [json.loads(line) for line in path.read_text().splitlines() if hex(marker) in line]
+    assert (entry["kernel"], entry["syscall"]) == (kernel_id(fresh_sandbox), "acct")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    said = subprocess.run([sys.executable, "-m", "sandbox_kernel", "check"], capture_output=True,
+                          text=True, timeout=60).stdout
+    assert (f"  audit record (refused calls, egress connections): {path} (the default; "
+            "--audit-log PATH chooses another)") in said.splitlines()
+
+
+def test_a_connection_open_when_the_kernel_dies_is_recorded(tmp_path):
+    """An allowed tunnel still open when the kernel is killed: its record at open is there at
+    once, and the reaper writes its end when it sees the kernel's."""
+    from tests.network_servers import Catcher
+
+    path = tmp_path / "audit.jsonl"
+    catcher = Catcher()  # keeps the connection open: only the kernel's end ends it
+    policy = SandboxPolicy(network="on", allow_addresses=[f"127.0.0.1:{catcher.port}"],
+                           audit_log=str(path))
+    code = f"""
+import socket
+held = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+held.sendall(b"CONNECT 127.0.0.1:{catcher.port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\nstill open")
+held.recv(4096).split(b"\\r\\n")[0].decode()
+"""
+    try:
+        with Sandbox(None, policy=policy) as sb:
+            assert evaluate(sb, code) == "HTTP/1.1 200 Connection established"
+            opened = [r for r in records(path, at_least=1) if r.get("event") == "egress-open"]
+            assert [(r["host"], r["port"], r["allowed"]) for r in opened] == [
+                ("127.0.0.1", catcher.port, True)]
+            os.kill(sb.manager.provisioner.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not any(
+                    r.get("event") == "egress" for r in records(path, timeout=0)):
+                time.sleep(0.1)
+    finally:
+        catcher.close()
+    [ended] = [r for r in records(path) if r.get("event") == "egress"]
+    assert (ended["host"], ended["port"], ended["allowed"], ended["sent"], ended["reason"]) == (
+        "127.0.0.1", catcher.port, True, len("still open"), "cut when the kernel ended")

@@ -7,11 +7,13 @@ tests/test_network.py drives it from real sandboxed kernels.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import ssl
 import threading
+import time
 
 import pytest
 import requests
@@ -20,21 +22,46 @@ from sandbox_kernel.confine.egress import tls
 from sandbox_kernel.confine.egress.proxy import Connection, EgressProxy
 from sandbox_kernel.confine.egress.rules import EgressRules, RuleError, Upstream, parse_host_entry
 
-from .network_servers import BODY, Listener, Origin, self_signed
+from .network_servers import BODY, Catcher, Listener, Origin, self_signed
+
+
+class Records:
+    """A recorder keeping what the proxy writes: each connection's last record, the opens."""
+
+    def __init__(self) -> None:
+        self.ended: list[Connection] = []
+        self.opened: list[Connection] = []
+        self.flushes = 0
+
+    def __call__(self, entry: Connection) -> None:
+        (self.opened if entry.event == "egress-open" else self.ended).append(entry)
+
+    def flush(self) -> None:
+        self.flushes += 1
 
 
 class Served:
     """An EgressProxy on 127.0.0.1 in a thread of its own, and the records it wrote."""
 
-    def __init__(self, rules: EgressRules, upstream: Upstream | None = None) -> None:
-        self.records: list[Connection] = []
+    def __init__(self, rules: EgressRules, upstream: Upstream | None = None,
+                 record: object = None) -> None:
+        self.recorder = Records()
+        self.records = self.recorder.ended
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.loop = asyncio.new_event_loop()
-        proxy = EgressProxy(rules, "k1", self.records.append, upstream)
-        self.task = self.loop.create_task(proxy.serve(self.sock))
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.proxy = EgressProxy(rules, "k1", record or self.recorder, upstream)
+        self.errors: list[dict[str, object]] = []  # what escaped a handler (nothing may)
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        async def serve() -> None:
+            asyncio.get_running_loop().set_exception_handler(
+                lambda loop, context: self.errors.append(context))
+            await self.proxy.serve(self.sock)
+
+        with contextlib.suppress(asyncio.CancelledError):
+            asyncio.run(serve())
 
     def get(self, url: str, **kwargs: object) -> requests.Response:
         return requests.get(url, proxies={"http": self.url, "https": self.url}, timeout=10,
@@ -49,9 +76,11 @@ class Served:
         return self.records
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        """Stop the proxy as the reaper does at the kernel's end, and wait for it to finish."""
+        self.proxy.stop()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        assert self.errors == []
 
 
 @pytest.fixture(scope="module")
@@ -235,27 +264,414 @@ def test_server_name_of_a_real_client_hello():
         tls.hello_length(b"GET / HTTP/1.1\r\n")
 
 
-def test_audit_sink_writes_json_lines_and_log_lines(tmp_path):
+class Log:
+    """A LineSink keeping its lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def write(self, line: bytes) -> None:
+        self.lines.append(line)
+
+
+def test_audit_sink_writes_json_lines_and_the_log_only_without_a_file(tmp_path):
     from sandbox_kernel.confine.egress.proxy import AuditSink
-
-    class Log:
-        def __init__(self) -> None:
-            self.lines: list[bytes] = []
-
-        def write(self, line: bytes) -> None:
-            self.lines.append(line)
 
     path = tmp_path / "audit.jsonl"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    refused = Connection("k9", method="CONNECT", host="ix.example.org", port=443,
+                         reason="refused x")
     try:
         log = Log()
-        sink = AuditSink(fd, log)
-        sink(Connection("k9", method="CONNECT", host="ix.example.org", port=443,
-                        reason="refused x"))
+        AuditSink(fd, log)(refused)
     finally:
         os.close(fd)
     (entry,) = map(json.loads, path.read_text().splitlines())
     assert (entry["kernel"], entry["event"], entry["host"], entry["allowed"]) == (
         "k9", "egress", "ix.example.org", False)
+    assert log.lines == []  # the launcher's terminal is the user's: nothing of the record
+    AuditSink(None, log)(refused)  # no audit file could be opened: the log keeps the record
     assert log.lines == [b"sandbox-kernel audit: kernel k9: egress refused CONNECT "
                          b"ix.example.org:443: refused x\n"]
+
+
+def _file_records(path, wanted, timeout=10.0):
+    """The JSON records of path, once wanted(records) holds (or the time is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [json.loads(line) for line in path.read_text().splitlines()]
+        if wanted(found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _refused_requests(served: Served, count: int) -> None:
+    for _ in range(count):
+        with socket.create_connection(served.url.removeprefix("http://").split(":")) as raw:
+            raw.sendall(b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n")
+            assert raw.recv(4096).startswith(b"HTTP/1.1 403 example.com:80 is not on the")
+
+
+def test_a_refusal_flood_never_hides_an_allowed_connection(origins, tmp_path):
+    """300 refusals spend the refusals' budget; the allowed connection after them is written
+    (at its open and its end), and every refusal is a record or in a `suppressed` count."""
+    from sandbox_kernel.confine.egress.proxy import AuditSink
+
+    http_origin, _, _ = origins
+    path = tmp_path / "audit.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    served = Served(_rules("hosts", [f"localhost:{http_origin.port}"],
+                           [f"127.0.0.1:{http_origin.port}"]), record=AuditSink(fd, Log()))
+    try:
+        _refused_requests(served, 300)
+        assert served.get(f"http://localhost:{http_origin.port}/").content.startswith(BODY)
+        found = _file_records(path, lambda found: any(
+            r.get("allowed") and r["event"] == "egress" for r in found))
+    finally:
+        served.close()
+        os.close(fd)
+    allowed = [(r["event"], r["host"], r["port"]) for r in found if r.get("allowed")]
+    assert allowed == [("egress-open", "localhost", http_origin.port),
+                       ("egress", "localhost", http_origin.port)]
+    refused = [r for r in found if r.get("allowed") is False]
+    suppressed = sum(r.get("suppressed", 0) for r in found)
+    assert len(refused) < 300 and len(refused) + suppressed == 300
+
+
+def test_the_count_of_refusals_left_out_is_written_without_a_later_record(tmp_path):
+    from sandbox_kernel.confine.egress.proxy import AuditSink
+
+    path = tmp_path / "audit.jsonl"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    served = Served(_rules("hosts", [], []), record=AuditSink(fd, Log()))
+    try:
+        _refused_requests(served, 150)
+
+        def counted(found: list[dict[str, object]]) -> int:
+            return sum(1 for r in found if r.get("allowed") is False) + sum(
+                int(r.get("suppressed", 0)) for r in found)  # type: ignore[call-overload]
+
+        found = _file_records(path, lambda found: counted(found) == 150, timeout=3.0)
+        assert any("suppressed" in r for r in found) and counted(found) == 150  # within 1 s
+    finally:
+        served.close()
+        os.close(fd)
+
+
+def test_a_connection_open_at_the_end_is_recorded_at_open_and_at_the_end():
+    listener = Catcher()
+    served = Served(_rules("on", [], [f"127.0.0.1:{listener.port}"]))
+    try:
+        with socket.create_connection(served.url.removeprefix("http://").split(":")) as raw:
+            raw.sendall(f"CONNECT 127.0.0.1:{listener.port} HTTP/1.1\r\nHost: x\r\n\r\n"
+                        "held".encode())
+            assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+            for _ in range(500):
+                if served.recorder.opened:
+                    break
+                time.sleep(0.01)
+            (opened,) = served.recorder.opened
+            assert (opened.allowed, opened.host, opened.address) == (
+                True, "127.0.0.1", "127.0.0.1")
+            served.close()  # the kernel's end, while the tunnel is open
+        (ended,) = served.records
+        assert (ended.event, ended.allowed, ended.reason, ended.sent) == (
+            "egress", True, "cut when the kernel ended", 4)
+        assert served.recorder.flushes >= 1  # and the sink was flushed at the end
+    finally:
+        listener.close()
+
+
+def _client_hello(name: str | None) -> bytes:
+    context = ssl.create_default_context()
+    if name is None:
+        context.check_hostname = False
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = context.wrap_bio(incoming, outgoing, server_hostname=name)
+    with pytest.raises(ssl.SSLWantReadError):
+        client.do_handshake()
+    return outgoing.read()
+
+
+def _through_tunnel(served: Served, target: str, payload: bytes) -> bytes:
+    """What the client hears after CONNECT target and payload, then a half-close."""
+    with socket.create_connection(served.url.removeprefix("http://").split(":"),
+                                  timeout=10) as raw:
+        raw.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: x\r\n\r\n".encode() + payload)
+        raw.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := raw.recv(4096):
+            answer += chunk
+    return answer
+
+
+ENDED = "the tunnel ended before a whole TLS ClientHello (and the records sent with it)"
+
+
+@pytest.mark.parametrize(("payload", "reason"), [
+    # A record header promising 16 KiB, then plain commands, then the half-close.
+    (b"\x16\x03\x01\x40\x00PING\r\nSET key value\r\n", ENDED),
+    (_client_hello(None), "the TLS ClientHello names no server (SNI), so it cannot be "
+                          "checked; send the host name in TLS (every https:// client does)"),
+    *[(_client_hello("localhost") + b"\x16" * extra, ENDED) for extra in (1, 2, 3, 4)],
+    (_client_hello("localhost") + b"PING\r\n", "the tunnel does not carry TLS, so the server "
+                                                "name cannot be checked"),
+    (_client_hello("localhost")[:-1], ENDED),
+])
+def test_hosts_mode_tunnels_forward_nothing_but_a_whole_hello_naming_the_host(payload, reason):
+    catcher = Catcher()
+    served = Served(_rules("hosts", [f"localhost:{catcher.port}"],
+                           [f"127.0.0.1:{catcher.port}"]))
+    try:
+        answer = _through_tunnel(served, f"localhost:{catcher.port}", payload)
+        assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n" + \
+            tls.ACCESS_DENIED_ALERT
+        (record,) = served.wait(1)
+        assert (record.allowed, record.reason) == (
+            False, f"localhost:{catcher.port}: {reason}" + (
+                "" if "; " in reason else "; use https:// through the proxy"))
+        assert served.recorder.opened == []
+        time.sleep(0.1)
+        assert catcher.received == b""  # not a byte reached the destination
+    finally:
+        served.close()  # and nothing escaped a handler
+        catcher.close()
+
+
+def test_a_whole_hello_naming_the_host_is_forwarded_with_what_follows():
+    catcher = Catcher()
+    served = Served(_rules("hosts", [f"localhost:{catcher.port}"],
+                           [f"127.0.0.1:{catcher.port}"]))
+    hello = _client_hello("localhost")
+    early = b"\x17\x03\x03\x00\x02hi"  # a whole record after it (TLS 1.3 early data)
+    try:
+        answer = _through_tunnel(served, f"localhost:{catcher.port}", hello + early)
+        assert answer == b"HTTP/1.1 200 Connection established\r\n\r\n"
+        (record,) = served.wait(1)
+        assert (record.allowed, record.sni, record.sent) == (True, "localhost",
+                                                             len(hello) + len(early))
+        for _ in range(100):
+            if len(catcher.received) == len(hello) + len(early):
+                break
+            time.sleep(0.02)
+        assert bytes(catcher.received) == hello + early
+    finally:
+        served.close()
+        catcher.close()
+
+
+@pytest.mark.parametrize(("address", "carried", "kind"), [
+    ("2002:7f00:1::1", "6to4 of 127.0.0.1", "loopback"),
+    ("2002:a9fe:a9fe::1", "6to4 of 169.254.169.254", "link-local (cloud metadata)"),
+    ("2002:a00:1::1", "6to4 of 10.0.0.1", "private or reserved"),
+    ("64:ff9b::a9fe:a9fe", "NAT64 of 169.254.169.254", "link-local (cloud metadata)"),
+    ("::7f00:1", "IPv4-compatible of 127.0.0.1", "loopback"),
+    ("::ffff:a00:1", "IPv4-mapped of 10.0.0.1", "private or reserved"),
+])
+def test_ipv6_forms_that_carry_a_refused_ipv4_address_are_refused(address, carried, kind):
+    served = Served(_rules("on", [], []))
+    try:
+        answer = served.get(f"http://[{address}]:8080/")
+        assert (answer.status_code, answer.reason) == (
+            403, f"[{address}] ({carried}), a {kind} address the sandbox never reaches; grant "
+                 f"it with --allow-address [{address}]:8080 (only for a service meant for user "
+                 "code)")
+        with pytest.raises(requests.exceptions.ProxyError, match=f"403 \\[{address}\\]"):
+            served.get(f"https://[{address}]:8443/")
+    finally:
+        served.close()
+
+
+def test_hostile_heads_are_refused_before_parsing():
+    """6,000 one-letter headers (59 KB) and a head past HEAD_LIMIT: refused by size and line
+    count, before h11 parses a byte (the companion's cost per head stays small)."""
+    from sandbox_kernel.confine.egress.proxy import HEAD_LIMIT, MAX_HEADERS
+
+    served = Served(_rules("on", [], []))
+    heads = [b"GET http://example.com/ HTTP/1.1\r\n" + b"a: b\r\n" * 6000 + b"\r\n",
+             b"GET http://example.com/ HTTP/1.1\r\nX: " + b"x" * HEAD_LIMIT + b"\r\n\r\n",
+             b"GET http://example.com/ HTTP/1.1\r\n" + b"a: b\r\n" * (MAX_HEADERS + 1) + b"\r\n",
+             b"GET http://10.0.0.1/ HTTP/1.1\r\nHost: 10.0.0.1\r\n"
+             + b"a: b\r\n" * (MAX_HEADERS - 1) + b"\r\n"]
+    said = []
+    try:
+        for head in heads:
+            with socket.create_connection(served.url.removeprefix("http://").split(":"),
+                                          timeout=10) as raw:
+                with contextlib.suppress(OSError):  # the proxy may close before all is sent
+                    raw.sendall(head)
+                said.append(raw.recv(4096).split(b"\r\n")[0].decode())
+    finally:
+        served.close()
+    assert said == [f"HTTP/1.1 431 request head of more than {MAX_HEADERS} header lines",
+                    f"HTTP/1.1 431 request head longer than {HEAD_LIMIT} bytes",
+                    f"HTTP/1.1 431 request head of more than {MAX_HEADERS} header lines",
+                    "HTTP/1.1 403 10.0.0.1, a private or reserved address the sandbox never "
+                    "reaches; grant it with --allow-address 10.0.0.1:80 (only for a service "
+                    "meant for user code)"]  # as many as allowed: parsed and judged
+
+
+# A host whose interface carries a global address: made in a network namespace of the test's
+# own (a veth pair with no peer outside, so nothing leaves it), where the launcher, its
+# kernels' reapers (and so the egress proxy) run. Servers listen on 0.0.0.0, as a host's
+# services do. 11.0.0.0/24 and 2a0f::/16 stand in for a VM's public addresses.
+HOST_ADDRESS, LATER_ADDRESS, HOST_ADDRESS6 = "11.0.0.7", "11.0.0.8", "2a0f::7"
+
+HOST_SCRIPT = r'''
+import json, os, socket, socketserver, subprocess, sys, threading
+from sandbox_kernel.client import Sandbox
+from sandbox_kernel.launch import forkserver
+from sandbox_kernel.policy import SandboxPolicy
+
+def ip(*args):
+    subprocess.run(["ip", *args], check=True)
+
+ip("link", "set", "lo", "up")
+ip("link", "add", "sk-host", "type", "veth", "peer", "name", "sk-peer")
+ip("link", "set", "sk-host", "up")
+ip("link", "set", "sk-peer", "up")
+ip("addr", "add", "HOST/24", "dev", "sk-host")
+ip("-6", "addr", "add", "HOST6/64", "dev", "sk-host", "nodad")
+
+class Web(socketserver.BaseRequestHandler):
+    def handle(self):
+        self.request.recv(4096)
+        self.request.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 12\r\n\r\nhost service")
+
+class Banner(socketserver.BaseRequestHandler):
+    def handle(self):
+        self.request.sendall(b"+OK host banner\r\n")
+
+servers = []
+for handler, family, any_address in ((Web, socket.AF_INET, "0.0.0.0"),
+                                     (Banner, socket.AF_INET, "0.0.0.0"),
+                                     (Web, socket.AF_INET6, "::")):
+    server_class = type("S", (socketserver.ThreadingTCPServer,),
+                        {"address_family": family, "allow_reuse_address": True})
+    server = server_class((any_address, 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers.append(server)
+web, banner, web6 = (server.server_address[1] for server in servers)
+
+ATTEMPTS = """
+import socket, urllib.request, urllib.error
+def http(url):
+    try:
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.reason
+def connect(authority):
+    with socket.create_connection(("127.0.0.1", 3128), timeout=10) as raw:
+        raw.sendall(f"CONNECT {authority} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n".encode())
+        answer = b""
+        while chunk := raw.recv(4096):
+            answer += chunk
+    return answer.decode().split("\\r\\n")[0] + " | " + answer.decode().split("\\r\\n\\r\\n", 1)[-1]
+"""
+
+def attempts(sandbox, host, six=True):
+    code = ATTEMPTS + f"""
+(http("http://{host}:{web}/"), connect("{host}:{banner}"),
+ {'http("http://[HOST6]:%d/")' % web6 if six else 'None'})
+"""
+    execution = sandbox.run(code)
+    assert execution.error is None, execution.error
+    return execution.text
+
+found = {}
+try:
+    with Sandbox(None, policy=SandboxPolicy(network="on"), cold_start=True) as sb:
+        found["refused"] = attempts(sb, "HOST")
+        ip("addr", "add", "LATER/24", "dev", "sk-host")  # after the proxy started
+        found["later"] = attempts(sb, "LATER", six=False)
+    grants = [f"HOST:{web}", f"HOST:{banner}", f"[HOST6]:{web6}"]
+    with Sandbox(None, policy=SandboxPolicy(network="on", allow_addresses=grants),
+                 cold_start=True) as sb:
+        found["granted"] = attempts(sb, "HOST")
+finally:
+    forkserver.stop_servers()
+found["ports"] = [web, banner, web6]
+print(json.dumps(found))
+'''
+
+
+def test_the_hosts_own_addresses_are_refused_unless_granted(tmp_path):
+    """A `--network on` kernel on a host whose interface has a global address: plain HTTP and
+    a raw CONNECT tunnel to it (and to one added after the proxy started) are refused; the
+    same connections pass once the address is granted."""
+    import ast
+    import subprocess
+    import sys
+
+    script = tmp_path / "host.py"
+    script.write_text(HOST_SCRIPT.replace("HOST6", HOST_ADDRESS6).replace("LATER", LATER_ADDRESS)
+                      .replace("HOST", HOST_ADDRESS))
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}  # no shared servers
+    done = subprocess.run(["unshare", "--net", "--", sys.executable, str(script)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    web, banner, web6 = found["ports"]
+
+    def refusal(shown: str, port: int) -> str:
+        return (f"{shown}, an address of this host the sandbox never reaches; grant it with "
+                f"--allow-address {shown}:{port} (only for a service meant for user code)")
+
+    assert ast.literal_eval(found["refused"]) == (
+        (403, refusal(HOST_ADDRESS, web)),
+        f"HTTP/1.1 403 {refusal(HOST_ADDRESS, banner)} | sandbox-kernel egress proxy: "
+        f"{refusal(HOST_ADDRESS, banner)}\n",
+        (403, refusal(f"[{HOST_ADDRESS6}]", web6)))
+    later_http, later_tunnel, _ = ast.literal_eval(found["later"])
+    assert later_http == (403, refusal(LATER_ADDRESS, web))
+    assert later_tunnel.startswith(f"HTTP/1.1 403 {refusal(LATER_ADDRESS, banner)}")
+    assert ast.literal_eval(found["granted"]) == (
+        "host service", "HTTP/1.1 200 Connection established | +OK host banner\r\n",
+        "host service")
+
+
+def test_connections_are_paced_so_the_companion_cost_is_bounded():
+    """Whatever each connection carries, it costs the unconfined companion about a millisecond:
+    past a burst the proxy accepts at most CONNECTION_RATE a second (the rest wait in the
+    listener's backlog, costing the kernel its waiting). An upper bound only: a loaded machine
+    answers fewer."""
+    from sandbox_kernel.confine.egress.proxy import CONNECTION_BURST, CONNECTION_RATE
+
+    served = Served(_rules("hosts", [], []))
+    answered, started = 0, time.monotonic()
+    try:
+        while time.monotonic() - started < 1.5 + CONNECTION_BURST / 1000:
+            with socket.create_connection(served.url.removeprefix("http://").split(":"),
+                                          timeout=10) as raw:
+                raw.sendall(b"GET http://10.0.0.1/ HTTP/1.1\r\nHost: 10.0.0.1\r\n\r\n")
+                assert raw.recv(4096).startswith(b"HTTP/1.1 403 ")
+            answered += 1
+        elapsed = time.monotonic() - started
+    finally:
+        served.close()
+    assert answered <= CONNECTION_BURST + CONNECTION_RATE * elapsed + 2, (answered, elapsed)
+
+
+def test_an_upstream_answer_past_the_head_limit_is_refused_cleanly():
+    """The upstream proxy's answer to CONNECT is read within HEAD_LIMIT: a longer one is a 502,
+    not an exception out of the handler."""
+    from sandbox_kernel.confine.egress.proxy import HEAD_LIMIT
+
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def answer_forever() -> None:
+        conn, _ = upstream.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nX: " + b"x" * (HEAD_LIMIT + 10))
+            time.sleep(5)
+
+    threading.Thread(target=answer_forever, daemon=True).start()
+    served = Served(_rules("on", [], []), Upstream("127.0.0.1", upstream.getsockname()[1]))
+    try:
+        with pytest.raises(requests.exceptions.ProxyError, match="502 the upstream proxy "
+                           f"127.0.0.1:{upstream.getsockname()[1]} gave no answer"):
+            served.get("https://8.8.8.8/")
+    finally:
+        served.close()  # asserts that nothing escaped a handler
+        upstream.close()

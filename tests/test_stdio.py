@@ -142,10 +142,27 @@ def test_kernel_log_reaches_the_terminal_bounded(launched):
     assert log.read_text() == "the launcher's own log\n"
 
 
-def test_refused_call_is_reported_on_the_launchers_terminal(launched):
+def test_refused_call_is_recorded_in_the_audit_file_not_on_the_launchers_terminal(launched):
+    """The launcher's terminal is where the user's own output goes: the record of a refused
+    call goes to the default audit file (no --audit-log here), which `check` names."""
+    import random
+
+    from sandbox_kernel.confine import audit
+    from tests.helpers import RAW_SYSCALL
+
     client, _, _, terminal = launched
-    evaluate(client, "import socket\ntry:\n    socket.socket()\nexcept OSError:\n    pass\n1")
-    assert terminal.wait_for(b"sandbox-kernel audit: kernel kernel: refused socket(0x2, 0x")
+    marker = random.getrandbits(48)
+    evaluate(client, RAW_SYSCALL + f"raw(163, {marker})\n1")  # acct(2): refused
+    path = Path(audit.default_path())
+    deadline = time.monotonic() + 10
+    while not (path.exists() and hex(marker).encode() in path.read_bytes()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [record] = [json.loads(line) for line in path.read_text().splitlines()
+                if hex(marker) in line]
+    assert (record["kernel"], record["syscall"], record["errno"]) == ("kernel", "acct", "EPERM")
+    # The reaper wrote the terminal's line (when it wrote one) before the file's.
+    assert not terminal.wait_for(b"sandbox-kernel audit", timeout=0.5)
 
 
 def test_run_json_is_one_object_whatever_user_code_prints(tmp_path):

@@ -2,9 +2,11 @@
 
 The allowlist's default action is SECCOMP_RET_USER_NOTIF: a refused call waits until whoever
 holds the filter's listener answers. The kernel hands the listener to the reaper before user
-code runs and closes its own copy; the reaper answers EPERM and writes one bounded line per
-denial to the launcher's log and, as JSON, to the operator's audit file. Should the reaper be
-gone, the kernel's pending and later refused calls fail with ENOSYS: still refused.
+code runs and closes its own copy; the reaper answers EPERM and writes one bounded JSON line
+per denial to the audit file: --audit-log, or by default default_path() (never the launcher's
+terminal, where the user's own output goes; only when no audit file can be opened do the lines
+go to the launcher's log, so the record is never lost silently). Should the reaper be gone,
+the kernel's pending and later refused calls fail with ENOSYS: still refused.
 
 Raw ioctls rather than libseccomp's seccomp_notify_*: those are tied to the filter context of
 the process that loaded it, and the reaper is another process holding only the descriptor.
@@ -17,6 +19,7 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import time
 from typing import Any
 
@@ -33,6 +36,8 @@ SECCOMP_IOCTL_NOTIF_SEND = (3 << 30) | (_RESP_SIZE << 16) | (ord("!") << 8) | 1
 
 AUDIT_BURST = 100  # denials recorded at once ...
 AUDIT_RATE = 10.0  # ... and per second after that; the rest are counted, not lost silently
+FLUSH_AFTER = 1.0  # seconds after the first denial left out, the count of them is written
+ROOT_AUDIT_LOG = "/var/log/sandbox-kernel/audit.jsonl"
 
 
 class Notification(ctypes.Structure):
@@ -121,6 +126,7 @@ class Auditor:
         self.kernel_id, self.uid = kernel_id, uid
         self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)
         self.suppressed = 0
+        self.suppressed_since = 0.0
 
     def answer_one(self) -> None:
         """Refuse the next pending call (EPERM), then record it."""
@@ -131,15 +137,22 @@ class Auditor:
             self.tally.add()
         refuse(self.listener, notification)
         if not self.budget.take():
+            if not self.suppressed:
+                self.suppressed_since = time.monotonic()
             self.suppressed += 1
             return
         self.report_suppressed()
         entry = record(notification, self.kernel_id, self.uid)
         probe = library_probe(entry["syscall"], list(notification.args))
-        if probe is not None:  # in the audit file only: not on the user's terminal
+        if probe is not None:  # a library's attempt it copes without: marked as such
             entry["probe"] = probe
         self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
-                           f"thread {entry['pid']} ({entry['thread']})", shown=probe is None)
+                           f"thread {entry['pid']} ({entry['thread']})")
+
+    def due(self) -> bool:
+        """Whether denials left out have waited FLUSH_AFTER seconds for their count."""
+        return bool(self.suppressed) and \
+            time.monotonic() - self.suppressed_since >= FLUSH_AFTER
 
     def report_suppressed(self) -> None:
         """Record how many denials the rate limit left out since the last record."""
@@ -149,20 +162,42 @@ class Auditor:
                         f"{self.suppressed} more denials not recorded (rate limit)")
             self.suppressed = 0
 
-    def _write(self, entry: dict[str, Any], summary: str, shown: bool = True) -> None:
-        if shown:
-            # Thread names are user code's: every character of the line is shown printable.
-            self.log.write(f"sandbox-kernel audit: kernel {escaped(self.kernel_id[:128])}: "
-                           f"{escaped(summary)}\n".encode())
+    def _write(self, entry: dict[str, Any], summary: str) -> None:
         if self.audit_file is not None:
             try:  # one write per line: O_APPEND keeps concurrent kernels' lines whole
                 os.write(self.audit_file, json.dumps(entry).encode() + b"\n")
+                return
             except OSError as exc:
                 self.log.write(f"sandbox-kernel audit: cannot write the audit log: {exc}\n"
                                .encode())
+        # No audit file: the launcher's log keeps the record. Thread names are user code's:
+        # every character of the line is shown printable.
+        self.log.write(f"sandbox-kernel audit: kernel {escaped(self.kernel_id[:128])}: "
+                       f"{escaped(summary)}\n".encode())
 
 
-def open_log(path: str) -> int:
-    """Open the operator's audit file for appending (created 0600); the reaper keeps the fd."""
+def default_path(uid: int | None = None) -> str:
+    """Where the record goes without --audit-log: a log of root's, or the user's state dir.
+
+    Taken from the account, not the environment: the kernel runs with a clean one (HOME is its
+    scratch), and the launcher's `check` names the same file.
+    """
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return ROOT_AUDIT_LOG
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:  # an account-less uid: no home of its own to keep a record in
+        return ""
+    return os.path.join(home, ".local", "state", "sandbox-kernel", "audit.jsonl")
+
+
+def open_log(path: str, make_folder: bool = False) -> int:
+    """Open the audit file for appending (created 0600); the reaper keeps the fd.
+
+    make_folder: create its folder (0700) first, as for the default path.
+    """
+    if make_folder:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
                    0o600)

@@ -93,6 +93,7 @@ class Reaper:
         self.held: list[int] = []  # the uid lock: released when we exit
         self.auditor: audit.Auditor | None = None
         self.egress: tuple[dict[str, Any], int, int | None] | None = None  # until a connection
+        self.proxy: tuple[Any, threading.Thread] | None = None  # the egress proxy, once serving
         self.poller = select.poll()
         for fd in (log_read, channel) + ((kernel,) if kernel >= 0 else ()):
             self.poller.register(fd, select.POLLIN)
@@ -101,14 +102,30 @@ class Reaper:
         """Run until the kernel process is gone."""
         try:
             while self._kernel_alive():
-                for fd, events in self.poller.poll(None if self.kernel >= 0 else 1000):
+                for fd, events in self.poller.poll(self._wait()):
                     self._ready(fd, events)
+                if self.auditor is not None and self.auditor.due():
+                    self.auditor.report_suppressed()
             self._drain_log()
         finally:
+            self._stop_egress()
             if self.auditor is not None:
                 self.auditor.report_suppressed()
             self.relay.flush()
             self.out.close()
+
+    def _wait(self) -> int | None:
+        """How long poll may wait (ms): the count of unrecorded denials is written within 1 s."""
+        if self.auditor is not None and self.auditor.suppressed:
+            return 1000
+        return None if self.kernel >= 0 else 1000
+
+    def _stop_egress(self, timeout: float = 5.0) -> None:
+        """Close the proxy's open connections, recording each, and write what it counted."""
+        if self.proxy is not None:
+            proxy, thread = self.proxy
+            proxy.stop()
+            thread.join(timeout)
 
     def _kernel_alive(self) -> bool:
         if self.kernel >= 0:
@@ -176,8 +193,14 @@ class Reaper:
         settings, listener, audit_file = self.egress
         self.poller.unregister(listener)
         self.egress = None
-        threading.Thread(target=_serve_egress, daemon=True, name="egress",
-                         args=(settings, listener, audit_file, self.out)).start()
+        proxy = _egress_proxy(settings, audit_file, self.out)
+        if proxy is None:
+            os.close(listener)
+            return
+        thread = threading.Thread(target=_serve_egress, daemon=True, name="egress",
+                                  args=(proxy, listener, self.out))
+        self.proxy = (proxy, thread)
+        thread.start()
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
         listener, *files = fds
@@ -193,11 +216,8 @@ class Reaper:
         self.poller.register(listener, select.POLLIN)
 
 
-def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | None,
-                  out: LauncherLog) -> None:
-    """Serve the kernel's egress listener under its rules until the reaper ends (a thread)."""
-    import asyncio
-
+def _egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog) -> Any:
+    """The kernel's egress proxy under its rules; None (said on the log) when they are bad."""
     from .egress.proxy import AuditSink, EgressProxy
     from .egress.rules import EgressRules, Upstream
 
@@ -208,13 +228,19 @@ def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | Non
             if settings.get("upstream_proxy") else None
     except (KeyError, TypeError, ValueError) as exc:
         out.write(f"sandbox-kernel: egress proxy not started: {exc}\n".encode())
-        os.close(listener)
-        return
+        return None
+    return EgressProxy(rules, str(settings.get("kernel", ""))[:128], AuditSink(audit_file, out),
+                       upstream)
+
+
+def _serve_egress(proxy: Any, listener: int, out: LauncherLog) -> None:
+    """Serve the kernel's egress listener until the proxy is stopped (a thread)."""
+    import asyncio
+
     try:
-        proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
-                            AuditSink(audit_file, out), upstream)
         asyncio.run(proxy.serve(socket.socket(fileno=listener)))
+    except asyncio.CancelledError:  # stopped: the kernel has ended
+        pass
     except Exception as exc:  # never silently: user code would only see connections hang
         out.write(f"sandbox-kernel: the egress proxy stopped: {exc!r}\n".encode())
         raise
-

@@ -321,7 +321,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         """The folder the kernel started in, granted as --grant-cwd asks (unless unsafe)."""
         mode = self.policy.grant_cwd
         refused = paths.cwd_refusal(launch_dir, self.abs_connection_file,
-                                    self.policy.audit_log) if mode else None
+                                    self.audit_path) if mode else None
         path = os.path.realpath(launch_dir) if mode and not refused else ""
         self.layers["cwd"] = {"mode": mode, "path": path or None, "started_in": launch_dir,
                               "refused": refused}
@@ -471,23 +471,41 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 os.close(lock)
         self.layers["privileges"] = planned
 
+    @property
+    def audit_path(self) -> str:
+        """The audit file: --audit-log, or the default one (`check` names it)."""
+        return self.policy.audit_log or audit.default_path()
+
     def init_audit(self, scratch_dir: str, write_grants: list[str]) -> None:
-        """Open the operator's audit file now, as the launching user, for the reaper to keep."""
-        path = self.policy.audit_log
+        """Open the audit file now, as the launching user, for the reaper to keep.
+
+        An --audit-log that cannot be opened refuses the start; the default one that cannot
+        leaves the record on the launcher's log, as the reaper then says on every line.
+        """
+        given = self.policy.audit_log
+        path = os.path.realpath(self.audit_path) if self.audit_path else ""
+        self.layers["audit"] = {"recorder": "reaper", "audit_log": path or None,
+                                "kernel": self.kernel_id}
         if not path:
             return
-        path = os.path.realpath(path)
         for writable in map(os.path.realpath, (scratch_dir, *write_grants)):
             if os.path.commonpath([path, writable]) == writable:
-                raise ValueError(f"--audit-log {path} is inside {writable}, which user code may "
-                                 "write: choose a path outside the scratch and every --write-path")
+                raise ValueError(f"the audit log {path} is inside {writable}, which user code "
+                                 "may write: choose --audit-log PATH outside the scratch and "
+                                 "every --write-path")
         if self.reaper_channel is None:
-            raise ValueError("--audit-log needs the reaper: start the kernel with "
-                             "`python -I -m sandbox_kernel`")
+            if given:
+                raise ValueError("--audit-log needs the reaper: start the kernel with "
+                                 "`python -I -m sandbox_kernel`")
+            self.layers["audit"]["audit_log"] = None
+            return
         try:
-            self.audit_file = audit.open_log(path)
+            self.audit_file = audit.open_log(path, make_folder=not given)
         except OSError as exc:
-            raise ValueError(f"cannot open --audit-log {path}: {exc.strerror}") from None
+            if given:
+                raise ValueError(f"cannot open --audit-log {path}: {exc.strerror}") from None
+            self.layers["audit"].update(audit_log=None, reason=f"the default audit log {path} "
+                                        f"cannot be opened ({exc.strerror}): set --audit-log")
 
     def init_seccomp(self) -> None:
         """Load the filter into all threads now that the sockets exist (fail closed).
@@ -531,8 +549,6 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             handover.hand_over(self.reaper_channel, {"audit": settings}, files)
         finally:
             os.close(listener)
-        self.layers["audit"] = {"recorder": "reaper", "audit_log": self.policy.audit_log or None,
-                                "kernel": self.kernel_id}
 
     @property
     def kernel_id(self) -> str:

@@ -84,7 +84,9 @@ def index_refusal(policy: Any) -> str | None:
                 f"{index or 'the package index'}. The operator allows it with --network hosts "
                 "--allow-host INDEX-HOST (and the host its files come from), or --network on")
     try:
-        rules = EgressRules.parse(policy.network, policy.allow_hosts, policy.allow_addresses)
+        # The proxy also refuses the host's own addresses; only it can see them (its namespace).
+        rules = EgressRules.parse(policy.network, policy.allow_hosts, policy.allow_addresses,
+                                  is_own=lambda address: False)
     except RuleError as exc:
         return f"the kernel's network policy cannot be read: {exc}"
     for url in [index] if index else _default_index():

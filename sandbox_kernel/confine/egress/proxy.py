@@ -4,25 +4,34 @@ The kernel makes the listening socket in its private network namespace (where us
 HTTP_PROXY points) and hands it to its reaper, which serves it from outside: connections are
 accepted from the kernel's namespace and made out of the launcher's. Every request is checked
 against the rules (the name, then every address the proxy itself resolved), CONNECT tunnels
-against the TLS server name the client sends, and each connection is one audit record.
+of `hosts` mode against the TLS server name the client sends (nothing is forwarded before a
+whole ClientHello naming the allowed host has arrived).
 
-Request heads are parsed by h11 (maintained, strict, already under httpx and uvicorn); the
-rest is asyncio streams. A maintained proxy (proxy.py, mitmproxy, pproxy) was not taken: each
-brings its own process model, configuration and plugins for what is here ~300 lines, and none
-resolves names under a policy of our own before connecting.
+The record: an allowed connection is written when it opens (`egress-open`) and when it ends
+(`egress`), also when the kernel's end cuts it (`stop`); refusals are rate-limited, and what
+the limit left out is counted in a `suppressed` record written within a second and at the end.
+
+Request heads are parsed by h11 (maintained, strict, already under httpx and uvicorn), once a
+whole head within HEAD_LIMIT bytes and MAX_HEADERS lines has arrived (found by bytes.find and
+counted by bytes.count, C loops): the companion runs unconfined, so what the kernel sends may
+cost it only a small, bounded amount per connection. The rest is asyncio streams. A
+maintained proxy (proxy.py, mitmproxy, pproxy) was not taken: each brings its own process
+model, configuration and plugins for what is here ~400 lines, and none resolves names under a
+policy of our own before connecting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import h11
@@ -31,10 +40,14 @@ from ..logrelay import LineSink, TokenBucket, escaped
 from . import tls
 from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
 
-HEAD_LIMIT = 64 * 1024  # bytes of a request head
+HEAD_LIMIT = 16 * 1024  # bytes of a request head (nginx's default is 8 KiB a line)
+MAX_HEADERS = 100  # header lines of a request head (h11's cost grows with their number)
 HEAD_TIMEOUT = 30.0  # seconds to send a request head, or a ClientHello into a tunnel
 CONNECT_TIMEOUT = 15.0  # seconds to reach the destination (or the upstream proxy)
 MAX_CONNECTIONS = 128  # open at once per kernel; more are answered 503
+CONNECTION_BURST, CONNECTION_RATE = 200, 100.0  # connections accepted at once, then per second
+REFUSAL_BURST, REFUSAL_RATE = 100, 10.0  # refusals recorded at once, and per second after
+FLUSH_AFTER = 1.0  # seconds after a refusal left out of the record, its count is written
 PROXY_PORT = 3128  # in the kernel's own namespace: nothing else listens there
 _HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
                b"proxy-authenticate", b"te", b"trailer", b"upgrade", b"host"}
@@ -53,6 +66,7 @@ class Connection:
     """One client connection's audit record, filled in as it goes."""
 
     kernel: str
+    event: str = "egress"  # "egress-open" while an allowed connection is being opened
     method: str = ""
     host: str = ""
     port: int = 0
@@ -67,7 +81,7 @@ class Connection:
     def as_dict(self) -> dict[str, Any]:
         """The JSON line of the audit record."""
         entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "kernel": self.kernel[:128], "event": "egress", "method": self.method,
+                 "kernel": self.kernel[:128], "event": self.event, "method": self.method,
                  "host": self.host[:255], "port": self.port, "address": self.address,
                  "allowed": self.allowed, "sent": self.sent, "received": self.received,
                  "duration": round(time.monotonic() - self.started, 3)}
@@ -82,11 +96,21 @@ class Connection:
         target = f"{self.method} {self.host}:{self.port}"
         if not self.allowed:
             return f"egress refused {target}: {self.reason}"
+        if self.event == "egress-open":
+            return f"egress opened {target} ({self.address})"
+        ended = f" ({self.reason})" if self.reason else ""
         return (f"egress {target} ({self.address}) sent {self.sent} received {self.received} "
-                f"bytes in {time.monotonic() - self.started:.2f} s")
+                f"bytes in {time.monotonic() - self.started:.2f} s{ended}")
 
 
-Recorder = Callable[[Connection], None]
+class Recorder(Protocol):
+    """Where the proxy's records go (an AuditSink)."""
+
+    def __call__(self, entry: Connection) -> None:
+        """Write (or count) one record."""
+
+    def flush(self) -> None:
+        """Write what is counted but not yet written."""
 
 
 class EgressProxy:
@@ -97,17 +121,61 @@ class EgressProxy:
         self.rules, self.kernel_id, self.record = rules, kernel_id, record
         self.upstream = upstream
         self.slots = asyncio.Semaphore(MAX_CONNECTIONS)
+        self.open: set[asyncio.Task[Any]] = set()  # the connections being served
+        self.pace = TokenBucket(CONNECTION_BURST, CONNECTION_RATE)
+        self.flushing: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Task[Any] | None = None
+        self.stopped = False
 
     async def serve(self, listener: socket.socket) -> None:
-        """Accept and serve connections on listener until cancelled."""
+        """Accept and serve connections on listener until cancelled (or stop() is called).
+
+        On the way out every open connection is closed, and recorded as cut by the end.
+        """
+        self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
         listener.setblocking(False)
-        server = await asyncio.start_server(self.handle, sock=listener, limit=HEAD_LIMIT)
-        async with server:
-            await server.serve_forever()
+        try:
+            while not self.stopped:
+                await self._paced()
+                conn, _ = await self.loop.sock_accept(listener)
+                self.loop.create_task(self._connected(conn))
+        finally:
+            for task in self.open:
+                task.cancel()
+            await asyncio.gather(*self.open, return_exceptions=True)
+            if self.flushing is not None:
+                self.flushing.cancel()
+            self.record.flush()
+
+    async def _paced(self) -> None:
+        """Wait for the next connection's turn: at most CONNECTION_RATE a second after a burst.
+
+        Every connection costs the unconfined companion about a millisecond (accept, the event
+        loop, an answer), whatever it carries; the kernel's further connects wait in the
+        listener's backlog meanwhile, so the kernel waits, not the companion.
+        """
+        while not self.pace.take():
+            await asyncio.sleep((1 - self.pace.available()) / CONNECTION_RATE)
+
+    async def _connected(self, conn: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=conn, limit=HEAD_LIMIT)
+        await self.handle(reader, writer)
+
+    def stop(self) -> None:
+        """End serve() from another thread (the kernel has ended): its connections are recorded."""
+        self.stopped = True
+        loop, task = self.loop, self.task
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed already
+                loop.call_soon_threadsafe(task.cancel)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client connection: a request, then a tunnel or one forwarded exchange."""
         entry = Connection(self.kernel_id)
+        task = asyncio.current_task()
+        if task is not None:
+            self.open.add(task)
         try:
             if self.slots.locked():
                 raise Refused(503, f"more than {MAX_CONNECTIONS} connections open at once")
@@ -120,10 +188,28 @@ class EgressProxy:
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
             if not entry.allowed:
                 entry.reason = entry.reason or f"client: {exc!r}"
+        except asyncio.CancelledError:  # stop(): the kernel has ended
+            entry.reason = "cut when the kernel ended"  # and the handler ends: not raised on
         finally:
+            self.open.discard(task)  # type: ignore[arg-type]
             writer.close()
             if entry.method:
-                self.record(entry)
+                self._write(entry)
+
+    def _write(self, entry: Connection) -> None:
+        """Record entry; a refusal the sink left out is counted, and the count written soon."""
+        self.record(entry)
+        if not entry.allowed and self.flushing is None and self.loop is not None:
+            self.flushing = self.loop.call_later(FLUSH_AFTER, self._flush)
+
+    def _flush(self) -> None:
+        self.flushing = None
+        self.record.flush()
+
+    def _opened(self, entry: Connection) -> None:
+        """An allowed connection is recorded before a byte of it is forwarded."""
+        entry.allowed = True
+        self.record(dataclasses.replace(entry, event="egress-open"))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      entry: Connection) -> None:
@@ -139,9 +225,9 @@ class EgressProxy:
         if entry.method == "CONNECT":
             await self._tunnel(reader, writer, entry, rest)
         else:
-            head = _forwarded_head(request, entry, path if self.upstream is None else None)
             far_reader, far_writer = await self._open(entry, tunnel=False)
-            entry.allowed = True
+            head = _forwarded_head(request, entry, path if self.upstream is None else None)
+            self._opened(entry)
             far_writer.write(head + rest)
             entry.sent += len(head) + len(rest)
             await _splice(reader, writer, far_reader, far_writer, entry)
@@ -149,35 +235,69 @@ class EgressProxy:
     async def _tunnel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       entry: Connection, rest: bytes) -> None:
         far_reader, far_writer = await self._open(entry, tunnel=True)
-        try:
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            hello = await asyncio.wait_for(_client_hello(reader, rest), HEAD_TIMEOUT)
-            self._check_hello(entry, hello)
-        except Refused:
-            far_writer.close()
-            writer.write(tls.ACCESS_DENIED_ALERT)
-            raise
-        entry.allowed = True
-        far_writer.write(hello)
-        entry.sent += len(hello)
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        # In hosts mode a name was allowed, not an address: the tunnel must carry TLS for that
+        # name. With `on` (any public address) or an allowed address, anything may pass, at
+        # once: a protocol whose server speaks first (SMTP, SSH) must not wait for a hello.
+        if self.rules.mode == "hosts" and parse_address(entry.host) is None:
+            try:
+                rest = await self._checked_hello(reader, entry, rest)
+            except Refused:
+                far_writer.close()
+                writer.write(tls.ACCESS_DENIED_ALERT)
+                raise
+        self._opened(entry)
+        far_writer.write(rest)
+        entry.sent += len(rest)
         await _splice(reader, writer, far_reader, far_writer, entry)
 
-    def _check_hello(self, entry: Connection, hello: bytes) -> None:
-        """The tunnel must carry TLS for the name it was allowed for (no domain fronting)."""
-        target_is_address = parse_address(entry.host) is not None
+    async def _checked_hello(self, reader: asyncio.StreamReader, entry: Connection,
+                             data: bytes) -> bytes:
+        """What the client sent, once it holds a whole ClientHello naming the CONNECT target.
+
+        Refused otherwise: not TLS, a hello cut short (at its end or the time limit), one that
+        cannot be read, one without a server name, one naming another host (domain fronting).
+        """
+        def refused(reason: str, fix: str = "use https:// through the proxy") -> Refused:
+            return Refused(0, Refusal(f"{entry.host}:{entry.port}: {reason}", fix))
+
+        deadline = time.monotonic() + HEAD_TIMEOUT
+        while True:
+            try:
+                length = tls.hello_length(data)
+                if length is not None and tls.whole_records(data, length):
+                    break
+            except tls.NotTLS:
+                raise refused("the tunnel does not carry TLS, so the server name cannot be "
+                              "checked") from None
+            if len(data) > 2 * tls.MAX_HELLO:
+                raise refused("more than a ClientHello before the server could answer")
+            try:
+                more = await asyncio.wait_for(reader.read(16384),
+                                              max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise refused(f"no whole TLS ClientHello within {HEAD_TIMEOUT:g} s") from None
+            if not more:
+                raise refused("the tunnel ended before a whole TLS ClientHello (and the "
+                              "records sent with it)")
+            data += more
         try:
-            name = tls.server_name(hello) if tls.hello_length(hello) else None
-        except tls.NotTLS:
-            if target_is_address or self.rules.mode == "on":
-                return
-            raise Refused(0, Refusal(f"{entry.host}:{entry.port}: the tunnel does not carry "
-                                     "TLS, so the server name cannot be checked",
-                                     "use https:// through the proxy")) from None
+            name = tls.server_name(data[:length])
+        except tls.NotTLS as exc:
+            raise refused(f"the TLS ClientHello cannot be read ({exc})") from None
+        if name is None:
+            raise refused("the TLS ClientHello names no server (SNI), so it cannot be checked",
+                          "send the host name in TLS (every https:// client does)")
         entry.sni = name
-        if name is not None and not target_is_address and normal_name(name) != entry.host:
+        try:
+            same = normal_name(name) == entry.host
+        except ValueError:  # not a DNS name at all
+            same = False
+        if not same:
             raise Refused(0, Refusal(f"TLS server name {name} differs from the CONNECT "
                                      f"target {entry.host}", f"connect to {name} itself "
                                      "(and allow it with --allow-host if it is not)"))
+        return data
 
     async def _open(self, entry: Connection, tunnel: bool
                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -240,7 +360,13 @@ class EgressProxy:
         if upstream.authorization:
             head += f"Proxy-Authorization: {upstream.authorization}\r\n"
         far_writer.write(head.encode() + b"\r\n")
-        answer = await asyncio.wait_for(far_reader.readuntil(b"\r\n\r\n"), CONNECT_TIMEOUT)
+        try:
+            answer = await asyncio.wait_for(far_reader.readuntil(b"\r\n\r\n"), CONNECT_TIMEOUT)
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            far_writer.close()  # an answer too long, cut short or too slow: not one to trust
+            raise Refused(502, f"the upstream proxy {upstream.host}:{upstream.port} gave no "
+                               f"answer to CONNECT {authority} within {HEAD_LIMIT} bytes and "
+                               f"{CONNECT_TIMEOUT:g} s") from None
         status_line = answer.split(b"\r\n", 1)[0].decode("latin-1")
         parts = status_line.split(" ", 2)
         if len(parts) < 2 or parts[1] != "200":
@@ -250,24 +376,38 @@ class EgressProxy:
 
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[h11.Request, bytes]:
-    """The request head, and the bytes after it that were already read."""
-    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+    """The request head, and the bytes after it that were already read.
+
+    The head is gathered and bounded first (size, lines), then parsed once by h11.
+    """
+    data = bytearray()
+    searched = lines = 0  # each byte is searched and counted once
     deadline = time.monotonic() + HEAD_TIMEOUT
-    while True:
-        try:
-            event = parser.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise Refused(400, f"not an HTTP proxy request: {exc}") from None
-        if event is h11.NEED_DATA:
-            remaining = deadline - time.monotonic()
-            data = await asyncio.wait_for(reader.read(16384), max(remaining, 0.001))
-            parser.receive_data(data)
-            if not data:
-                raise Refused(0, "the client closed before sending a request")
-            continue
-        if isinstance(event, h11.Request):
-            return event, parser.trailing_data[0]
-        raise Refused(400, "not an HTTP proxy request")
+    while (end := data.find(b"\r\n\r\n", max(searched - 3, 0))) < 0:
+        lines += data.count(b"\n", searched)
+        if lines > MAX_HEADERS + 1:  # the request line's, and one per header but the last
+            raise Refused(431, f"request head of more than {MAX_HEADERS} header lines")
+        if len(data) > HEAD_LIMIT:
+            raise Refused(431, f"request head longer than {HEAD_LIMIT} bytes")
+        searched = len(data)
+        remaining = deadline - time.monotonic()
+        more = await asyncio.wait_for(reader.read(16384), max(remaining, 0.001))
+        if not more:
+            raise Refused(0, "the client closed before sending a request")
+        data += more
+    if data.count(b"\n", 0, end) > MAX_HEADERS:
+        raise Refused(431, f"request head of more than {MAX_HEADERS} header lines")
+    if end + 4 > HEAD_LIMIT:
+        raise Refused(431, f"request head longer than {HEAD_LIMIT} bytes")
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+    parser.receive_data(bytes(data))
+    try:
+        event = parser.next_event()
+    except h11.RemoteProtocolError as exc:
+        raise Refused(400, f"not an HTTP proxy request: {exc}") from None
+    if isinstance(event, h11.Request):
+        return event, parser.trailing_data[0]
+    raise Refused(400, "not an HTTP proxy request")
 
 
 def _authority(target: str) -> tuple[str, int]:
@@ -319,20 +459,6 @@ def _forwarded_head(request: h11.Request, entry: Connection, path: str | None) -
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-async def _client_hello(reader: asyncio.StreamReader, data: bytes) -> bytes:
-    """Read until the whole ClientHello is in; on NotTLS, what was read (to decide on)."""
-    while True:
-        try:
-            if tls.hello_length(data) is not None:
-                return data
-        except tls.NotTLS:
-            return data
-        more = await reader.read(16384)
-        if not more:
-            return data
-        data += more
-
-
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                 count: Callable[[int], None]) -> None:
     try:
@@ -376,31 +502,46 @@ async def _answer(writer: asyncio.StreamWriter, status: int, text: str) -> None:
 
 
 class AuditSink:
-    """Egress records to the operator's audit file and the launcher's log, rate-limited."""
+    """Egress records, as JSON lines to the audit file (or, without one, the launcher's log).
+
+    Allowed connections are always written; refusals at most REFUSAL_BURST at once and
+    REFUSAL_RATE per second, the rest counted and written as one `suppressed` record at the
+    next record or flush().
+    """
 
     def __init__(self, audit_file: int | None, log: LineSink) -> None:
         self.audit_file, self.log = audit_file, log
-        self.budget = TokenBucket(100, 10.0)
+        self.budget = TokenBucket(REFUSAL_BURST, REFUSAL_RATE)
         self.suppressed = 0
+        self.kernel = ""
 
     def __call__(self, entry: Connection) -> None:
-        """Write one connection's record (or count it when over the rate)."""
-        if not self.budget.take():
+        """Write one connection's record (or count a refusal when over the rate)."""
+        self.kernel = entry.kernel
+        if not entry.allowed and not self.budget.take():
             self.suppressed += 1
             return
-        if self.suppressed:
-            self._write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                         "kernel": entry.kernel[:128], "event": "egress",
-                         "suppressed": self.suppressed},
-                        f"{self.suppressed} more egress records not written (rate limit)")
-            self.suppressed = 0
+        self.flush()
         self._write(entry.as_dict(), entry.summary())
 
+    def flush(self) -> None:
+        """Write the count of refusals left out since the last record, if any."""
+        if self.suppressed:
+            self._write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                         "kernel": self.kernel[:128], "event": "egress",
+                         "suppressed": self.suppressed},
+                        f"{self.suppressed} more egress refusals not written (rate limit)")
+            self.suppressed = 0
+
     def _write(self, record: dict[str, Any], summary: str) -> None:
+        if self.audit_file is not None:
+            try:  # one write per line: O_APPEND keeps concurrent kernels' lines whole
+                os.write(self.audit_file, json.dumps(record).encode() + b"\n")
+                return
+            except OSError as exc:
+                self.log.write(f"sandbox-kernel audit: cannot write the audit log: {exc}\n"
+                               .encode())
         kernel = str(record.get("kernel", ""))
         # Host names and request targets come from user code: shown escaped, as in audit.py.
         self.log.write(f"sandbox-kernel audit: kernel {escaped(kernel[:128])}: "
                        f"{escaped(summary)}\n".encode())
-        if self.audit_file is not None:
-            with contextlib.suppress(OSError):
-                os.write(self.audit_file, json.dumps(record).encode() + b"\n")

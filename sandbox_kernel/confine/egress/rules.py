@@ -1,8 +1,10 @@
 """What the egress proxy lets through: names on the allowlist, public or granted addresses.
 
 The proxy resolves names itself and checks every address it would connect to, so a name that
-resolves (or is rebound) to the host's loopback, a private network or a metadata service is
-refused unless the operator granted that address with --allow-address.
+resolves (or is rebound) to the host's loopback, a private network, a metadata service or any
+address of the host itself (host.py) is refused unless the operator granted that address with
+--allow-address. An IPv6 address that carries an IPv4 address (IPv4-mapped, IPv4-compatible,
+6to4, NAT64, Teredo) is judged by the IPv4 address inside it too.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import base64
 import ipaddress
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
+
+from . import host
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -113,10 +118,67 @@ def parse_host_entry(entry: str) -> NameRule | NetRule:
     return NameRule(normal_name(host[2:] if wildcard else host), wildcard, port)
 
 
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def embedded_ipv4(address: IPAddress) -> list[tuple[str, ipaddress.IPv4Address]]:
+    """The IPv4 addresses an IPv6 address carries, each with the form that carries it."""
+    if not isinstance(address, ipaddress.IPv6Address):
+        return []
+    found: list[tuple[str, ipaddress.IPv4Address]] = []
+    if address.ipv4_mapped is not None:
+        found.append(("IPv4-mapped", address.ipv4_mapped))
+    if address.sixtofour is not None:
+        found.append(("6to4", address.sixtofour))
+    if address.teredo is not None:
+        found += [("Teredo server", address.teredo[0]), ("Teredo client", address.teredo[1])]
+    last32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    if any(address in network for network in _NAT64):
+        found.append(("NAT64", last32))
+    if address in _COMPATIBLE and int(address) > 1:  # not :: and ::1, which are their own
+        found.append(("IPv4-compatible", last32))
+    return found
+
+
 def never_reached(address: IPAddress) -> str | None:
-    """Why an address is off limits unless granted (loopback, private, ...); None if public."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    """Why an address is off limits unless granted ('a loopback address', ...); None if public.
+
+    The ranges only, of the address or of an IPv4 address it carries (judged() says which);
+    the host's own addresses are host.py's to tell.
+    """
+    judgement = judged(address, lambda candidate: False)
+    return None if judgement is None else judgement[0]
+
+
+def judged(address: IPAddress, is_own: Callable[[IPAddress], bool] = host.is_own
+           ) -> tuple[str, str] | None:
+    """(why the address is never reached, the form that carried it or ''); None if it may be.
+
+    Each of the address and the IPv4 addresses it carries is judged by the ranges and by
+    whether it is this host's own (asked last, as it costs a lookup).
+    """
+    candidates = [*embedded_ipv4(address), ("", address)]  # the most telling first
+    for form, candidate in candidates:
+        why = _range(candidate)
+        if why is not None:
+            return f"a {why} address", _carried(form, candidate)
+    for form, candidate in candidates:
+        try:
+            own = is_own(candidate)
+        except OSError as exc:  # fail closed: an address nobody can place is not reached
+            return ("an address that may be this host's (its routes cannot be read: "
+                    f"{exc.strerror or exc})", _carried(form, candidate))
+        if own:
+            return "an address of this host", _carried(form, candidate)
+    return None
+
+
+def _carried(form: str, inner: IPAddress) -> str:
+    return f" ({form} of {inner})" if form else ""
+
+
+def _range(address: IPAddress) -> str | None:
     if address.is_loopback:
         return "loopback"
     if address.is_link_local or address == ipaddress.ip_address("fd00:ec2::254"):
@@ -145,15 +207,20 @@ class EgressRules:
     mode: str = "off"
     hosts: list[NameRule | NetRule] = field(default_factory=list)
     grants: list[NetRule] = field(default_factory=list)
+    is_own: Callable[[IPAddress], bool] = host.is_own  # whether an address is the host's
 
     @classmethod
-    def parse(cls, mode: str, allow_hosts: list[str], allow_addresses: list[str]
-              ) -> EgressRules:
-        """Rules from the policy's settings; RuleError names the entry it cannot read."""
+    def parse(cls, mode: str, allow_hosts: list[str], allow_addresses: list[str],
+              is_own: Callable[[IPAddress], bool] = host.is_own) -> EgressRules:
+        """Rules from the policy's settings; RuleError names the entry it cannot read.
+
+        is_own tells the host's own addresses: the proxy's default asks the host's routes; a
+        check made inside a kernel (whose namespace is not the host's) passes its own.
+        """
         if mode not in MODES:
             raise RuleError(f"network {mode!r}: choose one of {', '.join(MODES)}")
         return cls(mode, [parse_host_entry(entry) for entry in allow_hosts],
-                   [parse_net(entry) for entry in allow_addresses])
+                   [parse_net(entry) for entry in allow_addresses], is_own)
 
     def check_name(self, host: str, port: int) -> Refusal | None:
         """Whether the policy lets user code ask for host:port (before resolving it)."""
@@ -177,12 +244,15 @@ class EgressRules:
 
     def check_address(self, host: str, address: IPAddress, port: int) -> Refusal | None:
         """Whether the proxy may connect to address:port (what host resolved to)."""
-        why = never_reached(address)
-        if why is None or any(grant.matches(address, port) for grant in self.grants):
+        if any(grant.matches(address, port) for grant in self.grants):
+            return None  # before the host's routes are asked: a grant needs no lookup
+        judgement = judged(address, self.is_own)
+        if judgement is None:
             return None
+        kind, carried = judgement
         shown = f"[{address}]" if address.version == 6 else str(address)
         where = f"{host} resolves to {shown}" if str(address) != host.strip("[]") else shown
-        return Refusal(f"{where}, a {why} address the sandbox never reaches",
+        return Refusal(f"{where}{carried}, {kind} the sandbox never reaches",
                        f"grant it with --allow-address {shown}:{port} (only for a service "
                        "meant for user code)")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 
 HANDSHAKE = 22
+RECORD_TYPES = (20, 21, 22, 23)  # change_cipher_spec, alert, handshake, application_data
 CLIENT_HELLO = 1
 SERVER_NAME = 0
 MAX_HELLO = 64 * 1024  # bytes of records read looking for one ClientHello
@@ -44,16 +45,38 @@ def hello_length(data: bytes) -> int | None:
 
 
 def server_name(data: bytes) -> str | None:
-    """The host_name of the SNI extension in the ClientHello records data; None if absent."""
+    """The host_name of the SNI extension in the ClientHello records data; None if absent.
+
+    data: exactly the records hello_length counted; NotTLS when they cannot be read.
+    """
     payload, used = b"", 0
-    while used < len(data):
-        _kind, _version, length = struct.unpack_from("!BHH", data, used)
-        payload += data[used + 5:used + 5 + length]
-        used += 5 + length
     try:
+        while used < len(data):
+            _kind, _version, length = struct.unpack_from("!BHH", data, used)
+            payload += data[used + 5:used + 5 + length]
+            used += 5 + length
         return _sni(memoryview(payload)[4:4 + int.from_bytes(payload[1:4], "big")])
     except (struct.error, IndexError, UnicodeDecodeError):
         raise NotTLS("malformed ClientHello") from None
+
+
+def whole_records(data: bytes, start: int) -> bool:
+    """Whether data[start:] is whole TLS records (False while the last is incomplete).
+
+    What a client sends after its ClientHello, before any answer (TLS 1.3 early data), must
+    be TLS records too; NotTLS when it is not.
+    """
+    at = start
+    while at < len(data):
+        if len(data) < at + 5:
+            return False
+        kind, version, length = struct.unpack_from("!BHH", data, at)
+        if kind not in RECORD_TYPES or version >> 8 != 3:
+            raise NotTLS("bytes after the ClientHello that are not a TLS record")
+        if len(data) < at + 5 + length:
+            return False
+        at += 5 + length
+    return True
 
 
 def _sni(hello: memoryview) -> str | None:
