@@ -12,7 +12,7 @@ from pathlib import Path
 
 from traitlets import TraitError
 
-from . import __version__, check, client, install, policy
+from . import __version__, check, client, flags, install, policy
 from .launch import eg_kernelspec
 
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
@@ -195,21 +195,6 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _module_list(text: str) -> list[str]:
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """How kernels start: forked from a preloaded server (default) or cold."""
-    group = parser.add_argument_group("kernel start-up")
-    group.add_argument("--cold-start", action="store_true",
-                       help="start each kernel as a new interpreter instead of forking it from "
-                       "the fork server (slower; no state shared with a server at all)")
-    group.add_argument("--preload", metavar="MODULES", type=_module_list, default=[],
-                       help="comma-separated modules the fork server imports before forking "
-                       "kernels, so user code imports them for free (e.g. numpy,pandas)")
-
-
 def parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     top = argparse.ArgumentParser(prog="sandbox-kernel", description=__doc__)
@@ -220,8 +205,7 @@ def parser() -> argparse.ArgumentParser:
     _add_location(inst)
     inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
                       help="name shown in JupyterLab's launcher")
-    policy.add_arguments(inst)
-    add_launch_arguments(inst)
+    flags.add_arguments(inst)
     eg_kernelspec.add_arguments(inst)
     inst.set_defaults(handler=_install)
 
@@ -252,8 +236,7 @@ def parser() -> argparse.ArgumentParser:
                          default=MAX_SAVED_DISPLAYS,
                          help="most files --save-displays writes; past it the run fails, saying "
                          f"so (default {MAX_SAVED_DISPLAYS})")
-    add_launch_arguments(run_cmd)
-    policy.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
+    flags.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
     run_cmd.set_defaults(handler=_run)
 
     check = sub.add_parser("check", help="what this host supports and the effective policy")

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from .. import policy
+from .. import flags, policy
 from .config import McpConfig
 
 DESCRIPTION = """An MCP server that runs Python for agents in sandboxed kernels. Over stdio by \
@@ -32,8 +32,6 @@ def _size(text: str) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The `mcp` subcommand's parser."""
-    from ..cli import add_launch_arguments
-
     command = sub.add_parser("mcp", help="serve sandboxed Python to agents over MCP",
                              description=DESCRIPTION)
     where = command.add_argument_group("transport")
@@ -69,8 +67,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "in its result")
     command.add_argument("--runtime", metavar="NAME", default="",
                          help="run kernels on this runtime (`sandbox-kernel runtime create`)")
-    add_launch_arguments(command)
-    policy.add_arguments(command)
+    flags.add_arguments(command)
     command.set_defaults(handler=main)
     return command
 
