@@ -38,7 +38,8 @@ def _install(args: argparse.Namespace) -> int:
                            cold_start=args.cold_start, preload=args.preload,
                            enterprise_gateway=args.enterprise_gateway,
                            eg_spec=eg_kernelspec.from_arguments(args))
-    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix))
+    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix,
+                                    args.display_name))
     return 0
 
 
@@ -203,8 +204,10 @@ def parser() -> argparse.ArgumentParser:
 
     inst = sub.add_parser("install", help="install the kernelspec so Jupyter can start the kernel")
     _add_location(inst)
-    inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
-                      help="name shown in JupyterLab's launcher")
+    inst.add_argument("--display-name", metavar="TEXT",
+                      help="name shown in JupyterLab's launcher (default: "
+                      f"\"{install.default_display_name('NAME')}\", and "
+                      f"\"{install.DEFAULT_DISPLAY_NAME}\" for --name {install.DEFAULT_NAME})")
     flags.add_arguments(inst)
     eg_kernelspec.add_arguments(inst)
     inst.set_defaults(handler=_install)
