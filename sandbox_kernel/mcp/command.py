@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from .. import flags, policy
+from . import configs
 from .config import McpConfig
 
 DESCRIPTION = """An MCP server that runs Python for agents in sandboxed kernels. Over stdio by \
@@ -42,6 +43,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     where.add_argument("--print-tools", choices=("openai", "openai-chat", "mcp"),
                        help="print the tools' definitions as JSON (OpenAI Responses or Chat "
                        "Completions function tools, or MCP) and exit")
+    where.add_argument("--print-config", choices=tuple(configs.FILES),
+                       help="print the MCP config of that desktop agent or IDE for this install "
+                       "(as examples/mcp/'s file, its command the full path of this "
+                       "sandbox-kernel, which an app's PATH lacks) and exit")
     limits = command.add_argument_group("agents' limits")
     defaults = McpConfig()
     limits.add_argument("--pool-size", type=int, default=defaults.pool_size, metavar="N",
@@ -106,6 +111,9 @@ def main(args: argparse.Namespace) -> int:
         except RuntimesError as exc:
             print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
             return 2
+    if args.print_config:
+        print(json.dumps(configs.config(args.print_config), indent=2))
+        return 0
     config = config_from(args)
     if args.print_tools:
         from .openai import definitions
