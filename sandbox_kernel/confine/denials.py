@@ -52,8 +52,9 @@ PROCESSES = Rule(
     "no subprocesses in this sandbox: you cannot run programs or shell commands; do the work "
     "in Python (call the library directly instead of its command-line tool)")
 NETWORK_OFF = Rule(
-    "the network is off in this sandbox; start the kernel with --allow-network (or install "
-    "the kernelspec with --allow-network) to allow it",
+    "the network is off in this sandbox (--network off); to let the code reach the hosts it "
+    "needs, install the kernelspec (or start the kernel) with --network hosts --allow-host "
+    "NAME, one --allow-host per host, or with --allow-network for any public address",
     "the network is off in this sandbox: you cannot download or call web services; use the "
     "files and data you were given")
 NETWORK_KINDS = Rule(
@@ -187,14 +188,22 @@ def _explain_unreachable(original: Callable[..., Any], what: str) -> Callable[..
     return wrapper
 
 
-def _explain_lookup(original: Callable[..., Any]) -> Callable[..., Any]:
+def _explain_lookup(original: Callable[..., Any], why: Rule) -> Callable[..., Any]:
+    """Say why a name lookup failed: the resolver's own words ("Temporary failure in name
+    resolution") read as a passing fault of the host's DNS, worth retrying."""
+    said = "the sandbox resolves no names itself" if why is PROXY_ONLY else \
+        "the sandbox blocked a name lookup"
+
     @functools.wraps(original)
     def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
         try:
             return original(*args, **kwargs)
         except socket.gaierror as exc:
-            raise socket.gaierror(exc.errno, f"{exc.strerror}: the sandbox resolves no names "
-                                             f"itself: {PROXY_ONLY}") from None
+            if hasattr(exc, "sandbox_rule"):
+                raise
+            explained = socket.gaierror(exc.errno, f"{exc.strerror}: {said}: {why}")
+            explained.sandbox_rule = why.why  # type: ignore[attr-defined]
+            raise explained from None
 
     return getaddrinfo
 
@@ -232,21 +241,30 @@ def install(allow_network: bool, proxy: bool = False) -> None:
         for name in ("connect",):
             setattr(socket.socket, name, _explain(getattr(socket.socket, name),
                                                   f"socket.{name}()", NETWORK_OFF))
+        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo, NETWORK_OFF)
     if proxy:
         for name in ("connect", "sendto"):
             setattr(socket.socket, name, _explain_unreachable(getattr(socket.socket, name),
                                                               f"socket.{name}()"))
-        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo)
+        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo, PROXY_ONLY)
 
 
 # --- refusals libraries cope with: recorded, not shown ------------------------------------------
 
 _CLONE_THREAD = 0x10000
+_NUMA_CALLS = ("mbind", "set_mempolicy")
 _NUMA_HINT = ("a NUMA placement hint (OpenBLAS, numpy's BLAS, gives one for each buffer it "
               "maps; the memory is used all the same)")
 _PROBED_PROCESS = ("starting a process (matplotlib's font cache runs fc-list, ctypes.util runs "
                    "ldconfig; each falls back when refused); Python code that starts one is "
                    "told so in its own PermissionError")
+
+
+def uncounted(syscall: str) -> bool:
+    """Whether a refused call is only a library's own hint, one no Python code of the user's
+    makes (NUMA placement): recorded in the audit, but left out of an execution's count of
+    refused calls, which a model or a dashboard reads as something the code ran into."""
+    return syscall in _NUMA_CALLS
 
 
 def library_probe(syscall: str, args: Sequence[int]) -> str | None:
@@ -257,7 +275,7 @@ def library_probe(syscall: str, args: Sequence[int]) -> str | None:
     nbclient: every `import numpy` would print lines there. A process that user code starts
     through Python is refused with an explained PermissionError in its own output (install()).
     """
-    if syscall in ("mbind", "set_mempolicy"):
+    if syscall in _NUMA_CALLS:
         return _NUMA_HINT
     if syscall in ("fork", "vfork") or (syscall == "clone" and args
                                         and not args[0] & _CLONE_THREAD):
