@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -265,3 +266,34 @@ def test_refusals_libraries_cope_with_stay_in_the_audit_record(kernelspecs, tmp_
     assert processes and all(r["probe"].startswith("starting a process") for r in processes)
     [socket_record] = [r for r in records if r["syscall"] == "socket"]
     assert "probe" not in socket_record
+
+
+# --- what a data scientist and a model see of warnings and Agg charts (#32 items 7, 12) -------
+
+SEEN = {
+    "warn": "import warnings\nwarnings.warn('check the units')",
+    "fail": "x = 1\n1 / 0",
+    "agg": "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+           "plt.plot([1, 3, 2])\nplt.show()",
+    "saved": "import io\nfig = plt.figure()\nplt.plot([2, 1])\nfig.savefig(io.BytesIO())\n"
+             "plt.close(fig)",
+}
+
+
+def test_warnings_name_the_cell_as_tracebacks_do_and_agg_charts_are_shown(kernelspecs, tmp_path):
+    nb = nbformat.v4.new_notebook(metadata={"language_info": {"name": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(source, id=cell_id, metadata={"tags": [
+        "raises-exception"] if cell_id == "fail" else []}) for cell_id, source in SEEN.items()]
+    NotebookClient(nb, kernel_name="sandbox", timeout=RUN_TIMEOUT,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = {cell.id: cell.outputs for cell in nb.cells}
+    [warned] = outputs["warn"]
+    assert (warned.name, warned.text) == (
+        "stderr", "Cell In[1], line 2: UserWarning: check the units\n"
+        "  warnings.warn('check the units')\n")
+    [failed] = outputs["fail"]
+    assert "Cell In[2], line 2" in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(failed.traceback))
+    [chart] = outputs["agg"]  # the figure, and no "non-interactive" warning
+    assert chart.output_type == "display_data"
+    assert base64.b64decode(chart.data["image/png"]).startswith(PNG_SIGNATURE)
+    assert outputs["saved"] == []  # a figure the code closed is not shown
