@@ -33,13 +33,16 @@ class _NotStarted(Exception):
 
 def _install(args: argparse.Namespace) -> int:
     prefix = sys.prefix if args.sys_prefix else args.prefix
-    path = install.install(policy.from_arguments(args), name=args.name,
+    effective = policy.from_arguments(args)
+    path = install.install(effective, name=args.name,
                            display_name=args.display_name, user=args.user, prefix=prefix,
                            cold_start=args.cold_start, preload=args.preload,
                            enterprise_gateway=args.enterprise_gateway,
                            eg_spec=eg_kernelspec.from_arguments(args))
     print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix,
                                     args.display_name))
+    for warning in check.write_warnings(effective, cwd=None):
+        print(f"sandbox-kernel install: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -55,6 +58,8 @@ def _check(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2) if args.json else check.summary(report))
     for problem in report["problems"]:
         print(f"sandbox-kernel check: cannot enforce: {problem}", file=sys.stderr)
+    for warning in report["warnings"]:
+        print(f"sandbox-kernel check: warning: {warning}", file=sys.stderr)
     return 1 if report["problems"] else 0
 
 

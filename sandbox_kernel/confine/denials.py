@@ -23,6 +23,7 @@ import functools
 import os
 import pty
 import socket
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -300,9 +301,35 @@ NOT_IN_SCRATCH = Rule(
     "the kernel's working directory is its private scratch",
     "that file is not in your working directory (the sandbox's own folder): write it there "
     "first, or use the files that are there")
+HOST_REFUSES = Rule(
+    "the host refuses it, not the sandbox: user code runs as a uid of its own",
+    "the computer's own permissions keep this sandbox from writing there: keep the data in "
+    "memory, or write your files under the folder in the HOME environment variable")
 RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, PROXY_ONLY, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
          DESCRIPTOR_OWNER, UNIX_DATAGRAMS, DEBUGGER, OUTSIDE_GRANTS, READ_ONLY, HIDDEN,
-         NOT_IN_SCRATCH)
+         NOT_IN_SCRATCH, HOST_REFUSES)
+HOST_WRITE_FIX = ("to let it write there, install the kernelspec with `--run-as USER` naming a "
+                  "user (not root) who may write in {dir}, or let other users write there "
+                  "(`chmod o+w {dir}`); its HOME (the scratch) is always writable")
+
+
+def host_write_refusal(path: str, uid: int, gid: int) -> str | None:
+    """Why the host's own permissions keep uid:gid from writing path (a file, or a folder to
+    create one in), or None. A grant keeps them: started by root, user code runs as a uid of
+    its own, which a root-owned 0755 folder keeps out, --grant-cwd=rw or --write-path or not.
+    The mode bits only (not ACLs): said before a kernel runs as that uid, as well as after."""
+    target = path if os.path.lexists(path) else os.path.dirname(path) or "/"
+    try:
+        info = os.stat(target)
+    except OSError:
+        return None
+    bit = 0o200 if info.st_uid == uid else 0o020 if info.st_gid == gid else 0o002
+    if uid == 0 or info.st_mode & bit:
+        return None
+    folder = target if os.path.isdir(target) else os.path.dirname(target)
+    return (f"{HOST_REFUSES.why} ({uid}), which {target} (owner uid {info.st_uid}, mode "
+            f"{stat.S_IMODE(info.st_mode):04o}) does not let write; "
+            + HOST_WRITE_FIX.format(dir=folder))
 
 
 def rule_in(text: str) -> Rule | None:
@@ -387,7 +414,11 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
         return _explained(exc, f"{READ_ONLY.why}; to let user code write there, add it with "
                           f"`sandbox-kernel install --write-path {_folder(path)}` and restart "
                           "the kernel")
-    return None  # inside a grant: the host itself refused
+    if _under(path, access.write) and not _host_lets_write(path):
+        said = host_write_refusal(path, os.getuid(), os.getgid())
+        if said is not None:
+            return _explained(exc, said)
+    return None  # inside a grant: the host itself refused (an ACL, a read)
 
 
 def _hidden(exc: OSError, path: str, access: FileAccess) -> OSError | None:
