@@ -152,6 +152,15 @@ def test_a_chart_comes_back_as_image_content(mcp):
     assert "refused calls" not in text(answers[-1])
 
 
+def test_a_chart_drawn_under_agg_comes_back_too(mcp):
+    """matplotlib.use('Agg') then plt.show(), as models write it, once returned nothing."""
+    code = PLOT.replace("module://matplotlib_inline.backend_inline", "Agg")
+    answers = finished(mcp, mcp.tool("run_python", {"code": code}))
+    images = [block for answer in answers for block in answer.content if block.type == "image"]
+    assert len(images) == 1 and images[0].mime_type == "image/png"
+    assert "non-interactive" not in "".join(text(answer) for answer in answers)
+
+
 def test_an_error_has_its_name_message_and_the_users_line(mcp):
     answer = mcp.tool("run_python", {"code": "x = 1\n\ndef f():\n    return undefined_name\nf()"})
     error = answer.structured_content["error"]
