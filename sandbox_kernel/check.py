@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .confine import audit, landlock, netns, paths, privileges, promises, scratch, seccomp
+from .confine import audit, denials, landlock, netns, paths, privileges, promises, scratch, seccomp
 from .policy import SandboxPolicy
 
 # Set in the service's image and compose files: where any is, `check` checks the service too.
@@ -48,6 +48,27 @@ def _user_code_uid(policy: SandboxPolicy) -> tuple[int, str | None]:
     if uid == 0:
         return 0, f"--run-as {policy.run_as} is uid 0: say --run-as root to keep root"
     return uid, None
+
+
+def write_warnings(policy: SandboxPolicy, cwd: str | None) -> list[str]:
+    """Write grants the host's own permissions keep user code's uid out of (cwd: the folder
+    --grant-cwd=rw would grant; None when it is not known yet, as at install)."""
+    uid, problem = _user_code_uid(policy)
+    if problem or uid == 0:
+        return []
+    gid = os.getegid() if uid == os.geteuid() else uid  # a kernel's own uid has the same gid
+    if policy.run_as not in ("auto", "root") and os.geteuid() == 0:
+        gid = privileges.resolve(policy.run_as)[1]
+    said = [f"--write-path {path}: {refusal}" for path in policy.write_paths
+            if (refusal := denials.host_write_refusal(path, uid, gid))]
+    if policy.grant_cwd == "rw" and cwd is not None:
+        if (refusal := denials.host_write_refusal(cwd, uid, gid)):
+            said.append(f"--grant-cwd=rw here ({cwd}): {refusal}")
+    elif policy.grant_cwd == "rw" and os.geteuid() == 0 and policy.run_as == "auto":
+        said.append("--grant-cwd=rw: user code runs as a uid of its own, which may write only "
+                    "in a notebook's folder that lets other users write (a root-owned 0755 "
+                    "folder does not): " + denials.HOST_WRITE_FIX.format(dir="that folder"))
+    return said
 
 
 def _network(policy: SandboxPolicy, uid: int) -> dict[str, Any]:
@@ -111,6 +132,7 @@ def host_report(policy: SandboxPolicy) -> dict[str, Any]:
         "promises": [promise.as_dict() for promise in judged],
         "policy": policy.as_dict(),
         "problems": _problems(policy, judged, run_as_problem, network),
+        "warnings": write_warnings(policy, os.getcwd()),
     }
 
 
@@ -261,6 +283,7 @@ def summary(report: dict[str, Any]) -> str:
         *(f"  {line}" for line in paths.describe_grants(
             report["policy"]["read_paths"], report["policy"]["write_paths"],
             cwd_mode=report["policy"]["grant_cwd"])),
+        *(f"  but {warning}" for warning in report["warnings"]),
         "promises of this policy, and what keeps them:",
     ]
     for item in report["promises"]:

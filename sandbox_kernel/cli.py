@@ -13,7 +13,7 @@ from pathlib import Path
 
 from traitlets import TraitError
 
-from . import __version__, check, client, install, policy
+from . import __version__, check, client, flags, install, policy
 from .check import SERVICE_VARIABLES
 from .launch import eg_kernelspec
 
@@ -35,12 +35,16 @@ class _NotStarted(Exception):
 
 def _install(args: argparse.Namespace) -> int:
     prefix = sys.prefix if args.sys_prefix else args.prefix
-    path = install.install(policy.from_arguments(args), name=args.name,
+    effective = policy.from_arguments(args)
+    path = install.install(effective, name=args.name,
                            display_name=args.display_name, user=args.user, prefix=prefix,
                            cold_start=args.cold_start, preload=args.preload,
                            enterprise_gateway=args.enterprise_gateway,
                            eg_spec=eg_kernelspec.from_arguments(args))
-    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix))
+    print(install.installed_message(path, args.name, args.user, args.prefix, args.sys_prefix,
+                                    args.display_name))
+    for warning in check.write_warnings(effective, cwd=None):
+        print(f"sandbox-kernel install: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -60,6 +64,8 @@ def _check(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=2) if args.json else check.summary(report))
     for problem in report["problems"]:
         print(f"sandbox-kernel check: cannot enforce: {problem}", file=sys.stderr)
+    for warning in report["warnings"]:
+        print(f"sandbox-kernel check: warning: {warning}", file=sys.stderr)
     return 1 if report["problems"] else 0
 
 
@@ -201,21 +207,6 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _module_list(text: str) -> list[str]:
-    return [name.strip() for name in text.split(",") if name.strip()]
-
-
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """How kernels start: forked from a preloaded server (default) or cold."""
-    group = parser.add_argument_group("kernel start-up")
-    group.add_argument("--cold-start", action="store_true",
-                       help="start each kernel as a new interpreter instead of forking it from "
-                       "the fork server (slower; no state shared with a server at all)")
-    group.add_argument("--preload", metavar="MODULES", type=_module_list, default=[],
-                       help="comma-separated modules the fork server imports before forking "
-                       "kernels, so user code imports them for free (e.g. numpy,pandas)")
-
-
 def parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     top = argparse.ArgumentParser(prog="sandbox-kernel", description=__doc__)
@@ -224,10 +215,11 @@ def parser() -> argparse.ArgumentParser:
 
     inst = sub.add_parser("install", help="install the kernelspec so Jupyter can start the kernel")
     _add_location(inst)
-    inst.add_argument("--display-name", default=install.DEFAULT_DISPLAY_NAME,
-                      help="name shown in JupyterLab's launcher")
-    policy.add_arguments(inst)
-    add_launch_arguments(inst)
+    inst.add_argument("--display-name", metavar="TEXT",
+                      help="name shown in JupyterLab's launcher (default: "
+                      f"\"{install.default_display_name('NAME')}\", and "
+                      f"\"{install.DEFAULT_DISPLAY_NAME}\" for --name {install.DEFAULT_NAME})")
+    flags.add_arguments(inst)
     eg_kernelspec.add_arguments(inst)
     inst.set_defaults(handler=_install)
 
@@ -258,8 +250,7 @@ def parser() -> argparse.ArgumentParser:
                          default=MAX_SAVED_DISPLAYS,
                          help="most files --save-displays writes; past it the run fails, saying "
                          f"so (default {MAX_SAVED_DISPLAYS})")
-    add_launch_arguments(run_cmd)
-    policy.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
+    flags.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
     run_cmd.set_defaults(handler=_run)
 
     check = sub.add_parser("check", help="what this host supports and the effective policy")

@@ -18,6 +18,7 @@ from .policy import SandboxPolicy
 
 DEFAULT_NAME = "sandbox"
 DEFAULT_DISPLAY_NAME = "Python 3 (sandbox)"
+NAMED_DISPLAY_NAME = "Python 3 (sandbox: {name})"  # as runtimes/ names its kernelspecs
 
 
 class InstallError(Exception):
@@ -56,20 +57,28 @@ def kernel_json(policy: SandboxPolicy, display_name: str, cold_start: bool = Fal
     return spec
 
 
+def default_display_name(name: str) -> str:
+    """What the launcher shows for kernelspec `name` unless --display-name says otherwise: two
+    kernelspecs installed under different names must not look the same there."""
+    return DEFAULT_DISPLAY_NAME if name == DEFAULT_NAME else NAMED_DISPLAY_NAME.format(name=name)
+
+
 def install(policy: SandboxPolicy, name: str = DEFAULT_NAME,
-            display_name: str = DEFAULT_DISPLAY_NAME, user: bool = False,
+            display_name: str | None = None, user: bool = False,
             prefix: str | None = None, enterprise_gateway: str | None = None,
             eg_spec: eg_kernelspec.EnterpriseGatewaySpec | None = None,
             cold_start: bool = False, preload: Sequence[str] = (), python: str | None = None,
             runtime: str | None = None) -> str:
     """Install the kernelspec `name`(replacing one of that name); return its directory.
 
+    display_name: what the launcher shows (default: from the name, default_display_name).
     python and runtime: the interpreter of a runtime (runtimes/) and its name.
 
     With enterprise_gateway (kubernetes, docker, distributed) the kernelspec is one for
     Jupyter Enterprise Gateway's process proxy of that name (see launch/eg_kernelspec.py).
     """
     eg_spec = eg_spec or eg_kernelspec.EnterpriseGatewaySpec()
+    display_name = display_name or default_display_name(name)
     if enterprise_gateway:
         try:
             eg_kernelspec.check(enterprise_gateway, eg_spec)
@@ -100,12 +109,15 @@ def _install_files(spec: dict, name: str, user: bool, prefix: str | None) -> str
 
 
 def installed_message(path: str, name: str, user: bool = False, prefix: str | None = None,
-                      sys_prefix: bool = False) -> str:
-    """What `install` tells the user: where the kernelspec went, who sees it, how to undo it."""
+                      sys_prefix: bool = False, display_name: str | None = None) -> str:
+    """What `install` tells the user: where the kernelspec went, how it shows, who sees it, how
+    to undo it."""
     flags = "--user " if user else "--sys-prefix " if sys_prefix else \
         f"--prefix {prefix} " if prefix else ""
     undo = f"sandbox-kernel uninstall {flags}--name {name}"
-    lines = [f"Installed kernelspec {name} in {path}"]
+    shown = display_name or default_display_name(name)
+    lines = [f"Installed kernelspec {name} in {path}",
+             f'  shown as "{shown}" in the launcher (--display-name TEXT to change it)']
     if not (user or prefix or sys_prefix):
         lines.append(
             "  system-wide: every user of this machine, and Jupyter in every Python environment, "

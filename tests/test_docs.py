@@ -91,7 +91,7 @@ def python_for_newcomers() -> Path:
 
 
 def test_every_runnable_doc_has_blocks():
-    assert len(runnable_blocks(ROOT / "README.md")) == 1
+    assert len(runnable_blocks(ROOT / "README.md")) == 2
     assert len(runnable_blocks(ROOT / "docs" / "deploy.md")) == 2
 
 
@@ -101,15 +101,23 @@ def test_the_readme_setup_and_main_job_on_the_system_python(tmp_path):
         pytest.skip("Debian's /usr/bin/python3 lacks venv: `apt-get install python3-venv` "
                     "(the README's requirements say so)")
     python = python_for_newcomers()
-    [block] = runnable_blocks(ROOT / "README.md")
-    done = run_block(block, checkout_copy(tmp_path / "checkout"),
-                     newcomer_env(tmp_path / "home", python))
+    setup, lab = runnable_blocks(ROOT / "README.md")
+    checkout, env = checkout_copy(tmp_path / "checkout"), newcomer_env(tmp_path / "home", python)
+    done = run_block(setup, checkout, env)
     assert done.returncode == 0, done.stderr[-3000:]
     numbers = json.loads((ROOT / "examples" / "summarize.json").read_text())["numbers"]
     result = json.loads(done.stdout)
     assert (result["count"], result["total"]) == (len(numbers), sum(numbers))
-    pyvenv = (tmp_path / "checkout" / ".venv" / "pyvenv.cfg").read_text()
+    pyvenv = (checkout / ".venv" / "pyvenv.cfg").read_text()
     assert f"home = {python.parent}\n" in pyvenv  # the venv was made from that interpreter
+    # JupyterLab and `jupyter execute` with the kernel, in the same .venv (#32 item 1)
+    done = run_block(lab, checkout, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    executed = json.loads((checkout / "examples" / "summarize-executed.ipynb").read_text())
+    [shown] = executed["cells"][-1]["outputs"]
+    assert shown["data"]["application/json"] == {"count": 5, "total": 14}
+    lab_app = run_block(". .venv/bin/activate && jupyter lab --version", checkout, env)
+    assert lab_app.returncode == 0, lab_app.stderr[-3000:]
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT * 2)

@@ -5,6 +5,7 @@ call, the timeout's real source, stdout and stderr in the order written, editabl
 import errno
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -242,3 +243,29 @@ def test_a_path_the_view_hides_says_so(kernel):
         "outside what this kernel was granted; to let user code read it, add it (or a folder "
         f"above it) to the kernelspec with `sandbox-kernel install --read-path {path}` "
         "(--write-path to write there too) and restart the kernel"))
+
+
+# --- the network off: the cell says so, and which setting opens it (#32 item 3) ----------------
+
+LOOKUPS = """
+import socket, urllib.request
+said = []
+for attempt in (lambda: urllib.request.urlopen('http://example.com', timeout=5),
+                lambda: socket.getaddrinfo('example.com', 80)):
+    try:
+        attempt()
+    except OSError as exc:
+        said.append((type(exc).__name__, str(exc), getattr(exc, 'errno', None)))
+said
+"""
+
+
+def test_a_lookup_with_the_network_off_says_so_and_the_narrowest_setting_first(sandbox):
+    (url_name, url_said, _), (lookup_name, lookup_said, lookup_errno) = \
+        evaluate(sandbox, LOOKUPS)
+    assert (url_name, lookup_name) == ("URLError", "gaierror")
+    assert lookup_errno == socket.EAI_AGAIN  # the resolver's own answer, explained
+    for said in (url_said, lookup_said):
+        assert "name resolution: the sandbox blocked a name lookup: the network is off in " \
+               "this sandbox (--network off)" in said, said
+        assert said.index("--network hosts --allow-host NAME") < said.index("--allow-network")

@@ -2,10 +2,12 @@
 
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -268,6 +270,39 @@ def test_each_virtualenv_gets_its_own_server(tmp_path):
     assert len(keys) == 2
     assert forkserver.server_key(sys.executable, ["pandas", "numpy"]) == \
         forkserver.server_key(sys.executable, ["numpy", "pandas"])
+
+
+def _venv_on(base, venv):
+    """A venv at venv on the interpreter binary base, seeing this environment's packages."""
+    subprocess.run([str(base), "-m", "venv", "--clear", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    purelib = subprocess.run([str(venv / "bin" / "python"), "-c",
+                              "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+    Path(purelib.strip(), "host.pth").write_text(
+        f"import site; site.addsitedir({sysconfig.get_path('purelib')!r})\n")
+    return venv / "bin" / "python"
+
+
+def test_a_venv_rebuilt_at_the_same_path_gets_a_new_server_at_once(tmp_path):
+    """The key once held the path only: kernels kept the old interpreter until the old server
+    retired (#32 item 6). Two base binaries (copies, as two Python installs are) in turn."""
+    bases = []
+    for name in ("one", "two"):
+        bases.append(tmp_path / name / "bin" / "python3")
+        bases[-1].parent.mkdir(parents=True)
+        shutil.copy2(os.path.realpath(sys.executable), bases[-1])
+    clients, served_by = [], []
+    try:
+        for base in bases:
+            python = _venv_on(base, tmp_path / "venv")
+            clients.append(forkserver.ForkServerClient(python=str(python)))
+            clients[-1].connect().close()
+            served_by.append(os.readlink(f"/proc/{clients[-1].server_pid()}/exe"))
+    finally:
+        for client in clients:
+            client.stop_server()
+    assert served_by == [str(base) for base in bases]
 
 
 def test_a_malformed_request_is_refused_and_the_server_goes_on():

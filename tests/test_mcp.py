@@ -146,6 +146,19 @@ def test_a_chart_comes_back_as_image_content(mcp):
     assert [display for answer in answers for display in answer.structured_content[
         "displays"]] == [{"mime_type": "image/png", "text": None}]
     assert answers[-1].structured_content["status"] == "ok"
+    # numpy's BLAS gives NUMA hints the sandbox refuses; the audit keeps them, the model is not
+    # shown them as refused calls of its own (#32 item 13)
+    assert answers[-1].structured_content["usage"]["refused_syscalls"] == 0
+    assert "refused calls" not in text(answers[-1])
+
+
+def test_a_chart_drawn_under_agg_comes_back_too(mcp):
+    """matplotlib.use('Agg') then plt.show(), as models write it, once returned nothing."""
+    code = PLOT.replace("module://matplotlib_inline.backend_inline", "Agg")
+    answers = finished(mcp, mcp.tool("run_python", {"code": code}))
+    images = [block for answer in answers for block in answer.content if block.type == "image"]
+    assert len(images) == 1 and images[0].mime_type == "image/png"
+    assert "non-interactive" not in "".join(text(answer) for answer in answers)
 
 
 def test_an_error_has_its_name_message_and_the_users_line(mcp):
@@ -153,6 +166,7 @@ def test_an_error_has_its_name_message_and_the_users_line(mcp):
     error = answer.structured_content["error"]
     assert answer.is_error and error["name"] == "NameError" and not error["refused"]
     assert "undefined_name" in error["value"]
+    assert "[error] NameError: name 'undefined_name' is not defined" in text(answer)
     assert any("return undefined_name" in line for line in error["traceback"])
 
 
@@ -211,14 +225,17 @@ def test_usage_reports_cpu_memory_and_refusals_as_the_client_measures_them(mcp, 
     ("import socket\nsocket.create_connection(('192.0.2.1', 80), timeout=2)",
      "the network is off in this sandbox: you cannot download"),
     ("open('/etc/shadow').read()", "outside what this sandbox may read"),
+    ("import urllib.request\nurllib.request.urlopen('http://example.com', timeout=5)",
+     "the network is off in this sandbox: you cannot download"),
 ])
 def test_a_refused_call_is_explained_for_a_model_without_operator_flags(mcp, stdio_log,
                                                                         code, said):
-    answer = mcp.tool("run_python", {"code": code})
+    answer = finished(mcp, mcp.tool("run_python", {"code": code}))[-1]  # slow under load
     error = answer.structured_content["error"]
     assert answer.is_error and error["refused"] and said in error["value"]
     shown = text(answer) + json.dumps(answer.structured_content)
     assert not FLAGS_SEEN.search(shown), shown
+    assert f"{error['name']}: {error['name']}" not in shown  # the name once (#32 item 13)
     if mcp.transport == "stdio":  # the operator's wording (with its fix) is in the log
         rule = next(rule for rule in denials.RULES if said in rule.for_model)
         assert rule.why in stdio_log.read_text()

@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -201,11 +204,12 @@ DATA_CELLS = [
 ]
 
 
-def install_cli(*flags: str) -> None:
+def install_cli(*flags: str) -> subprocess.CompletedProcess:
     """`sandbox-kernel install --user ...` as a user types it (into the session's data dir)."""
     done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "install", "--user", *flags],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, done.stderr
+    return done
 
 
 def notebook_beside_csv(folder: Path, kernel_name: str, extra_cells: list[str] = ()) -> Path:
@@ -264,3 +268,66 @@ def test_refusals_libraries_cope_with_stay_in_the_audit_record(kernelspecs, tmp_
     assert processes and all(r["probe"].startswith("starting a process") for r in processes)
     [socket_record] = [r for r in records if r["syscall"] == "socket"]
     assert "probe" not in socket_record
+
+
+# --- what a data scientist and a model see of warnings and Agg charts (#32 items 7, 12) -------
+
+SEEN = {
+    "warn": "import warnings\nwarnings.warn('check the units')",
+    "fail": "x = 1\n1 / 0",
+    "agg": "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+           "plt.plot([1, 3, 2])\nplt.show()",
+    "saved": "import io\nfig = plt.figure()\nplt.plot([2, 1])\nfig.savefig(io.BytesIO())\n"
+             "plt.close(fig)",
+}
+
+
+def test_warnings_name_the_cell_as_tracebacks_do_and_agg_charts_are_shown(kernelspecs, tmp_path):
+    nb = nbformat.v4.new_notebook(metadata={"language_info": {"name": "python"}})
+    nb.cells = [nbformat.v4.new_code_cell(source, id=cell_id, metadata={"tags": [
+        "raises-exception"] if cell_id == "fail" else []}) for cell_id, source in SEEN.items()]
+    NotebookClient(nb, kernel_name="sandbox", timeout=RUN_TIMEOUT,
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = {cell.id: cell.outputs for cell in nb.cells}
+    [warned] = outputs["warn"]
+    assert (warned.name, warned.text) == (
+        "stderr", "Cell In[1], line 2: UserWarning: check the units\n"
+        "  warnings.warn('check the units')\n")
+    [failed] = outputs["fail"]
+    assert "Cell In[2], line 2" in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(failed.traceback))
+    [chart] = outputs["agg"]  # the figure, and no "non-interactive" warning
+    assert chart.output_type == "display_data"
+    assert base64.b64decode(chart.data["image/png"]).startswith(PNG_SIGNATURE)
+    assert outputs["saved"] == []  # a figure the code closed is not shown
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="started by root, user code has a uid of its own")
+def test_a_folder_the_host_keeps_the_kernels_uid_out_of_is_said_so_with_what_helps(kernelspecs):
+    """As root in a root-owned 0755 folder, --grant-cwd=rw still cannot write: install, check
+    and the cell's error say the host refuses the kernel's uid, and what helps (#32 item 2)."""
+    said = "the host refuses it, not the sandbox: user code runs as a uid of its own ("
+    installed = install_cli("--name", "root-folder", "--grant-cwd=rw")
+    assert "sandbox-kernel install: warning: --grant-cwd=rw: user code runs as a uid of its own" \
+        in installed.stderr
+    base = Path(tempfile.mkdtemp(prefix="sandbox-root-folder-"))
+    try:
+        base.chmod(0o755)
+        folder = base / "project"
+        folder.mkdir(mode=0o755)
+        nb = nbformat.v4.new_notebook(metadata={"language_info": {"name": "python"}})
+        nb.cells = [nbformat.v4.new_code_cell("open('summary.csv', 'w').write('a,b')",
+                                              metadata={"tags": ["raises-exception"]})]
+        nbformat.write(nb, folder / "report.ipynb")
+        result = run(["jupyter", "execute", "--kernel_name=root-folder", "--output=done",
+                      "report.ipynb"], cwd=folder)
+        assert result.returncode == 0, result.stderr
+        [error] = nbformat.read(folder / "done.ipynb", as_version=4).cells[0].outputs
+        assert error.ename == "PermissionError" and said in error.evalue, error.evalue
+        assert error.evalue.startswith("[Errno 13] Permission denied: 'summary.csv': ")
+        assert f"which {folder} (owner uid 0, mode 0755) does not let write" in error.evalue
+        assert "`--run-as USER`" in error.evalue and f"`chmod o+w {folder}`" in error.evalue
+        checked = run(["sandbox_kernel", "check", "--grant-cwd=rw"], cwd=folder)
+        assert f"  but --grant-cwd=rw here ({folder}): {said}" in checked.stdout
+        assert "sandbox-kernel check: warning: --grant-cwd=rw here" in checked.stderr
+    finally:
+        shutil.rmtree(base)

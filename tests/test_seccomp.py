@@ -177,7 +177,7 @@ def test_a_promise_whose_rule_is_gone_is_no_longer_claimed(monkeypatch):
     ("import os; os.posix_spawn('/bin/true', ['true'], {})", "os.posix_spawn()"),
     ("import multiprocessing as mp; mp.get_context('spawn').Process(target=print).start()",
      "creating processes is not allowed"),
-    ("import socket; socket.socket()", "start the kernel with --allow-network"),
+    ("import socket; socket.socket()", "--network hosts --allow-host NAME"),
     ("import os; os.chmod(os.getcwd(), 0o700)", "changing file permissions is not allowed"),
     ("import fcntl, socket; fcntl.fcntl(socket.socketpair()[0], fcntl.F_SETOWN, 1)",
      "a descriptor's owner may only be the kernel's own process"),
@@ -186,7 +186,7 @@ def test_a_promise_whose_rule_is_gone_is_no_longer_claimed(monkeypatch):
     ("import socket; socket.socketpair()[0].bind('server')", "listening for connections"),
     ("import socket; socket.socketpair()[0].listen()", "listening for connections"),
     ("import socket; socket.socketpair()[0].connect('/dev/log')",
-     "start the kernel with --allow-network"),
+     "--network hosts --allow-host NAME"),
 ])
 def test_blocked_calls_say_why_and_the_kernel_lives(sandbox, code, phrase):
     assert_blocked(sandbox.run(code), phrase)

@@ -6,6 +6,7 @@ import os
 
 from sandbox_kernel.client import AsyncSandbox, Sandbox
 from sandbox_kernel.client.meter import KernelProcess
+from sandbox_kernel.policy import SandboxPolicy
 from tests.helpers import evaluate, ok
 
 MiB = 2**20
@@ -161,3 +162,18 @@ def test_a_process_name_cannot_fake_the_peak_memory(sandbox):
         assert usage.peak_memory_bytes >= 50 * MiB
     finally:
         ok(sandbox.run("import ctypes\nctypes.CDLL(None).prctl(15, b'python', 0, 0, 0)"))
+
+
+def test_a_librarys_numa_hints_are_audited_but_not_counted_as_the_codes(tmp_path):
+    """A plain chart once reported 3 refused calls: numpy's BLAS hinting NUMA placement (#32
+    item 13). The audit keeps each one; the run's count is of what the code ran into."""
+    audit = tmp_path / "audit.jsonl"
+    chart = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
+    with Sandbox(None, policy=SandboxPolicy(audit_log=str(audit))) as sandbox:
+        execution = ok(sandbox.run(chart))
+        refused = ok(sandbox.run("import os\ntry:\n    os.fork()\nexcept OSError:\n    pass"))
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    hints = [entry for entry in records if entry.get("syscall") in ("mbind", "set_mempolicy")]
+    assert len(execution.displays) == 1 and execution.usage.refused_syscalls == 0
+    assert hints and all("NUMA placement hint" in entry["probe"] for entry in hints)
+    assert refused.usage.refused_syscalls == 1  # the code's own refusals are counted

@@ -23,7 +23,7 @@ import pwd
 import time
 from typing import Any
 
-from .denials import library_probe
+from .denials import library_probe, uncounted
 from .logrelay import LineSink, TokenBucket, escaped
 from .tally import Tally
 
@@ -133,8 +133,8 @@ class Auditor:
         notification = receive(self.listener)
         if notification is None:
             return
-        if self.tally is not None:  # before the answer: counted by the time the call returns
-            self.tally.add()
+        if self.tally is not None and not uncounted(syscall_name(notification.nr)):
+            self.tally.add()  # before the answer: counted by the time the call returns
         refuse(self.listener, notification)
         if not self.budget.take():
             if not self.suppressed:

@@ -23,6 +23,7 @@ import functools
 import os
 import pty
 import socket
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -52,8 +53,9 @@ PROCESSES = Rule(
     "no subprocesses in this sandbox: you cannot run programs or shell commands; do the work "
     "in Python (call the library directly instead of its command-line tool)")
 NETWORK_OFF = Rule(
-    "the network is off in this sandbox; start the kernel with --allow-network (or install "
-    "the kernelspec with --allow-network) to allow it",
+    "the network is off in this sandbox (--network off); to let the code reach the hosts it "
+    "needs, install the kernelspec (or start the kernel) with --network hosts --allow-host "
+    "NAME, one --allow-host per host, or with --allow-network for any public address",
     "the network is off in this sandbox: you cannot download or call web services; use the "
     "files and data you were given")
 NETWORK_KINDS = Rule(
@@ -187,14 +189,22 @@ def _explain_unreachable(original: Callable[..., Any], what: str) -> Callable[..
     return wrapper
 
 
-def _explain_lookup(original: Callable[..., Any]) -> Callable[..., Any]:
+def _explain_lookup(original: Callable[..., Any], why: Rule) -> Callable[..., Any]:
+    """Say why a name lookup failed: the resolver's own words ("Temporary failure in name
+    resolution") read as a passing fault of the host's DNS, worth retrying."""
+    said = "the sandbox resolves no names itself" if why is PROXY_ONLY else \
+        "the sandbox blocked a name lookup"
+
     @functools.wraps(original)
     def getaddrinfo(*args: Any, **kwargs: Any) -> Any:
         try:
             return original(*args, **kwargs)
         except socket.gaierror as exc:
-            raise socket.gaierror(exc.errno, f"{exc.strerror}: the sandbox resolves no names "
-                                             f"itself: {PROXY_ONLY}") from None
+            if hasattr(exc, "sandbox_rule"):
+                raise
+            explained = socket.gaierror(exc.errno, f"{exc.strerror}: {said}: {why}")
+            explained.sandbox_rule = why.why  # type: ignore[attr-defined]
+            raise explained from None
 
     return getaddrinfo
 
@@ -232,21 +242,30 @@ def install(allow_network: bool, proxy: bool = False) -> None:
         for name in ("connect",):
             setattr(socket.socket, name, _explain(getattr(socket.socket, name),
                                                   f"socket.{name}()", NETWORK_OFF))
+        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo, NETWORK_OFF)
     if proxy:
         for name in ("connect", "sendto"):
             setattr(socket.socket, name, _explain_unreachable(getattr(socket.socket, name),
                                                               f"socket.{name}()"))
-        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo)
+        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo, PROXY_ONLY)
 
 
 # --- refusals libraries cope with: recorded, not shown ------------------------------------------
 
 _CLONE_THREAD = 0x10000
+_NUMA_CALLS = ("mbind", "set_mempolicy")
 _NUMA_HINT = ("a NUMA placement hint (OpenBLAS, numpy's BLAS, gives one for each buffer it "
               "maps; the memory is used all the same)")
 _PROBED_PROCESS = ("starting a process (matplotlib's font cache runs fc-list, ctypes.util runs "
                    "ldconfig; each falls back when refused); Python code that starts one is "
                    "told so in its own PermissionError")
+
+
+def uncounted(syscall: str) -> bool:
+    """Whether a refused call is only a library's own hint, one no Python code of the user's
+    makes (NUMA placement): recorded in the audit, but left out of an execution's count of
+    refused calls, which a model or a dashboard reads as something the code ran into."""
+    return syscall in _NUMA_CALLS
 
 
 def library_probe(syscall: str, args: Sequence[int]) -> str | None:
@@ -257,7 +276,7 @@ def library_probe(syscall: str, args: Sequence[int]) -> str | None:
     nbclient: every `import numpy` would print lines there. A process that user code starts
     through Python is refused with an explained PermissionError in its own output (install()).
     """
-    if syscall in ("mbind", "set_mempolicy"):
+    if syscall in _NUMA_CALLS:
         return _NUMA_HINT
     if syscall in ("fork", "vfork") or (syscall == "clone" and args
                                         and not args[0] & _CLONE_THREAD):
@@ -282,9 +301,35 @@ NOT_IN_SCRATCH = Rule(
     "the kernel's working directory is its private scratch",
     "that file is not in your working directory (the sandbox's own folder): write it there "
     "first, or use the files that are there")
+HOST_REFUSES = Rule(
+    "the host refuses it, not the sandbox: user code runs as a uid of its own",
+    "the computer's own permissions keep this sandbox from writing there: keep the data in "
+    "memory, or write your files under the folder in the HOME environment variable")
 RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, PROXY_ONLY, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
          DESCRIPTOR_OWNER, UNIX_DATAGRAMS, DEBUGGER, OUTSIDE_GRANTS, READ_ONLY, HIDDEN,
-         NOT_IN_SCRATCH)
+         NOT_IN_SCRATCH, HOST_REFUSES)
+HOST_WRITE_FIX = ("to let it write there, install the kernelspec with `--run-as USER` naming a "
+                  "user (not root) who may write in {dir}, or let other users write there "
+                  "(`chmod o+w {dir}`); its HOME (the scratch) is always writable")
+
+
+def host_write_refusal(path: str, uid: int, gid: int) -> str | None:
+    """Why the host's own permissions keep uid:gid from writing path (a file, or a folder to
+    create one in), or None. A grant keeps them: started by root, user code runs as a uid of
+    its own, which a root-owned 0755 folder keeps out, --grant-cwd=rw or --write-path or not.
+    The mode bits only (not ACLs): said before a kernel runs as that uid, as well as after."""
+    target = path if os.path.lexists(path) else os.path.dirname(path) or "/"
+    try:
+        info = os.stat(target)
+    except OSError:
+        return None
+    bit = 0o200 if info.st_uid == uid else 0o020 if info.st_gid == gid else 0o002
+    if uid == 0 or info.st_mode & bit:
+        return None
+    folder = target if os.path.isdir(target) else os.path.dirname(target)
+    return (f"{HOST_REFUSES.why} ({uid}), which {target} (owner uid {info.st_uid}, mode "
+            f"{stat.S_IMODE(info.st_mode):04o}) does not let write; "
+            + HOST_WRITE_FIX.format(dir=folder))
 
 
 def rule_in(text: str) -> Rule | None:
@@ -369,7 +414,11 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
         return _explained(exc, f"{READ_ONLY.why}; to let user code write there, add it with "
                           f"`sandbox-kernel install --write-path {_folder(path)}` and restart "
                           "the kernel")
-    return None  # inside a grant: the host itself refused
+    if _under(path, access.write) and not _host_lets_write(path):
+        said = host_write_refusal(path, os.getuid(), os.getgid())
+        if said is not None:
+            return _explained(exc, said)
+    return None  # inside a grant: the host itself refused (an ACL, a read)
 
 
 def _hidden(exc: OSError, path: str, access: FileAccess) -> OSError | None:

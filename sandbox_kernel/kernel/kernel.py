@@ -23,7 +23,7 @@ from traitlets import Dict, Type
 from .. import __version__, jsonwire
 from ..confine import denials
 from ..policy import SandboxPolicy
-from . import main_call, pip
+from . import cell_warnings, figures, main_call, pip
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 from .prebuilt import ZMQInteractiveShell
@@ -143,6 +143,8 @@ class SandboxKernel(IPythonKernel):
         super().__init__(**kwargs)
         main_call.load_ipython_extension(self.shell)  # the %main magic
         pip.load_ipython_extension(self.shell)  # %pip, in-process, into the session
+        cell_warnings.load_ipython_extension(self.shell)  # "Cell In[N], line L: UserWarning"
+        figures.load_ipython_extension(self.shell)  # Agg's figures shown, not lost
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self._skip_unshown_log_records()
         self.deadline: Deadline | None = None

@@ -102,6 +102,10 @@ def index_refusal(policy: Any) -> str | None:
     return None
 
 
+NOTHING_LISTED = ("Nothing installed in this session yet: %pip list shows what %pip install "
+                  "added here, not the packages the kernel's environment comes with.")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="%pip", add_help=False, exit_on_error=False)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -176,7 +180,12 @@ def pip_arguments(args: argparse.Namespace, target: Path, index: str) -> list[st
     """pip's command line: the user's choices inside the sandbox's fixed ones."""
     command = ["install", "--target", str(target), "--only-binary", ":all:", "--isolated",
                "--no-cache-dir", "--disable-pip-version-check", "--no-input",
-               "--progress-bar", "off", "--no-warn-script-location"]
+               "--progress-bar", "off", "--no-warn-script-location",
+               # pip's conflict check reads every distribution on sys.path, parts of which the
+               # sandbox hides (an editable install's checkout): it failed with a red "Error
+               # while checking for conflicts" on installs that worked. A --target install
+               # changes nothing of the environment it would check.
+               "--no-warn-conflicts"]
     if index:
         command += ["--index-url", index]
     for flag in ("upgrade", "force_reinstall", "no_deps", "pre"):
@@ -345,6 +354,8 @@ def pip_magic(line: str) -> None:
     if line.split()[:1] == ["list"]:
         for name, version in sorted(changed.items(), key=lambda item: item[0].lower()):
             print(f"{name}=={version}")
+        if not changed:
+            print(NOTHING_LISTED)
         return
     if changed:
         shown = ", ".join(f"{name}=={version}" for name, version in sorted(changed.items()))

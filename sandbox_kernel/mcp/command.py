@@ -8,7 +8,8 @@ import logging
 import sys
 from typing import Any
 
-from .. import policy
+from .. import flags, policy
+from . import configs
 from .config import McpConfig
 
 DESCRIPTION = """An MCP server that runs Python for agents in sandboxed kernels. Over stdio by \
@@ -32,8 +33,6 @@ def _size(text: str) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The `mcp` subcommand's parser."""
-    from ..cli import add_launch_arguments
-
     command = sub.add_parser("mcp", help="serve sandboxed Python to agents over MCP",
                              description=DESCRIPTION)
     where = command.add_argument_group("transport")
@@ -44,6 +43,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     where.add_argument("--print-tools", choices=("openai", "openai-chat", "mcp"),
                        help="print the tools' definitions as JSON (OpenAI Responses or Chat "
                        "Completions function tools, or MCP) and exit")
+    where.add_argument("--print-config", choices=tuple(configs.FILES),
+                       help="print the MCP config of that desktop agent or IDE for this install "
+                       "(as examples/mcp/'s file, its command the full path of this "
+                       "sandbox-kernel, which an app's PATH lacks) and exit")
     limits = command.add_argument_group("agents' limits")
     defaults = McpConfig()
     limits.add_argument("--pool-size", type=int, default=defaults.pool_size, metavar="N",
@@ -69,8 +72,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         "in its result")
     command.add_argument("--runtime", metavar="NAME", default="",
                          help="run kernels on this runtime (`sandbox-kernel runtime create`)")
-    add_launch_arguments(command)
-    policy.add_arguments(command)
+    flags.add_arguments(command)
     command.set_defaults(handler=main)
     return command
 
@@ -109,6 +111,9 @@ def main(args: argparse.Namespace) -> int:
         except RuntimesError as exc:
             print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
             return 2
+    if args.print_config:
+        print(json.dumps(configs.config(args.print_config), indent=2))
+        return 0
     config = config_from(args)
     if args.print_tools:
         from .openai import definitions

@@ -26,7 +26,8 @@ OUTPUT_CUT = ("\n[output cut: this sandbox keeps a limited amount of output per 
 
 @dataclass
 class Said:
-    """An error as a model reads it: the message, and the traceback with the same wording."""
+    """An error as a model reads it: the message (without the name, as an exception's value:
+    whoever shows it puts the name before it once), and the traceback with the same wording."""
 
     name: str
     message: str
@@ -57,8 +58,8 @@ _LOOKUP_FAILED = re.compile(r"name resolution|Name or service not known|"
 def _offline_lookup(error: ErrorInfo) -> Said | None:
     if not _LOOKUP_FAILED.search(error.value):
         return None
-    said = f"{error.name}: {denials.NETWORK_OFF.for_model}"
-    return Said(error.name, said, [*error.traceback[:-1], said], refused=True)
+    said = denials.NETWORK_OFF.for_model
+    return Said(error.name, said, [*error.traceback[:-1], f"{error.name}: {said}"], refused=True)
 
 
 def _timeout(error: ErrorInfo, timeout: float | None, scope: str) -> str:
@@ -103,7 +104,7 @@ def for_model(execution: Execution, timeout: float | None, in_session: bool,
             + (" The session was restarted: its variables are gone." if in_session else ""),
     }.get(error.name)
     if message is None:
-        return Said(error.name, f"{error.name}: {error.value}", list(error.traceback))
+        return Said(error.name, error.value, list(error.traceback))
     text = message()
     log.info("%s: %s", error.name, error.value)  # the operator's wording, for the log
     return Said(error.name, text, [*error.traceback[:-1], f"{error.name}: {text}"]

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from traitlets import Bool, Float, Int, TraitError, Unicode
 from traitlets.config import Configurable
 
-from .. import policy
+from .. import flags
 from . import auth
 
 
@@ -179,7 +179,7 @@ def _from_env(name: str, trait: Any, text: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `serve` flags: every ServiceConfig setting, then the kernels' policy flags."""
+    """The `serve` flags: every ServiceConfig setting, then the flags of every face's kernels."""
     group = parser.add_argument_group("service")
     for name, trait in ServiceConfig.class_traits(config=True).items():
         option = f"--{trait.metadata['flag']}"
@@ -191,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(option, dest=f"service_{name}", default=None,
                                metavar=trait.metadata.get("metavar"), help=help_text)
-    policy.add_arguments(parser)
+    flags.add_arguments(parser, start_up=False)
 
 
 def from_arguments(args: argparse.Namespace, environ: dict[str, str] | None = None

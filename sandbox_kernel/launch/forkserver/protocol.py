@@ -60,13 +60,32 @@ def runtime_dir() -> Path:
 def server_key(python: str, preload: Sequence[str]) -> str:
     """One server per interpreter, preload set and version of this package's code.
 
-    The path as given, not resolved: every virtualenv's python links to the same binary, yet
-    each has its own site-packages. A server imported the kernel's code when it started: after
-    an upgrade (or an edit of an editable install) it would go on forking kernels that run the
-    old confinement code, so the code's fingerprint is part of the key too.
+    The path as given, not only what it resolves to: every virtualenv's python links to the
+    same binary, yet each has its own site-packages. And what the path runs now: a venv rebuilt
+    at the same path (on another base Python, or afresh) or a base Python upgraded in place
+    must get a new server at once, not kernels forked from the old interpreter until the old
+    server retires. A server imported the kernel's code when it started: after an upgrade (or
+    an edit of an editable install) it would go on forking kernels that run the old
+    confinement code, so the code's fingerprint is part of the key too.
     """
-    text = json.dumps([os.path.abspath(python), sorted(set(preload)), _code_fingerprint()])
+    text = json.dumps([os.path.abspath(python), _interpreter_identity(python),
+                       sorted(set(preload)), _code_fingerprint()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _interpreter_identity(python: str) -> list[tuple[str, int, int, int]]:
+    """The binary python resolves to and its venv's pyvenv.cfg, each by path, device, inode and
+    mtime: all change when the venv is rebuilt or the binary replaced (never cached for that)."""
+    path = Path(os.path.abspath(python))
+    found = []
+    for candidate in (path.resolve(), path.parent / "pyvenv.cfg",
+                      path.parent.parent / "pyvenv.cfg"):
+        try:
+            info = candidate.stat()
+        except OSError:
+            continue
+        found.append((str(candidate), info.st_dev, info.st_ino, info.st_mtime_ns))
+    return found
 
 
 @functools.cache
