@@ -180,17 +180,22 @@ class Reaper:
                          args=(settings, listener, audit_file, self.out)).start()
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
-        listener, *files = fds
-        counted = None
-        if settings.get("tally") and files:  # the count of refused calls comes first
-            tally_fd, *files = files
-            # Only a count whose size is sealed: a shrunk one would fault this process.
-            counted = Tally(tally_fd, writable=True) if Tally.sealed(tally_fd) else None
-            os.close(tally_fd)
-        self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
-                                     kernel_id=str(settings.get("kernel", "")),
-                                     uid=settings.get("uid"), tally=counted)
-        self.poller.register(listener, select.POLLIN)
+        self.auditor = auditor_for(settings, fds, self.out)
+        self.poller.register(self.auditor.listener, select.POLLIN)
+
+
+def auditor_for(settings: dict[str, Any], fds: list[int], out: LauncherLog) -> audit.Auditor:
+    """The auditor of a kernel's `audit` handover: its listener, refusal count, audit file."""
+    listener, *files = fds
+    counted = None
+    if settings.get("tally") and files:  # the count of refused calls comes first
+        tally_fd, *files = files
+        # Only a count whose size is sealed: a shrunk one would fault this process.
+        counted = Tally(tally_fd, writable=True) if Tally.sealed(tally_fd) else None
+        os.close(tally_fd)
+    return audit.Auditor(listener, files[0] if files else None, out,
+                         kernel_id=str(settings.get("kernel", "")),
+                         uid=settings.get("uid"), tally=counted)
 
 
 def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | None,
@@ -198,6 +203,20 @@ def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | Non
     """Serve the kernel's egress listener under its rules until the reaper ends (a thread)."""
     import asyncio
 
+    proxy = egress_proxy(settings, audit_file, out)
+    if proxy is None:
+        os.close(listener)
+        return
+    try:
+        asyncio.run(proxy.serve(socket.socket(fileno=listener)))
+    except Exception as exc:  # never silently: user code would only see connections hang
+        out.write(f"sandbox-kernel: the egress proxy stopped: {exc!r}\n".encode())
+        raise
+
+
+
+def egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog) -> Any:
+    """The EgressProxy of a kernel's `egress` handover, or None (said on out) if malformed."""
     from .egress.proxy import AuditSink, EgressProxy
     from .egress.rules import EgressRules, Upstream
 
@@ -208,13 +227,6 @@ def _serve_egress(settings: dict[str, Any], listener: int, audit_file: int | Non
             if settings.get("upstream_proxy") else None
     except (KeyError, TypeError, ValueError) as exc:
         out.write(f"sandbox-kernel: egress proxy not started: {exc}\n".encode())
-        os.close(listener)
-        return
-    try:
-        proxy = EgressProxy(rules, str(settings.get("kernel", ""))[:128],
-                            AuditSink(audit_file, out), upstream)
-        asyncio.run(proxy.serve(socket.socket(fileno=listener)))
-    except Exception as exc:  # never silently: user code would only see connections hang
-        out.write(f"sandbox-kernel: the egress proxy stopped: {exc!r}\n".encode())
-        raise
-
+        return None
+    return EgressProxy(rules, str(settings.get("kernel", ""))[:128],
+                       AuditSink(audit_file, out), upstream)
