@@ -24,7 +24,7 @@ from jupyter_client.session import Session
 from .. import jsonwire
 from ..kernel import oneshot_wire as wire
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
-from .collect import Callback, Collector
+from .collect import Callback, Collector, exit_description
 from .execution import ErrorInfo, Execution, error_from
 from .meter import Meter, open_process
 from .receive import CallerLimits, unpack_frames
@@ -78,6 +78,9 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
             run.kill()
             run.lost = (f"the execution ran past its {timeout:g} s limit and did not stop; "
                         "its one-shot kernel was killed")
+        if not (run.done or run.lost) and run.pid:  # it died under the run: say how
+            exit_code = await loop.run_in_executor(None, pool.exit_code, run.pid)
+            run.lost = f"the kernel process died ({exit_description(exit_code)})"
     finally:
         run.close()
     return run.finish(time.monotonic() - started)
@@ -110,6 +113,7 @@ class _Run:
         room = limits.max_message
         self.records = wire.Records(0 if room < 0 else room + 4096)
         self.pidfd = -1
+        self.pid = 0
         self.meter: Meter | None = None
         self.reply: dict[str, Any] | None = None
         self.refused = ""
@@ -146,7 +150,8 @@ class _Run:
             os.close(fd)
         for kind, payload in self.records.feed(data):
             if kind == wire.PID and payload.isdigit():
-                self.meter = Meter(open_process(int(payload)))
+                self.pid = int(payload)
+                self.meter = Meter(open_process(self.pid))
             else:
                 self._take(kind, payload)
 
@@ -197,14 +202,10 @@ class _Run:
         if self.refused:
             ex.error = ErrorInfo("KernelRefused", self.refused, [f"KernelRefused: {self.refused}"])
         elif self.lost:
-            ex.error = ErrorInfo(ONE_SHOT_TIMEOUT if "limit" in self.lost else "KernelDied",
-                                 self.lost)
-            ex.error.traceback = [f"{ex.error.name}: {ex.error.value}"]
-            ex.state_lost = True
-        elif not self.collector.idle:
-            ex.error = ErrorInfo("KernelDied", "the one-shot kernel ended before its run did "
-                                 "(killed by a limit, e.g. memory)", [])
-            ex.error.traceback = [f"KernelDied: {ex.error.value}"]
+            name = ONE_SHOT_TIMEOUT if self.lost.startswith("the execution ran") \
+                else "MessageTooLarge" if self.lost.startswith("the one-shot kernel sent") \
+                else "KernelDied"
+            ex.error = ErrorInfo(name, self.lost, [f"{name}: {self.lost}"])
             ex.state_lost = True
         if self.meter is not None:
             if not self.metered:

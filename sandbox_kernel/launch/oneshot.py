@@ -79,6 +79,22 @@ class OneShotPool:
             raise OneShotUnavailable(f"no one-shot kernels: {answer.get('error', answer)}")
         return str(answer["socket"])
 
+    def exit_code(self, pid: int) -> int | None:
+        """How one of the pool's processes ended, from its server (None if unknown)."""
+        try:
+            conn = _connect(self.pools_path)
+        except OSError:
+            return None
+        with conn:
+            try:
+                conn.sendall(frame({"exit": pid}))
+                conn.settimeout(5.0)
+                answer, _ = receive(conn)
+            except (OSError, ValueError):
+                return None
+        code = answer.get("exit")
+        return code if isinstance(code, int) else None
+
     def _connect_pools(self) -> socket.socket:
         try:
             return _connect(self.pools_path)

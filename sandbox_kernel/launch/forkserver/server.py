@@ -129,6 +129,7 @@ class Server:
     pools: dict[str, _Pool] = field(default_factory=dict)
     busy: dict[int, int] = field(default_factory=dict)  # one-shot pid -> pidfd, after taking
     companion: int | None = None  # the registry of the one-shots' companion, once started
+    exits: dict[int, int] = field(default_factory=dict)  # recent one-shots' exit codes
     started: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
 
@@ -252,8 +253,11 @@ class Server:
                 request, fds = receive(conn)
                 for fd in fds:
                     os.close(fd)
-                pool = self.pool_for(request.get("pool"))
-                answer = {"error": pool.broken} if pool.broken else {"socket": pool.path}
+                if "exit" in request:
+                    answer = self.exit_of(request["exit"])
+                else:
+                    pool = self.pool_for(request.get("pool"))
+                    answer = {"error": pool.broken} if pool.broken else {"socket": pool.path}
             except (OSError, ValueError, ForkServerError) as exc:
                 answer = {"error": str(exc)}
             with contextlib.suppress(OSError):
@@ -362,12 +366,27 @@ class Server:
         os.close(pidfd)
 
     def reap_busy(self, pid: int) -> None:
-        """A one-shot process that took its request ended."""
+        """A one-shot process that took its request ended: keep its exit code a while."""
         pidfd = self.busy.pop(pid)
         self.selector.unregister(pidfd)
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
         os.close(pidfd)
+        self.exits[pid] = os.waitstatus_to_exitcode(status)
+        while len(self.exits) > 1024:
+            del self.exits[next(iter(self.exits))]
         self.last_active = time.monotonic()
+
+    def exit_of(self, pid: Any) -> dict[str, Any]:
+        """How a one-shot process that died under its caller ended (the caller cannot wait
+        for a process that is not its child)."""
+        if pid in self.busy:
+            with selectors.DefaultSelector() as waiter:
+                waiter.register(self.busy[pid], selectors.EVENT_READ)
+                if waiter.select(2.0):
+                    self.reap_busy(pid)
+        if pid not in self.exits:
+            return {"error": f"no exit code known for process {pid!r}"}
+        return {"exit": self.exits[pid]}
 
     def become_one_shot(self, pool: _Pool, taken: int) -> None:
         """In the child: what a kernel does after its re-exec, with the companion for a
