@@ -147,6 +147,7 @@ class Server:
         from sandbox_kernel.confine import paths, privileges, seccomp
         from sandbox_kernel.kernel import prebuilt
         from sandbox_kernel.kernel.app import SandboxKernelApp
+        from sandbox_kernel.kernel.oneshot import OneShotKernelApp
         from sandbox_kernel.launch import fontcache
 
         paths.interpreter_paths()
@@ -154,6 +155,7 @@ class Server:
         privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
+        OneShotKernelApp.prebuild_parser()  # the pools' kernels (kernel/oneshot.py)
         prebuilt.prebuild_shell()  # the IPython shell each kernel adopts (kernel/prebuilt.py)
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
