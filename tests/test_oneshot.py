@@ -35,7 +35,7 @@ def one_shot(pool, code, inputs=None, timeout=10.0):
 
 
 def zmq_run(code, inputs=None, timeout=10.0, policy=None):
-    with Sandbox(None, policy=policy or SandboxPolicy(**POLICY), one_shot=True) as sb:
+    with Sandbox(None, policy=policy or SandboxPolicy(**POLICY)) as sb:
         return sb.run(code, inputs, timeout=timeout)
 
 

@@ -67,19 +67,38 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
         else await _connect(loop, pool)
     collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
                           _SESSION, raw_result)
-    started = time.monotonic()
     run = _Run(conn, collector, limits)
     try:
-        await loop.sock_sendall(conn, wire.record(wire.REQUEST, payload))
+        # The request goes only to a process that took the connection and said who it is:
+        # nothing of it is ever sent where the server could read it.
+        try:
+            await asyncio.wait_for(run.take_pidfd(loop), pool.server.start_timeout)
+        except asyncio.TimeoutError:
+            raise OneShotUnavailable(f"no one-shot kernel took the request within "
+                                     f"{pool.server.start_timeout:g} s; "
+                                     f"{pool.server_log()}") from None
+        if not run.pid:  # the server's answer (a broken pool), or its socket closed
+            reason = run.refused or "the pool's socket closed before a kernel took the request"
+            raise OneShotUnavailable(f"{reason}; {pool.server_log()}")
+        started = time.monotonic()
         deadline = None if timeout is None else timeout + grace
         try:
+            await loop.sock_sendall(conn, wire.record(wire.REQUEST, payload))
             await asyncio.wait_for(run.read(loop), deadline)
         except asyncio.TimeoutError:
             run.kill()
             run.lost = (f"the execution ran past its {timeout:g} s limit and did not stop; "
                         "its one-shot kernel was killed")
+        except OSError:
+            pass  # the process ended under the run: said below
+        if run.refused and not run.messages:  # the process could not take the request
+            raise OneShotUnavailable(run.refused)
         if not (run.done or run.lost) and run.pid:  # it died under the run: say how
             exit_code = await loop.run_in_executor(None, pool.exit_code, run.pid)
+            if not run.messages:  # nothing of the run began: a kernel that could not start
+                raise OneShotUnavailable(
+                    f"the one-shot kernel ended before it began the run "
+                    f"({exit_description(exit_code)}); {pool.server_log()}")
             run.lost = f"the kernel process died ({exit_description(exit_code)})"
     finally:
         run.close()
@@ -120,10 +139,10 @@ class _Run:
         self.lost = ""
         self.done = False
         self.metered = False
+        self.messages = 0
 
     async def read(self, loop: asyncio.AbstractEventLoop) -> None:
         """Records until `done` or the connection's end."""
-        await self._take_pidfd(loop)
         while not self.done:
             data = await loop.sock_recv(self.conn, 1 << 20)
             if not data:
@@ -136,7 +155,7 @@ class _Run:
                 self.lost = f"the one-shot kernel sent a message the caller refuses: {exc}"
                 return
 
-    async def _take_pidfd(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def take_pidfd(self, loop: asyncio.AbstractEventLoop) -> None:
         """The first record: the process's pid, with its pidfd (to kill exactly it)."""
         ready = loop.create_future()
         loop.add_reader(self.conn.fileno(), _set_once, ready)
@@ -144,10 +163,15 @@ class _Run:
             await ready
         finally:
             loop.remove_reader(self.conn.fileno())
-        data, fds, _, _ = socket.recv_fds(self.conn, wire.HEADER.size + 32, 1)
+        try:
+            data, fds, _, _ = socket.recv_fds(self.conn, wire.HEADER.size + 32, 1)
+        except OSError:  # reset: no process will take it
+            return
         self.pidfd = fds[0] if fds else -1
         for fd in fds[1:]:
             os.close(fd)
+        if not data:
+            return
         for kind, payload in self.records.feed(data):
             if kind == wire.PID and payload.isdigit():
                 self.pid = int(payload)
@@ -157,6 +181,7 @@ class _Run:
 
     def _take(self, kind: int, payload: bytes) -> None:
         if kind == wire.MESSAGE:
+            self.messages += 1
             frames = [zmq.Frame(frame) for frame in wire.unpack_frames(payload)]
             msg = unpack_frames(_SESSION, frames, self.collector.msg_id)
             if msg is None:

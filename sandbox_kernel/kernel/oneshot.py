@@ -295,8 +295,24 @@ class OneShotKernelApp(SandboxKernelApp):
 
     # --- the one request ----------------------------------------------------------------------
 
+    def warm_up(self) -> None:
+        """Take the execute path once, silently, before any request: the run's first-time
+        costs are paid while the process waits, and a kernel that cannot run at all (e.g. a
+        memory limit below what an execution needs) ends here, never under a caller's run.
+
+        The warm-up is a client's (`Sandbox.warm_up`): a silent `pass` that leaves no history,
+        execution count or last result (kernel.py); nothing is sent, there is no caller yet.
+        """
+        msg = self.session.msg("execute_request", {
+            "code": "pass", "silent": True, "store_history": False, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": False})
+        msg["metadata"]["sandbox"] = {"warm_up": True}
+        asyncio.run(self.kernel.dispatch_shell(
+            [zmq.Frame(frame) for frame in self.session.serialize(msg)]))
+
     def serve_one(self, listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
         """Take exactly one connection, run its request, answer and exit."""
+        self.warm_up()
         conn = self.take_connection(listener, taken, server_uid)
         self.channel.conn = conn
         try:
@@ -309,6 +325,9 @@ class OneShotKernelApp(SandboxKernelApp):
             frames = self.read_request(conn)
         except (OSError, wire.WireError) as exc:
             self.refuse_request(conn, f"the request could not be read: {exc}")
+        except MemoryError:
+            self.refuse_request(conn, "the kernel's memory limit leaves no room to read the "
+                                "request: raise --memory-limit")
         for stream in self.channel.streams:  # what the start wrote to the fds is not output
             stream.read_to = os.fstat(stream.fd).st_size
         try:
@@ -316,6 +335,10 @@ class OneShotKernelApp(SandboxKernelApp):
             for stream in self.channel.streams:
                 stream.flush()
             self.channel.write(wire.DONE, b"")
+            # Until the caller hangs up (it kills this process then): it reads the host's
+            # figures of the run from /proc meanwhile, as it does for a ZMQ kernel.
+            conn.settimeout(REQUEST_TIMEOUT)
+            conn.recv(1)
         except OSError:
             pass  # the caller left: nobody to answer
         os._exit(0)
@@ -344,7 +367,7 @@ class OneShotKernelApp(SandboxKernelApp):
         conn.settimeout(REQUEST_TIMEOUT)
         records = wire.Records(wire.MAX_REQUEST)
         while True:
-            data = conn.recv(1 << 20)
+            data = conn.recv(1 << 16)
             if not data:
                 raise wire.WireError("the caller hung up before its request was complete")
             for kind, payload in records.feed(data):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..policy import SandboxPolicy
-from .forkserver.client import ForkServerClient, request_env
+from .forkserver.client import ForkServerClient, _tail, request_env
 from .forkserver.protocol import ForkServerError, frame, receive
 
 DEFAULT_ONE_SHOT_POOL = 2  # pre-confined processes per policy
@@ -78,6 +78,11 @@ class OneShotPool:
         if "socket" not in answer:
             raise OneShotUnavailable(f"no one-shot kernels: {answer.get('error', answer)}")
         return str(answer["socket"])
+
+    def server_log(self) -> str:
+        """Where the server's log is, and its last line (a kernel's refusal to start)."""
+        log = self.server.directory / f"{self.server.key}.log"
+        return f"see {log}: {_tail(log)}"
 
     def exit_code(self, pid: int) -> int | None:
         """How one of the pool's processes ended, from its server (None if unknown)."""
