@@ -356,7 +356,7 @@ def report(args: argparse.Namespace, totals: dict[str, Totals], anchor: object,
                      f"| {total.failures()} |")
     lines += ["", "Our CPU per request by process (service: the server process above):", ""]
     for name, total in totals.items():
-        if any(phase.parts for phase in total.seq):
+        if any(any(phase.parts.values()) for phase in total.seq):
             split = ", ".join(f"{part} {ms:.1f} ms" for part, ms in total.parts_ms().items())
             lines.append(f"- {name}: {split}")
     reference = totals.get("dify-sandbox")

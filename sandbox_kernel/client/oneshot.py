@@ -63,27 +63,17 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
     loop = asyncio.get_running_loop()
     msg = request(code, inputs, timeout, entrypoint, timeout_source)
     payload = wire.pack_frames(_SESSION.serialize(msg))
-    conn = await loop.run_in_executor(None, pool.connect) if not pool.path \
-        else await _connect(loop, pool)
     collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
                           _SESSION, raw_result)
-    run = _Run(conn, collector, limits)
+    run = await _taken(loop, pool, collector, limits)
     try:
-        # The request goes only to a process that took the connection and said who it is:
-        # nothing of it is ever sent where the server could read it.
-        try:
-            await asyncio.wait_for(run.take_pidfd(loop), pool.server.start_timeout)
-        except asyncio.TimeoutError:
-            raise OneShotUnavailable(f"no one-shot kernel took the request within "
-                                     f"{pool.server.start_timeout:g} s; "
-                                     f"{pool.server_log()}") from None
         if not run.pid:  # the server's answer (a broken pool), or its socket closed
             reason = run.refused or "the pool's socket closed before a kernel took the request"
             raise OneShotUnavailable(f"{reason}; {pool.server_log()}")
         started = time.monotonic()
         deadline = None if timeout is None else timeout + grace
         try:
-            await loop.sock_sendall(conn, wire.record(wire.REQUEST, payload))
+            await loop.sock_sendall(run.conn, wire.record(wire.REQUEST, payload))
             await asyncio.wait_for(run.read(loop), deadline)
         except asyncio.TimeoutError:
             run.kill()
@@ -103,6 +93,35 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
     finally:
         run.close()
     return run.finish(time.monotonic() - started)
+
+
+async def _taken(loop: asyncio.AbstractEventLoop, pool: OneShotPool, collector: Collector,
+                 limits: CallerLimits) -> _Run:
+    """A connection a process of the pool took (it sent its pid), the request not sent yet.
+
+    The request goes only to a process that took the connection and said who it is: nothing
+    of it is ever sent where the server could read it. A server that retired as the caller
+    connected closes the connection untaken: the next try asks its successor.
+    """
+    for attempt in range(2):
+        conn = await loop.run_in_executor(None, pool.connect) if not pool.path \
+            else await _connect(loop, pool)
+        run = _Run(conn, collector, limits)
+        try:
+            await asyncio.wait_for(run.take_pidfd(loop), pool.server.start_timeout)
+        except asyncio.TimeoutError:
+            run.close()
+            raise OneShotUnavailable(f"no one-shot kernel took the request within "
+                                     f"{pool.server.start_timeout:g} s; "
+                                     f"{pool.server_log()}") from None
+        except BaseException:
+            run.close()
+            raise
+        if run.pid or run.refused or attempt:
+            return run
+        run.close()
+        pool.path = ""
+    raise AssertionError("unreachable")
 
 
 async def _connect(loop: asyncio.AbstractEventLoop, pool: OneShotPool) -> socket.socket:

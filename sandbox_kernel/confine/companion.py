@@ -186,10 +186,14 @@ class Companion:
         ward.egress = None
         proxy = egress_proxy(settings, audit_file, self.out)
         if proxy is None:
-            os.close(listener)
+            for fd in (listener, audit_file):
+                if fd is not None:
+                    os.close(fd)
             return
         ward.proxy = asyncio.run_coroutine_threadsafe(
             proxy.serve(socket.socket(fileno=listener)), self._egress_loop())
+        if audit_file is not None:  # the proxy's records go there until it is stopped
+            ward.proxy.add_done_callback(lambda _: os.close(audit_file))
 
     def _egress_loop(self) -> asyncio.AbstractEventLoop:
         """The event loop every ward's egress proxy runs on, in a thread of its own."""
@@ -206,13 +210,21 @@ class Companion:
         if ward.channel.fileno() >= 0:
             self._unwatch(ward.channel.fileno())
             ward.channel.close()
-        if ward.auditor is not None:
-            self._unwatch(ward.auditor.listener)
-            ward.auditor.report_suppressed()
-            os.close(ward.auditor.listener)
+        if ward.auditor is not None:  # what the reaper's exit would free, freed here
+            auditor = ward.auditor
+            self._unwatch(auditor.listener)
+            auditor.report_suppressed()
+            os.close(auditor.listener)
+            if auditor.audit_file is not None:
+                os.close(auditor.audit_file)
+            if auditor.tally is not None:
+                auditor.tally.map.close()
         if ward.egress is not None:
-            self._unwatch(ward.egress[1])
-            os.close(ward.egress[1])
+            _, listener, audit_file = ward.egress
+            self._unwatch(listener)
+            for fd in (listener, audit_file):
+                if fd is not None:
+                    os.close(fd)
         if ward.proxy is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(ward.proxy.cancel)  # closes its listener
         shutil.rmtree(ward.scratch, ignore_errors=True)

@@ -51,7 +51,7 @@ from .kernel import SandboxKernel
 from .output import BUDGET
 
 REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its request once connected
-FLUSH_AFTER = 0.05  # seconds a stream keeps text before sending it (a long run's output flows)
+FLUSH_AFTER = 0.05  # seconds between a stream's messages while output keeps coming
 FLUSH_SIZE = 64 * 1024  # characters a stream keeps before sending them
 _PR_SET_PDEATHSIG = 1
 
@@ -107,7 +107,7 @@ class CapturedStream(io.TextIOBase):
         self.topic = f"stream.{name}".encode()
         self.pending: list[str] = []
         self.pending_size = 0
-        self.since = 0.0
+        self.sent_at = 0.0  # when this stream last sent a message
         self.read_to = 0  # bytes of the memfd already taken
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         channel.streams.append(self)
@@ -152,11 +152,12 @@ class CapturedStream(io.TextIOBase):
         for other in self.channel.streams:  # the other stream's text first: write order
             if other is not self and other.pending:
                 other.flush()
-        if not self.pending:
-            self.since = time.monotonic()
         self.pending.append(text)
         self.pending_size += len(text)
-        if self.pending_size >= FLUSH_SIZE or time.monotonic() - self.since >= FLUSH_AFTER:
+        # A line goes out at once unless a message went out just now (a flood is batched);
+        # what is kept goes out with the next write, message or the reply.
+        if self.pending_size >= FLUSH_SIZE or (
+                "\n" in text and time.monotonic() - self.sent_at >= FLUSH_AFTER):
             self.flush()
 
     def take_fd_output(self) -> None:
@@ -178,6 +179,7 @@ class CapturedStream(io.TextIOBase):
         if not self.pending:
             return
         text, self.pending, self.pending_size = "".join(self.pending), [], 0
+        self.sent_at = time.monotonic()
         self.channel.sending_output = True  # this message needs no streams flushed first
         try:
             self.session.send(self.channel, "stream", {"name": self.name, "text": text},

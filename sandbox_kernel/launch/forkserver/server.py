@@ -84,6 +84,7 @@ class _Child:
     hung_up: bool = False
 
 
+RETIRE_GRACE = 2.0  # seconds a retiring server's pools still take connections made before
 POOL_FAILURES = 3  # pooled processes in a row that end before taking a request: pool broken
 DEFAULT_MAX_ONE_SHOTS = 5000  # one-shot processes a server forks before it retires
 
@@ -199,12 +200,14 @@ class Server:
 
     def serve(self) -> None:
         """Run until retired (and every child reported) or idle."""
-        listening = True
+        listening, retired_at = True, 0.0
         while True:
             if listening and self.retiring:
                 self.stop_listening()
-                listening = False
-            if not listening and not self.children and not self.busy:
+                listening, retired_at = False, time.monotonic()
+            if not listening and self.pools and time.monotonic() - retired_at > RETIRE_GRACE:
+                self.close_pools()  # every connection made before the unlink was taken by now
+            if not listening and not self.children and not self.busy and not self.pools:
                 return
             if not self.children and not self.busy \
                     and time.monotonic() - self.last_active > self.idle:
@@ -220,11 +223,11 @@ class Server:
                 os.unlink(self.path)
         self.selector.unregister(self.listener)
         self.listener.close()
-        self.close_pools()
+        self.unlink_pools()
 
-    def close_pools(self) -> None:
-        """Retire every pool: its socket unlinked, its waiting processes killed (they ran
-        nothing); processes that took a request finish it."""
+    def unlink_pools(self) -> None:
+        """No new connections to any pool (nor pools); the waiting processes still take the
+        connections made before, for RETIRE_GRACE seconds (close_pools then ends them)."""
         if self.pools_listener.fileno() >= 0:
             self.selector.unregister(self.pools_listener)
             self.pools_listener.close()
@@ -233,6 +236,12 @@ class Server:
         for pool in self.pools.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(pool.path)
+
+    def close_pools(self) -> None:
+        """Retire every pool: its socket unlinked, its waiting processes killed (they ran
+        nothing); processes that took a request finish it."""
+        self.unlink_pools()
+        for pool in self.pools.values():
             for pid in list(pool.waiting):
                 self.end_waiting(pool, pid, kill=True)
             if pool.broken:
