@@ -8,6 +8,7 @@ traceback. The layer test reads every layer from inside user code on both.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -268,3 +269,21 @@ def test_traceback_frames_are_the_users(pool):
     text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(ex.error.traceback))
     assert "Cell In[1], line 3" in text and "ZeroDivisionError" in text
     assert "oneshot" not in text
+
+
+def test_refused_calls_are_answered_and_recorded_by_the_companion(tmp_path):
+    from tests.test_audit import ATTACKS, MARKER, records
+
+    path = tmp_path / "audit.jsonl"
+    code = ATTACKS.replace("(outcome(os.fork)", "outcomes = (outcome(os.fork)")
+    ex = one_shot(OneShotPool(SandboxPolicy(audit_log=str(path), **POLICY), size=1),
+                  code + "\n(outcomes, os.getpid(), os.getuid())")
+    assert ex.error is None, ex.error
+    outcomes, pid, uid = ast.literal_eval(ex.text)
+    assert outcomes == ("EPERM", "EPERM", "EPERM")
+    assert ex.usage.refused_syscalls == 3  # the companion's count, read by the kernel
+    found = records(path, at_least=3)
+    raws = [r for r in found if r["syscall"] == "acct" and r["args"][0] == hex(MARKER)]
+    assert len(raws) == 1, found
+    assert raws[0]["kernel"] == f"one-shot-{pid}" and raws[0]["uid"] == uid
+    assert raws[0]["errno"] == "EPERM"
