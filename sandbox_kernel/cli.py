@@ -16,6 +16,7 @@ from traitlets import TraitError
 from . import __version__, check, client, flags, install, policy
 from .check import SERVICE_VARIABLES
 from .launch import eg_kernelspec
+from .launch.oneshot import OneShotUnavailable
 
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
 USAGE_ERROR = 2
@@ -180,8 +181,11 @@ def _run_once(sandbox: client.Sandbox, code: str, inputs: dict | None, timeout: 
         except RuntimeError as exc:
             raise _NotStarted(str(exc)) from None
         echo = None if as_json else _echo
-        execution = sandbox.run(code, inputs, timeout=timeout or None, on_stdout=echo,
-                                on_stderr=echo)
+        try:
+            execution = sandbox.run(code, inputs, timeout=timeout or None, on_stdout=echo,
+                                    on_stderr=echo)
+        except OneShotUnavailable as exc:  # no one-shot kernel could start for this policy
+            raise _NotStarted(str(exc)) from None
     except BaseException:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not stop the clean-up
         sandbox.close(now=True)  # nothing of a one-shot kernel is worth waiting for

@@ -255,7 +255,9 @@ def test_policy_flags_reach_the_kernel():
 
 
 def test_a_kernel_that_cannot_start_exits_3():
-    done = run("-", "--memory-limit", "1M", stdin="print('never')\n")
+    # A ZMQ kernel (--cold-start) cannot start its threads in 1 MiB; a one-shot kernel starts
+    # no thread and runs a print in it.
+    done = run("-", "--cold-start", "--memory-limit", "1M", stdin="print('never')\n")
     assert (done.returncode, done.stdout) == (cli.KERNEL_FAILED, "")
     assert done.stderr.splitlines()[-1].startswith("sandbox-kernel run: the kernel did not start: ")
     assert "never" not in done.stderr

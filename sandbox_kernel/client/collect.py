@@ -125,7 +125,12 @@ def _result_bytes(result: dict | None, text: str | None) -> int:
 
 def exit_status(manager: Any) -> str:
     """How the kernel process ended, e.g. "exit status 1" or "killed by signal SIGSEGV"."""
-    code = getattr(getattr(manager.provisioner, "process", None), "returncode", None)
+    return exit_description(getattr(getattr(manager.provisioner, "process", None),
+                                    "returncode", None))
+
+
+def exit_description(code: int | None) -> str:
+    """An exit code (negative: the signal that ended it) as exit_status says it."""
     if code is None:
         return "exit status unknown"
     if code < 0:

@@ -20,6 +20,7 @@ import functools
 import inspect
 import queue
 import shlex
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -30,7 +31,9 @@ import zmq.asyncio
 
 from .. import jsonwire
 from ..install import DEFAULT_NAME
+from ..launch.oneshot import OneShotPool
 from ..policy import SandboxPolicy
+from . import oneshot
 from .collect import POLL, Call, Callback, Collector, Watchdog
 from .execution import Execution, error_from
 from .inbox import AsyncInbox, Inbox, queued_reply
@@ -256,6 +259,8 @@ class _SandboxCore:
     """What Sandbox and AsyncSandbox are made of: a kernel manager, limits, and the steps."""
 
     manager_class: type = SandboxKernelManager
+    _complete: Any  # each class: how a one-shot run is completed
+    _off_loop: Any  # each class: how a blocking call is made
     lock_class: type = threading.Lock
     context_class: type = zmq.Context
     inbox_class: type = Inbox
@@ -269,7 +274,10 @@ class _SandboxCore:
                  one_shot: bool = False, python: str | None = None) -> None:
         """kernel_name: an installed kernelspec, or None for this package's own with `policy`,
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
-        limit. one_shot: the kernel ends after one run (a timeout then keeps no state).
+        limit. one_shot: every run gets a kernel of its own that ends with it: with
+        kernel_name None (and no cold_start) a one-shot kernel from the fork server's pool of
+        this policy (kernel/oneshot.py: no ZMQ, no state between runs; no kernel_info,
+        interrupt or install), else a ZMQ kernel whose timeout keeps no state.
         python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/)."""
         recorded = policy.as_dict() if policy is not None else (
             installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
@@ -286,6 +294,10 @@ class _SandboxCore:
         self.grace = grace
         self.timeout_source = timeout_source
         self.one_shot = one_shot
+        # cold_start keeps meaning an interpreter of its own, started without the fork server.
+        self.one_shot_pool = OneShotPool(
+            policy or SandboxPolicy(), 1, python=python or sys.executable, preload=preload) \
+            if one_shot and kernel_name is None and not cold_start else None
         self.client: Any = None
         self._inbox: Any = None
         self._process: KernelProcess | None = None
@@ -303,6 +315,10 @@ class _SandboxCore:
 
     def _start_steps(self) -> Steps[None]:
         """Start the kernel and wait until it answers."""
+        if self.one_shot_pool is not None:  # each run's kernel is started for it: the pool
+            if not self.one_shot_pool.path:
+                self.one_shot_pool.path = yield (self._off_loop, self.one_shot_pool.ask)
+            return
         context = self._live_context()  # also the manager's control socket's (shutdown requests)
         if self.manager.context is not context:
             self.manager.context = context
@@ -364,10 +380,17 @@ class _SandboxCore:
 
     def _interrupt_steps(self) -> Steps[None]:
         """Interrupt the code that is running."""
+        self._needs_a_kernel("interrupt()", "its run ends at its timeout")
         yield (self.manager.interrupt_kernel,)
+
+    def _needs_a_kernel(self, what: str, instead: str) -> None:
+        if self.one_shot_pool is not None:
+            raise RuntimeError(f"{what} needs a live kernel, and a one-shot sandbox has none "
+                               f"({instead}): create the Sandbox without one_shot=True")
 
     def _kernel_info_steps(self) -> Steps[dict[str, Any]]:
         """The kernel_info_reply content, including the sandbox's policy and layers."""
+        self._needs_a_kernel("kernel_info()", "each run has a kernel of its own")
         reply = yield (functools.partial(self.client.kernel_info, reply=True,
                                          timeout=self.startup_timeout),)
         return reply["content"]  # type: ignore[no-any-return]
@@ -379,6 +402,8 @@ class _SandboxCore:
         kernel through its execute path once, leaving no history, execution count or variable:
         the kernel stays as fresh as it started. Pools call it before handing a kernel out.
         """
+        if self.one_shot_pool is not None:  # its kernels wait in the pool, warm already
+            return
         msg = _warm_up_request(self.client)
         collector, inbox = self._send(msg)
         deadline = time.monotonic() + self.startup_timeout
@@ -395,6 +420,7 @@ class _SandboxCore:
                        timeout: float | None = None) -> Steps[Execution]:
         """Install wheels into this kernel's session (`%pip install`) for later runs to import;
         the execution's error (PackageInstallError) says why when that is not allowed."""
+        self._needs_a_kernel("install()", "nothing stays installed after a run")
         return (yield from self._run_steps(install_code(packages, upgrade), timeout=timeout))
 
     def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
@@ -405,6 +431,14 @@ class _SandboxCore:
 
         raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
         parsed into objects), for a caller that only passes it on (the service)."""
+        if self.one_shot_pool is not None:
+            if not self.one_shot_pool.path:
+                yield from self._start_steps()
+            return (yield (self._complete, oneshot.run(
+                self.one_shot_pool, code, inputs, timeout, on_stdout=on_stdout,
+                on_stderr=on_stderr, on_display=on_display, limits=self.limits,
+                raw_result=raw_result, grace=self.grace, entrypoint=entrypoint,
+                timeout_source=self.timeout_source)))
         watchdog = Watchdog(timeout, self.grace, self.one_shot)
         msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                self.timeout_source)
@@ -523,6 +557,8 @@ class Sandbox(_SandboxCore):
         self.close()
 
     _driver = staticmethod(_blocking)
+    _complete = staticmethod(asyncio.run)  # a one-shot run, to its end
+    _off_loop = staticmethod(lambda call: call())  # a blocking call (asking for the pool)
 
 
 class AsyncSandbox(_SandboxCore):
@@ -534,6 +570,8 @@ class AsyncSandbox(_SandboxCore):
     inbox_class = AsyncInbox
     sleep = staticmethod(asyncio.sleep)
     _driver = staticmethod(_awaiting)
+    _complete = staticmethod(lambda run: run)  # awaited by the driver
+    _off_loop = staticmethod(asyncio.to_thread)
 
     async def __aenter__(self) -> AsyncSandbox:
         await self.start()

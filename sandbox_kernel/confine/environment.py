@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import reaper, scratch
@@ -172,21 +172,26 @@ def ready_pipe(current: Mapping[str, str]) -> int | None:
     return int(text) if is_pipe and int(text) > 2 else None
 
 
-def prepare(argv: Sequence[str], current: Mapping[str, str]) -> dict[str, str]:
+def prepare(argv: Sequence[str], current: Mapping[str, str],
+            companion: Callable[[str], int] | None = None,
+            kept: Sequence[int] = ()) -> dict[str, str]:
     """Scratch, its reaper and quota, no inherited descriptors: the kernel's environment.
 
     Shared by the re-exec above and the fork server's children (launch/forkserver/server.py).
     The launcher's ready pipe (READY_VAR) is the one inherited descriptor kept: the kernel
     writes to it and closes it once its sockets listen, before any user code runs (kernel/app.py).
+    A one-shot kernel registers with its server's companion instead of forking a reaper:
+    companion(scratch_dir) returns the channel; kept: its other descriptors (pool listener...).
     """
     ready = ready_pipe(current)
     scratch_dir = scratch.create()
     # From here on fds 0-2 are no longer the launcher's.
-    keep = reaper.start(scratch_dir, kernel_name(argv))
+    keep = reaper.start(scratch_dir, kernel_name(argv)) if companion is None \
+        else companion(scratch_dir)
     scratch.mount_quota(scratch_dir, *scratch_bounds(argv))
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.
     low = 3
-    for fd in sorted({keep, ready or keep}):
+    for fd in sorted({keep, ready or keep, *kept}):
         os.closerange(low, fd)
         low = fd + 1
     os.closerange(low, 65536)

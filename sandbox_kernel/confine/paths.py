@@ -107,10 +107,11 @@ def own_proc_dir() -> str:
     return f"/proc/{os.getpid()}"
 
 
-def read_only(extra: Iterable[str], connection_file: str) -> list[str]:
-    """Everything granted read-only: system, interpreter, this process's /proc, grants."""
+def read_only(extra: Iterable[str], *connection_files: str) -> list[str]:
+    """Everything granted read-only: system, interpreter, this process's /proc, the connection
+    file (a one-shot kernel has none), grants."""
     granted = [*existing(SYSTEM_READ_ONLY), *interpreter_paths(), own_proc_dir(),
-               os.path.realpath(connection_file), *extra]
+               *map(os.path.realpath, connection_files), *extra]
     return list(dict.fromkeys(granted))
 
 

@@ -193,7 +193,7 @@ class Reaper:
         settings, listener, audit_file = self.egress
         self.poller.unregister(listener)
         self.egress = None
-        proxy = _egress_proxy(settings, audit_file, self.out)
+        proxy = egress_proxy(settings, audit_file, self.out)
         if proxy is None:
             os.close(listener)
             return
@@ -203,20 +203,25 @@ class Reaper:
         thread.start()
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
-        listener, *files = fds
-        counted = None
-        if settings.get("tally") and files:  # the count of refused calls comes first
-            tally_fd, *files = files
-            # Only a count whose size is sealed: a shrunk one would fault this process.
-            counted = Tally(tally_fd, writable=True) if Tally.sealed(tally_fd) else None
-            os.close(tally_fd)
-        self.auditor = audit.Auditor(listener, files[0] if files else None, self.out,
-                                     kernel_id=str(settings.get("kernel", "")),
-                                     uid=settings.get("uid"), tally=counted)
-        self.poller.register(listener, select.POLLIN)
+        self.auditor = auditor_for(settings, fds, self.out)
+        self.poller.register(self.auditor.listener, select.POLLIN)
 
 
-def _egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog) -> Any:
+def auditor_for(settings: dict[str, Any], fds: list[int], out: LauncherLog) -> audit.Auditor:
+    """The auditor of a kernel's `audit` handover: its listener, refusal count, audit file."""
+    listener, *files = fds
+    counted = None
+    if settings.get("tally") and files:  # the count of refused calls comes first
+        tally_fd, *files = files
+        # Only a count whose size is sealed: a shrunk one would fault this process.
+        counted = Tally(tally_fd, writable=True) if Tally.sealed(tally_fd) else None
+        os.close(tally_fd)
+    return audit.Auditor(listener, files[0] if files else None, out,
+                         kernel_id=str(settings.get("kernel", "")),
+                         uid=settings.get("uid"), tally=counted)
+
+
+def egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog) -> Any:
     """The kernel's egress proxy under its rules; None (said on the log) when they are bad."""
     from .egress.proxy import AuditSink, EgressProxy
     from .egress.rules import EgressRules, Upstream

@@ -297,7 +297,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             raise ConfinementError(str(exc), layer="set-up") from exc
         self.init_network()
         self.init_promises()
-        read_only = paths.read_only(read_grants, self.abs_connection_file)
+        read_only = paths.read_only(read_grants, *self.channel_files())
         read_write = paths.read_write(write_grants, scratch_dir)
         self.init_landlock(read_only, read_write)
         if cwd["path"]:  # after the view and Landlock: the path as user code will see it
@@ -328,6 +328,17 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         return {"path": path, "read": [path] if path and mode == "ro" else [],
                 "write": [path] if path and mode == "rw" else []}
 
+    def channel_files(self) -> list[str]:
+        """The files the channels need read: the connection file (a one-shot kernel has none)."""
+        return [self.abs_connection_file]
+
+    def channel_ports(self) -> dict[str, int]:
+        """The TCP ports the channels bind, by name; none over ipc (or in a one-shot kernel)."""
+        if self.transport != "tcp":
+            return {}
+        return {"shell": self.shell_port, "iopub": self.iopub_port, "stdin": self.stdin_port,
+                "control": self.control_port, "hb": self.hb_port}
+
     def init_network(self) -> None:
         """Bind the channels here, then move into a network namespace of the kernel's own.
 
@@ -335,10 +346,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         private namespace; the channels' listeners stay in the launcher's (see netns.py).
         """
         policy = self.policy
-        if self.transport == "tcp":
-            channels = {"shell": self.shell_port, "iopub": self.iopub_port,
-                        "stdin": self.stdin_port, "control": self.control_port,
-                        "hb": self.hb_port}
+        channels = self.channel_ports()
+        if channels:
             try:
                 listeners = netns.prebind(self.ip, channels)
             except netns.NamespaceError as exc:
@@ -440,11 +449,9 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         if not self.policy.require_landlock:
             self.layers["landlock"] = {"active": False, "reason": "off by policy (--no-landlock)"}
             return
-        ports = (self.shell_port, self.iopub_port, self.stdin_port, self.hb_port,
-                 self.control_port)
         rules = landlock.LandlockRules(
             read_only=tuple(read_only), read_write=tuple(read_write),
-            bind_tcp_ports=tuple(ports) if self.transport == "tcp" else (),
+            bind_tcp_ports=tuple(self.channel_ports().values()),
             connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
         self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
@@ -461,7 +468,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 "`python -I -m sandbox_kernel`, or choose --run-as USER")
         # Root re-reads the connection file after this (ipykernel's write_connection_file).
         planned, lock = privileges.plan(policy.run_as, policy.uid_range, reachable,
-                                        [self.abs_connection_file], writable,
+                                        self.channel_files(), writable,
                                         policy.uid_lock_dir)
         if lock is not None:
             assert self.reaper_channel is not None

@@ -19,8 +19,9 @@ _Prebuilt = tuple[tuple[Any, ...], dict[str, Any]]
 class PrebuiltParser:
     """Application mixin (before the Application in the bases): parse with a prebuilt parser."""
 
-    # Kept on the mixin, not on each subclass: one parser per process, taken once.
-    _prebuilt: ClassVar[_Prebuilt | None] = None
+    # Kept on the mixin, not on each subclass: one parser per application class (the class
+    # itself is among the configurable classes it lists), taken once in each process.
+    _built: ClassVar[dict[type, _Prebuilt]] = {}
 
     @classmethod
     def prebuild_parser(cls) -> None:
@@ -34,21 +35,21 @@ class PrebuiltParser:
         loader = KVArgParseConfigLoader([], aliases, flags, classes=classes)
         loader._create_parser()
         built = {"parser": loader.parser, "argparse_traits": loader.argparse_traits}
-        PrebuiltParser._prebuilt = ((aliases, flags, classes), built)
+        PrebuiltParser._built[cls] = ((aliases, flags, classes), built)
 
     @staticmethod
     def discard_prebuilt() -> None:
-        """Forget a parser built and not taken yet (tests; a server that changes its options)."""
-        PrebuiltParser._prebuilt = None
+        """Forget the parsers built and not taken yet (tests; a server that changes options)."""
+        PrebuiltParser._built.clear()
 
     @staticmethod
     def prebuilt_pending() -> bool:
         """Whether a prebuilt parser waits to be taken."""
-        return PrebuiltParser._prebuilt is not None
+        return bool(PrebuiltParser._built)
 
     def _classes_with_config_traits(self, classes: Any = None) -> Any:
         """traitlets' list of configurable classes, or the prebuilt parser's (the same list)."""
-        prebuilt = PrebuiltParser._prebuilt
+        prebuilt = PrebuiltParser._built.get(type(self))
         if classes is None and prebuilt is not None:
             return iter(prebuilt[0][2])
         return super()._classes_with_config_traits(classes)  # type: ignore[misc]
@@ -58,8 +59,10 @@ class PrebuiltParser:
         """traitlets' loader, given the prebuilt parser when it was built for these options."""
         loader: KVArgParseConfigLoader = super()._create_loader(  # type: ignore[misc]
             argv, aliases, flags, classes)
-        # Taken once: parsing leaves state in the parser (the flags it saw).
-        prebuilt, PrebuiltParser._prebuilt = PrebuiltParser._prebuilt, None
+        # Taken once (every class's: a process parses one command line): parsing leaves state
+        # in the parser (the flags it saw).
+        prebuilt = PrebuiltParser._built.get(type(self))
+        PrebuiltParser._built.clear()
         if prebuilt is not None and prebuilt[0] == (aliases, flags, classes):
             loader._create_parser = lambda: vars(loader).update(prebuilt[1])  # type: ignore[method-assign]
         return loader

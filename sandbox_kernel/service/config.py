@@ -107,6 +107,12 @@ class ServiceConfig(Configurable):
         "kernel to start; 0 starts each on demand.",
     ).tag(config=True, flag="pool-size", env="SANDBOX_POOL_SIZE", metavar="N")
 
+    one_shot_pool_size = Int(
+        2, help="One-shot kernels kept confined and waiting per network policy for stateless "
+        "runs (the dify route, the native one-shot execute), each used for exactly one run; "
+        "0 runs them on fresh ZMQ kernels from --pool-size's pools instead.",
+    ).tag(config=True, flag="one-shot-pool-size", env="SANDBOX_ONE_SHOT_POOL_SIZE", metavar="N")
+
     max_sessions = Int(
         32, help="Sessions open at once over all keys; each holds a kernel.",
     ).tag(config=True, flag="max-sessions", env="SANDBOX_MAX_SESSIONS", metavar="N")
@@ -228,7 +234,8 @@ def check(config: ServiceConfig) -> None:
         if getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
                              f"got {getattr(config, name)}")
-    for name in ("pool_size", "kernel_grace", "shutdown_grace", "session_idle_timeout"):
+    for name in ("pool_size", "one_shot_pool_size", "kernel_grace", "shutdown_grace",
+                 "session_idle_timeout"):
         if getattr(config, name) < 0:
             raise TraitError(f"{name.replace('_', '-')} must not be negative")
     if config.session_timeout > config.max_timeout:

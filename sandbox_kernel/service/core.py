@@ -10,13 +10,14 @@ from typing import Any, TypeVar
 
 from .. import __version__
 from ..client import Execution
+from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
 from .access import json_line
 from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, upstream_proxy
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
-from .runs import SERVICE_TIMEOUT, Admission, Runner
+from .runs import SERVICE_TIMEOUT, Admission, OneShots, Runner
 from .sessions import Sessions
 
 log = logging.getLogger("sandbox_kernel.service")
@@ -36,7 +37,7 @@ class Service:
         self.kernels = Kernels(source or self.make_source())
         self.admission = Admission(config.max_requests, config.max_workers)
         self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
-                             config.max_output_total)
+                             config.max_output_total, self.make_one_shots())
         self.sessions = Sessions(self.kernels, config.max_sessions)
         self.dify_key = dify_key(config.api_key, config.api_keys_file)
         keys = (load_keys(config.api_keys_file) if config.api_keys_file
@@ -57,11 +58,30 @@ class Service:
         return make_source(self.policy, networks, config.pool_size, config.kernel_grace,
                            upstream_proxy(config), config.runtime)
 
+    def make_one_shots(self) -> OneShots | None:
+        """The one-shot pools stateless runs use, with the kernel source's policies; None when
+        --one-shot-pool-size is 0 (or the source is not launch/'s pools, e.g. in tests)."""
+        options = getattr(self.kernels.source, "options", None)
+        if not self.config.one_shot_pool_size or not isinstance(options, dict):
+            return None
+        return OneShots(options, self.config.one_shot_pool_size)
+
     async def use_current_runtime(self) -> None:
         """New kernels from the runtime's current build (after an update); old ones drain."""
         old, self.kernels.source = self.kernels.source, self.make_source()
+        self.runner.one_shots = self.make_one_shots()
+        await self.prepare_one_shots()
         await self.kernels.source.start()
         self.background(old.close())
+
+    async def prepare_one_shots(self) -> None:
+        """Have the fork server fill the one-shot pools (a failure shows on the first run)."""
+        one_shots = self.runner.one_shots
+        if one_shots is not None:
+            try:
+                await asyncio.to_thread(one_shots.prepare)
+            except OneShotUnavailable as exc:
+                log.warning(json_line(event="one_shot_unavailable", error=str(exc)))
 
     def background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run a coroutine on its own, keeping a reference until it is done (an exception no
@@ -87,6 +107,7 @@ class Service:
     async def start(self) -> None:
         """Start the kernel source and the session culler."""
         await self.kernels.source.start()
+        self.background(self.prepare_one_shots())  # the fork server starts meanwhile
         self._culler = asyncio.get_running_loop().create_task(
             self.sessions.cull_forever(CULL_INTERVAL))
         self.started = True

@@ -1,8 +1,15 @@
 """Stateless runs: admission (in-flight cap, worker queue), a fresh kernel each, a deadline.
 
+A run gets a one-shot kernel (kernel/oneshot.py) from the fork server's pool of its network
+policy: a process confined before the request came, that takes this one request and is gone
+after (`OneShots`). A run that needs what only a ZMQ kernel has (its own host allowlist, which
+no pool's policy carries), or a service started with --one-shot-pool-size 0, gets a fresh ZMQ
+kernel from the kernel source instead.
+
 The deadline is the service's own: the kernel is asked to stop at `timeout` and the client
 interrupts it a little later, but if neither works the service cancels the run at
-`timeout + grace` and throws the kernel away. Nothing the kernel does can hold a worker longer.
+`timeout + grace` and throws the kernel away (a one-shot kernel is killed through its pidfd).
+Nothing the kernel does can hold a worker longer.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -17,8 +25,9 @@ from typing import Any, TypeVar
 import zmq
 from starlette.requests import Request
 
-from ..client import ErrorInfo, Execution
-from .kernels import Kernels, KernelUnavailable, Network, kernel_id, policy_name
+from ..client import CallerLimits, ErrorInfo, Execution, oneshot
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from .kernels import Kernels, KernelUnavailable, Network, NetworkChoice, kernel_id, policy_name
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
@@ -148,13 +157,37 @@ async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
     return (service_stopping(record) if stop in done else service_timeout(timeout, record)), True
 
 
+class OneShots:
+    """The fork server's pools of one-shot kernels, one per network policy of the service."""
+
+    def __init__(self, options: dict[bool, dict[str, Any]], size: int) -> None:
+        self.pools = {network: OneShotPool(kwargs["policy"], size,
+                                           python=kwargs.get("python") or sys.executable,
+                                           preload=tuple(kwargs.get("preload", ())))
+                      for network, kwargs in options.items()}
+        self.limits = {network: CallerLimits.from_policy(kwargs["policy"].as_dict())
+                       for network, kwargs in options.items()}
+
+    def pool_for(self, network: Network) -> OneShotPool | None:
+        """The pool for this run, or None when it needs a ZMQ kernel (its own allowlist)."""
+        if isinstance(network, NetworkChoice) and network.mode == "hosts":
+            return None
+        return self.pools.get(bool(network))
+
+    def prepare(self) -> None:
+        """Ask for every pool now (starting the fork server), so the first run finds it full."""
+        for pool in self.pools.values():
+            pool.path = pool.ask()
+
+
 class Runner:
-    """Runs code on a fresh kernel per call."""
+    """Runs code on a fresh kernel per call: a one-shot kernel, or a ZMQ kernel."""
 
     def __init__(self, kernels: Kernels, admission: Admission, grace: float,
-                 output_limit: int) -> None:
+                 output_limit: int, one_shots: OneShots | None = None) -> None:
         self.kernels, self.admission, self.grace = kernels, admission, grace
         self.output_limit = output_limit
+        self.one_shots = one_shots
         self.stopping = asyncio.Event()  # set when the shutdown grace period is over
 
     async def run(self, code: str, *, network: Network, timeout: float,
@@ -164,6 +197,13 @@ class Runner:
         """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot.
 
         With inputs, entrypoint(**inputs) is called after the code (the main() convention)."""
+        pool = None if self.one_shots is None else self.one_shots.pool_for(network)
+        if pool is not None:
+            assert self.one_shots is not None
+            async with self.admission.workers:
+                return await self.run_one_shot(pool, self.one_shots.limits[bool(network)],
+                                               code, network, timeout, inputs, record,
+                                               on_output, entrypoint)
         async with self.admission.workers:
             sandbox = await self.kernels.get(network)
             record.kernel_id = kernel_id(sandbox)
@@ -181,6 +221,24 @@ class Runner:
                                         f"failed: {exc}") from exc
             finally:
                 self.kernels.discard(sandbox)  # also when the client went away mid-run
+
+    async def run_one_shot(self, pool: OneShotPool, limits: CallerLimits, code: str,
+                           network: Network, timeout: float, inputs: dict | None,
+                           record: RunRecord, on_output: Callable[[str, Any], None] | None,
+                           entrypoint: str) -> tuple[Execution, bool]:
+        """The run on a one-shot kernel of the pool; it is killed whenever the run ends."""
+        record.kernel_id = "one-shot"
+        on = callbacks(record, OutputBudget(self.output_limit), on_output)
+        try:
+            return await bounded(
+                oneshot.run(pool, code, inputs, timeout, on_stdout=on["stdout"],
+                            on_stderr=on["stderr"], on_display=on["display"], limits=limits,
+                            raw_result=True, grace=self.grace, entrypoint=entrypoint),
+                timeout, self.grace, record, self.stopping)
+        except OutputLimit as exc:
+            return output_limited(record, str(exc), state_lost=True), False
+        except OneShotUnavailable as exc:
+            raise KernelUnavailable(f"no {policy_name(network)} one-shot kernel: {exc}") from exc
 
 
 def callbacks(record: RunRecord, budget: OutputBudget,

@@ -218,7 +218,10 @@ def test_a_socks5_upstream_is_refused_at_start(tmp_path):
 
 
 def test_a_kernel_that_cannot_start_is_a_500_envelope(tmp_path):
-    srv = Server(tmp_path, "--pool-size", "0", "--memory-limit", "1M", ready=False)
+    # ZMQ kernels (--one-shot-pool-size 0) cannot start their threads in 1 MiB; a one-shot
+    # kernel starts none and runs a print in it.
+    srv = Server(tmp_path, "--pool-size", "0", "--one-shot-pool-size", "0", "--memory-limit",
+                 "1M", ready=False)
     try:
         state = srv.wait_until(lambda state: state.get("policies", {}).get(
             "offline", {}).get("error"), timeout=60)

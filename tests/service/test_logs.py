@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from .helpers import DIFY_KEY, RUN, http
+from .helpers import DIFY_KEY, KEY_B, RUN, auth, http
 
 FORGED = [
     '{"method":"POST","route":"/v1/sandbox/run","status":200,"key":"team-b","forged":1}',
@@ -33,10 +33,22 @@ def _lines_mentioning(log: str, word: str) -> list[str]:
     return [line for line in log.splitlines() if word in line]
 
 
-def test_a_kernel_cannot_forge_the_services_log_lines(server):
+def test_a_one_shot_kernels_fd_2_is_its_stderr_never_the_log(server):
+    # A stateless run's kernel (kernel/oneshot.py) has no log pipe: what it writes to fd 2 is
+    # the run's stderr, and nothing of it reaches the service's log.
     answer = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
                        json={"language": "python3", "code": CODE})
-    assert answer.json()["data"]["stdout"] == "done\n", answer.text
+    data = answer.json()["data"]
+    assert data["stdout"] == "done\n", answer.text
+    assert data["stderr"] == "".join(line + "\n" for line in FORGED)
+    assert not _lines_mentioning(server.log.read_text(errors="replace"), "forged")
+
+
+def test_a_kernel_cannot_forge_the_services_log_lines(server, session):
+    # A session's ZMQ kernel: its fd 2 is the log pipe its reaper relays to the service's log.
+    answer = http.post(session + "/execute", headers=auth(KEY_B), json={"code": CODE},
+                       timeout=60)
+    assert answer.json()["stdout"] == "done\n", answer.text
     deadline = time.monotonic() + 20  # the reaper relays after the kernel wrote
     while time.monotonic() < deadline:
         log = server.log.read_text(errors="replace")

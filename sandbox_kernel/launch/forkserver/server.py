@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import importlib
+import json
 import os
 import selectors
 import signal
@@ -82,6 +84,36 @@ class _Child:
     hung_up: bool = False
 
 
+RETIRE_GRACE = 2.0  # seconds a retiring server's pools still take connections made before
+POOL_FAILURES = 3  # pooled processes in a row that end before taking a request: pool broken
+DEFAULT_MAX_ONE_SHOTS = 5000  # one-shot processes a server forks before it retires
+
+
+@dataclass
+class _Pool:
+    """Pre-confined one-shot processes of one policy, each waiting to take one request.
+
+    Its argv and environment are the operator's (the same for every process of the pool), not
+    a run's: a request's code and inputs are read by the process that runs them, never here.
+    """
+
+    path: str
+    listener: socket.socket
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    size: int
+    waiting: dict[int, tuple[int, int]] = field(default_factory=dict)  # pid -> (pidfd, taken)
+    failures: int = 0
+    broken: str = ""
+
+
+def pool_path(directory: str, key: str, argv: list[str], env: dict[str, str], cwd: str) -> str:
+    """Where the pool of this policy listens (the same policy, the same pool)."""
+    digest = hashlib.sha256(json.dumps([argv, env, cwd], sort_keys=True).encode()).hexdigest()
+    return os.path.join(directory, f"{key}.pool-{digest[:16]}.sock")
+
+
 @dataclass
 class Server:
     """The single-threaded loop: accept requests, fork kernels, report their exits."""
@@ -92,7 +124,13 @@ class Server:
     max_age: float = DEFAULT_MAX_AGE
     idle: float = DEFAULT_IDLE
     forks: int = 0
+    max_one_shots: int = DEFAULT_MAX_ONE_SHOTS
+    one_shots: int = 0  # forked for pools
     children: dict[int, _Child] = field(default_factory=dict)
+    pools: dict[str, _Pool] = field(default_factory=dict)
+    busy: dict[int, int] = field(default_factory=dict)  # one-shot pid -> pidfd, after taking
+    companion: int | None = None  # the registry of the one-shots' companion, once started
+    exits: dict[int, int] = field(default_factory=dict)  # recent one-shots' exit codes
     started: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
 
@@ -110,6 +148,7 @@ class Server:
         from sandbox_kernel.confine import paths, privileges, seccomp
         from sandbox_kernel.kernel import prebuilt
         from sandbox_kernel.kernel.app import SandboxKernelApp
+        from sandbox_kernel.kernel.oneshot import OneShotKernelApp
         from sandbox_kernel.launch import fontcache
 
         paths.interpreter_paths()
@@ -117,6 +156,7 @@ class Server:
         privileges.prepare()
         seccomp.precompile()
         SandboxKernelApp.prebuild_parser()
+        OneShotKernelApp.prebuild_parser()  # the pools' kernels (kernel/oneshot.py)
         prebuilt.prebuild_shell()  # the IPython shell each kernel adopts (kernel/prebuilt.py)
         # A collection in a child walks every object and writes to it: each page the server
         # shares with its kernels would be copied. Frozen objects are never collected.
@@ -144,23 +184,34 @@ class Server:
         self.listener.listen(64)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, self.accept)
+        self.pools_listener = _listen(self.pools_path)
+        self.selector.register(self.pools_listener, selectors.EVENT_READ, self.accept_pool)
+
+    @property
+    def pools_path(self) -> str:
+        """Where launchers ask for pools of one-shot kernels (beside the server's socket)."""
+        return self.path.removesuffix(".sock") + ".pools.sock"
 
     @property
     def retiring(self) -> bool:
         """Past its fork budget or age: take no new requests (the shared seed/layout ages)."""
-        return (self.forks >= self.max_forks
+        return (self.forks >= self.max_forks or self.one_shots >= self.max_one_shots
                 or time.monotonic() - self.started >= self.max_age)
 
     def serve(self) -> None:
         """Run until retired (and every child reported) or idle."""
-        listening = True
+        listening, retired_at = True, 0.0
         while True:
             if listening and self.retiring:
                 self.stop_listening()
-                listening = False
-            if not listening and not self.children:
+                listening, retired_at = False, time.monotonic()
+            if not listening and self.pools and time.monotonic() - retired_at > RETIRE_GRACE:
+                self.close_pools()  # every connection made before the unlink was taken by now
+            if not listening and not self.children and not self.busy and not self.pools:
                 return
-            if not self.children and time.monotonic() - self.last_active > self.idle:
+            if not self.children and not self.busy \
+                    and time.monotonic() - self.last_active > self.idle:
+                self.close_pools()
                 return
             for key, _ in self.selector.select(timeout=1.0):
                 key.data(key.fileobj)
@@ -172,6 +223,226 @@ class Server:
                 os.unlink(self.path)
         self.selector.unregister(self.listener)
         self.listener.close()
+        self.unlink_pools()
+
+    def unlink_pools(self) -> None:
+        """No new connections to any pool (nor pools); the waiting processes still take the
+        connections made before, for RETIRE_GRACE seconds (close_pools then ends them)."""
+        if self.pools_listener.fileno() >= 0:
+            self.selector.unregister(self.pools_listener)
+            self.pools_listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.pools_path)
+        for pool in self.pools.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pool.path)
+
+    def close_pools(self) -> None:
+        """Retire every pool: its socket unlinked, its waiting processes killed (they ran
+        nothing); processes that took a request finish it."""
+        self.unlink_pools()
+        for pool in self.pools.values():
+            for pid in list(pool.waiting):
+                self.end_waiting(pool, pid, kill=True)
+            if pool.broken:
+                self.selector.unregister(pool.listener)
+            pool.listener.close()
+        self.pools = {}
+
+    # --- pools of one-shot kernels (kernel/oneshot.py) ------------------------------------------
+
+    def accept_pool(self, listener: Any) -> None:
+        """A launcher asks for a pool: make it (or find it) and answer with its socket path."""
+        conn, _ = self.pools_listener.accept()
+        self.last_active = time.monotonic()
+        with conn:
+            try:
+                pid, uid = peer_pid_uid(conn)
+                if uid != os.getuid():
+                    raise ForkServerError(f"peer pid {pid} runs as uid {uid}, not {os.getuid()}")
+                conn.settimeout(REQUEST_TIMEOUT)
+                request, fds = receive(conn)
+                for fd in fds:
+                    os.close(fd)
+                if "exit" in request:
+                    answer = self.exit_of(request["exit"])
+                else:
+                    pool = self.pool_for(request.get("pool"))
+                    answer = {"error": pool.broken} if pool.broken else {"socket": pool.path}
+            except (OSError, ValueError, ForkServerError) as exc:
+                answer = {"error": str(exc)}
+            with contextlib.suppress(OSError):
+                conn.sendall(frame(answer))
+
+    def pool_for(self, spec: Any) -> _Pool:
+        """The pool of this policy, started (and filling) if it is new."""
+        if not isinstance(spec, dict):
+            raise ValueError("a pool request is {pool: {argv, env, cwd, size}}")
+        argv, env, cwd, size = (spec.get("argv"), spec.get("env"), spec.get("cwd") or "/",
+                                spec.get("size", 1))
+        if (not isinstance(argv, list) or not all(isinstance(arg, str) for arg in argv)
+                or not isinstance(env, dict)
+                or not all(isinstance(v, str) for v in env.values())
+                or not isinstance(cwd, str) or not isinstance(size, int) or not 1 <= size <= 64):
+            raise ValueError("a pool is {argv: [str], env: {str: str}, cwd: str, size: 1-64}")
+        path = pool_path(os.path.dirname(self.path), os.path.basename(self.path)
+                         .removesuffix(".sock"), argv, env, cwd)
+        pool = self.pools.get(path)
+        if pool is None:
+            if self.companion is None:
+                from sandbox_kernel.confine import companion
+
+                _, self.companion = companion.start()
+            pool = self.pools[path] = _Pool(path, _listen(path), argv, env, cwd, size)
+        pool.size = max(pool.size, size)
+        self.refill(pool)
+        return pool
+
+    def refill(self, pool: _Pool) -> None:
+        """Fork waiting processes until the pool has its size (off any request's path)."""
+        while not pool.broken and len(pool.waiting) < pool.size and not self.retiring:
+            self.fork_one_shot(pool)
+
+    def fork_one_shot(self, pool: _Pool) -> None:
+        """Fork one process for the pool; it tells `taken` once it has its request."""
+        taken_read, taken_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(taken_read)
+            self.become_one_shot(pool, taken_write)
+        os.close(taken_write)
+        self.one_shots += 1
+        pidfd = os.pidfd_open(pid)
+        pool.waiting[pid] = (pidfd, taken_read)
+        self.selector.register(pidfd, selectors.EVENT_READ,
+                               lambda _: self.one_shot_ended(pool, pid))
+        self.selector.register(taken_read, selectors.EVENT_READ,
+                               lambda _: self.one_shot_taken(pool, pid))
+
+    def one_shot_taken(self, pool: _Pool, pid: int) -> None:
+        """A pooled process took its request: it is the caller's now; a successor starts."""
+        if pid not in pool.waiting:  # its end was handled first, in the same round
+            return
+        pidfd, taken = pool.waiting.pop(pid)
+        self.selector.unregister(taken)
+        took = os.read(taken, 1) == b"+"
+        os.close(taken)
+        self.last_active = time.monotonic()
+        if took:
+            pool.failures = 0
+            self.busy[pid] = pidfd
+            self.selector.modify(pidfd, selectors.EVENT_READ, lambda _: self.reap_busy(pid))
+        else:  # it ended before taking one (the pidfd will say so too)
+            self.selector.modify(pidfd, selectors.EVENT_READ, lambda _: self.reap_busy(pid))
+            self.busy[pid] = pidfd
+            self.pool_failed(pool, pid)
+        self.refill(pool)
+
+    def one_shot_ended(self, pool: _Pool, pid: int) -> None:
+        """A pooled process ended before it took a request (it could not confine itself)."""
+        if pid not in pool.waiting:  # taken (or found dead) first, in the same round
+            return
+        self.end_waiting(pool, pid, kill=False)
+        self.pool_failed(pool, pid)
+        self.refill(pool)
+
+    def pool_failed(self, pool: _Pool, pid: int) -> None:
+        """Count a pooled process that never took a request; three in a row break the pool."""
+        pool.failures += 1
+        if pool.failures >= POOL_FAILURES and not pool.broken:
+            pool.broken = (f"{POOL_FAILURES} one-shot kernels in a row ended before taking a "
+                           f"request (the last: pid {pid}); the fork server's log says why")
+            # Callers waiting in the backlog learn why; the server reads nothing they sent.
+            self.selector.register(pool.listener, selectors.EVENT_READ,
+                                   lambda _: self.refuse_broken(pool))
+
+    def refuse_broken(self, pool: _Pool) -> None:
+        """Tell a caller of a broken pool why no process takes its request, and hang up."""
+        conn, _ = pool.listener.accept()
+        with conn, contextlib.suppress(OSError):
+            from sandbox_kernel.kernel import oneshot_wire
+
+            conn.sendall(oneshot_wire.record(oneshot_wire.REFUSED, pool.broken.encode()))
+
+    def end_waiting(self, pool: _Pool, pid: int, kill: bool) -> None:
+        """Forget a waiting process (killed first when asked: it ran nothing) and reap it."""
+        pidfd, taken = pool.waiting.pop(pid)
+        self.selector.unregister(pidfd)
+        self.selector.unregister(taken)
+        os.close(taken)
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(pidfd)
+
+    def reap_busy(self, pid: int) -> None:
+        """A one-shot process that took its request ended: keep its exit code a while."""
+        pidfd = self.busy.pop(pid)
+        self.selector.unregister(pidfd)
+        _, status = os.waitpid(pid, 0)
+        os.close(pidfd)
+        self.exits[pid] = os.waitstatus_to_exitcode(status)
+        while len(self.exits) > 1024:
+            del self.exits[next(iter(self.exits))]
+        self.last_active = time.monotonic()
+
+    def exit_of(self, pid: Any) -> dict[str, Any]:
+        """How a one-shot process that died under its caller ended (the caller cannot wait
+        for a process that is not its child)."""
+        if pid in self.busy:
+            with selectors.DefaultSelector() as waiter:
+                waiter.register(self.busy[pid], selectors.EVENT_READ)
+                if waiter.select(2.0):
+                    self.reap_busy(pid)
+        if pid not in self.exits:
+            return {"error": f"no exit code known for process {pid!r}"}
+        return {"exit": self.exits[pid]}
+
+    def become_one_shot(self, pool: _Pool, taken: int) -> None:
+        """In the child: what a kernel does after its re-exec, with the companion for a
+        reaper; then wait, confined, for exactly one request on the pool's socket."""
+        code = 1
+        try:
+            os.setsid()
+            os.chdir(pool.cwd)
+            listener = pool.listener.dup()
+            assert self.companion is not None
+            registry = os.dup(self.companion)  # closed with the rest once registered
+            self.close_in_child()
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)  # fd 2 stays the server's log until the kernel is confined
+            os.close(null)
+            from sandbox_kernel.confine import companion
+            from sandbox_kernel.confine.environment import prepare
+            from sandbox_kernel.kernel import oneshot
+            from sandbox_kernel.launch import fontcache
+
+            env = dict(pool.env)
+            kernel_env = prepare(pool.argv, env,
+                                 companion=lambda scratch: companion.register(registry,
+                                                                              scratch),
+                                 kept=(listener.fileno(), taken))
+            fontcache.copy_into(os.environ.get("MPLCONFIGDIR", ""),
+                                kernel_env.get("MPLCONFIGDIR", ""))
+            os.environ.clear()
+            os.environ.update(kernel_env)
+            _forget_environment()
+            _reseed()
+            sys.argv = [main_module(), *pool.argv]
+            code = 0
+            oneshot.main(list(pool.argv), listener, taken, os.getuid())
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        finally:
+            os._exit(code)
 
     def accept(self, listener: Any) -> None:
         """A client: check who it is, and fork the child that reads its request."""
@@ -346,14 +617,40 @@ class Server:
             _exit_like_python(code)
 
     def close_in_child(self) -> None:
-        """Close the server's listening socket and every other kernel's descriptors."""
+        """Close the server's listening sockets and every other kernel's descriptors."""
         for child in self.children.values():
             child.conn.close()
             os.close(child.pidfd)
         self.children = {}  # closed once: become_kernel calls this again
+        for pool in self.pools.values():
+            pool.listener.close()
+            for pidfd, taken in pool.waiting.values():
+                os.close(pidfd)
+                os.close(taken)
+        for pidfd in self.busy.values():
+            os.close(pidfd)
+        self.pools, self.busy = {}, {}
+        if self.companion is not None:
+            os.close(self.companion)
+            self.companion = None
         self.selector.close()
-        if self.listener.fileno() >= 0:
-            self.listener.close()
+        for listener in (self.listener, self.pools_listener):
+            if listener.fileno() >= 0:
+                listener.close()
+
+
+def _listen(path: str) -> socket.socket:
+    """A unix listener at path that only this server's user may connect to."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old_umask)
+    listener.listen(64)
+    return listener
 
 
 def _reseed() -> None:

@@ -1,0 +1,260 @@
+"""A run on a one-shot kernel: one connection, one request, the kernel's messages, its end.
+
+The caller's side of kernel/oneshot.py: the request is the execute_request a ZMQ client sends
+(same metadata: main() inputs, timeout), and the answer is the same Jupyter messages, fed to
+the same Collector within the same caller limits: an Execution reads the same whichever kernel
+ran it. The caller's safety never depends on the kernel: every record is bounded before it is
+read, and at `timeout + grace` the process is killed through the pidfd it handed over (its
+own, so a recycled pid is never hit) and the run says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import zmq
+from jupyter_client.session import Session
+
+from .. import jsonwire
+from ..kernel import oneshot_wire as wire
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from .collect import Callback, Collector, exit_description
+from .execution import ErrorInfo, Execution, error_from
+from .meter import Meter, open_process
+from .receive import CallerLimits, unpack_frames
+
+GRACE_SECONDS = 2.0
+ONE_SHOT_TIMEOUT = "ExecutionTimeout"
+_SESSION = Session(key=b"")  # one private connection per run: nothing to sign against
+
+__all__ = ["OneShotUnavailable", "run"]
+
+
+def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: str = "main",
+            timeout_source: str = "Sandbox.run(timeout=)") -> dict[str, Any]:
+    """The execute_request a ZMQ client would send for this run (client/sandbox.py's)."""
+    msg = _SESSION.msg("execute_request", {
+        "code": code, "silent": False, "store_history": inputs is None,
+        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+    meta: dict[str, Any] = {}
+    if inputs is not None:
+        meta.update(entrypoint=entrypoint, inputs=inputs)
+    if timeout is not None:
+        meta.update(timeout=timeout, timeout_source=timeout_source)
+    if meta:
+        msg["metadata"]["sandbox"] = meta
+    return msg  # type: ignore[no-any-return]
+
+
+async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
+              timeout: float | None = None, *, on_stdout: Callback = None,
+              on_stderr: Callback = None, on_display: Callback = None,
+              limits: CallerLimits | None = None, raw_result: bool = False,
+              grace: float = GRACE_SECONDS, entrypoint: str = "main",
+              timeout_source: str = "Sandbox.run(timeout=)") -> Execution:
+    """Run code on a fresh one-shot kernel of the pool; OneShotUnavailable if none answers."""
+    limits = limits or CallerLimits()
+    loop = asyncio.get_running_loop()
+    msg = request(code, inputs, timeout, entrypoint, timeout_source)
+    payload = wire.pack_frames(_SESSION.serialize(msg))
+    collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
+                          _SESSION, raw_result)
+    run = await _taken(loop, pool, collector, limits)
+    try:
+        if not run.pid:  # the server's answer (a broken pool), or its socket closed
+            reason = run.refused or "the pool's socket closed before a kernel took the request"
+            raise OneShotUnavailable(f"{reason}; {pool.server_log()}")
+        started = time.monotonic()
+        deadline = None if timeout is None else timeout + grace
+        try:
+            await loop.sock_sendall(run.conn, wire.record(wire.REQUEST, payload))
+            await asyncio.wait_for(run.read(loop), deadline)
+        except asyncio.TimeoutError:
+            run.kill()
+            run.lost = (f"the execution ran past its {timeout:g} s limit and did not stop; "
+                        "its one-shot kernel was killed")
+        except OSError:
+            pass  # the process ended under the run: said below
+        if run.refused and not run.messages:  # the process could not take the request
+            raise OneShotUnavailable(run.refused)
+        if not (run.done or run.lost) and run.pid:  # it died under the run: say how
+            exit_code = await loop.run_in_executor(None, pool.exit_code, run.pid)
+            if not run.messages:  # nothing of the run began: a kernel that could not start
+                raise OneShotUnavailable(
+                    f"the one-shot kernel ended before it began the run "
+                    f"({exit_description(exit_code)}); {pool.server_log()}")
+            run.lost = f"the kernel process died ({exit_description(exit_code)})"
+    finally:
+        run.close()
+    return run.finish(time.monotonic() - started)
+
+
+async def _taken(loop: asyncio.AbstractEventLoop, pool: OneShotPool, collector: Collector,
+                 limits: CallerLimits) -> _Run:
+    """A connection a process of the pool took (it sent its pid), the request not sent yet.
+
+    The request goes only to a process that took the connection and said who it is: nothing
+    of it is ever sent where the server could read it. A server that retired as the caller
+    connected closes the connection untaken: the next try asks its successor.
+    """
+    for attempt in range(2):
+        conn = await loop.run_in_executor(None, pool.connect) if not pool.path \
+            else await _connect(loop, pool)
+        run = _Run(conn, collector, limits)
+        try:
+            await asyncio.wait_for(run.take_pidfd(loop), pool.server.start_timeout)
+        except asyncio.TimeoutError:
+            run.close()
+            raise OneShotUnavailable(f"no one-shot kernel took the request within "
+                                     f"{pool.server.start_timeout:g} s; "
+                                     f"{pool.server_log()}") from None
+        except BaseException:
+            run.close()
+            raise
+        if run.pid or run.refused or attempt:
+            return run
+        run.close()
+        pool.path = ""
+    raise AssertionError("unreachable")
+
+
+async def _connect(loop: asyncio.AbstractEventLoop, pool: OneShotPool) -> socket.socket:
+    """A connection to the pool's socket (the server may have retired: then ask again)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.setblocking(False)
+    try:
+        await loop.sock_connect(conn, pool.path)
+        return conn
+    except OSError:
+        conn.close()
+        pool.path = ""
+        return await loop.run_in_executor(None, pool.connect)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Run:
+    """One run's reading side: records to the collector, the pidfd, the end."""
+
+    def __init__(self, conn: socket.socket, collector: Collector, limits: CallerLimits) -> None:
+        conn.setblocking(False)
+        self.conn, self.collector = conn, collector
+        room = limits.max_message
+        self.records = wire.Records(0 if room < 0 else room + 4096)
+        self.pidfd = -1
+        self.pid = 0
+        self.meter: Meter | None = None
+        self.reply: dict[str, Any] | None = None
+        self.refused = ""
+        self.lost = ""
+        self.done = False
+        self.metered = False
+        self.messages = 0
+
+    async def read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Records until `done` or the connection's end."""
+        while not self.done:
+            data = await loop.sock_recv(self.conn, 1 << 20)
+            if not data:
+                return
+            try:
+                for kind, payload in self.records.feed(data):
+                    self._take(kind, payload)
+            except wire.WireError as exc:  # larger than the caller takes, or malformed
+                self.kill()
+                self.lost = f"the one-shot kernel sent a message the caller refuses: {exc}"
+                return
+
+    async def take_pidfd(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The first record: the process's pid, with its pidfd (to kill exactly it)."""
+        ready = loop.create_future()
+        loop.add_reader(self.conn.fileno(), _set_once, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(self.conn.fileno())
+        try:
+            data, fds, _, _ = socket.recv_fds(self.conn, wire.HEADER.size + 32, 1)
+        except OSError:  # reset: no process will take it
+            return
+        self.pidfd = fds[0] if fds else -1
+        for fd in fds[1:]:
+            os.close(fd)
+        if not data:
+            return
+        for kind, payload in self.records.feed(data):
+            if kind == wire.PID and payload.isdigit():
+                self.pid = int(payload)
+                self.meter = Meter(open_process(self.pid))
+            else:
+                self._take(kind, payload)
+
+    def _take(self, kind: int, payload: bytes) -> None:
+        if kind == wire.MESSAGE:
+            self.messages += 1
+            frames = [zmq.Frame(frame) for frame in wire.unpack_frames(payload)]
+            msg = unpack_frames(_SESSION, frames, self.collector.msg_id)
+            if msg is None:
+                return
+            if msg["header"]["msg_type"] == "execute_reply":
+                content = msg["content"]
+                msg["content"] = jsonwire.loads(content) if isinstance(
+                    content, (bytes, memoryview)) else content
+                self.reply = msg
+            else:
+                self.collector.feed(msg)
+                if self.collector.idle and self.meter is not None and not self.metered:
+                    self.meter.stop()  # the host's figures, at idle as a ZMQ run takes them
+                    self.metered = True
+        elif kind == wire.REFUSED:
+            self.refused = payload.decode("utf-8", "replace")
+            self.done = True
+        elif kind == wire.DONE:
+            self.done = True
+
+    def kill(self) -> None:
+        """End the process now (its own pidfd: never another process)."""
+        if self.pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.kill()  # it exits by itself after `done`; one that did not is ended here
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        self.conn.close()
+        if self.meter is not None and self.meter.process is not None:
+            self.meter.process.close()
+
+    def finish(self, wall: float) -> Execution:
+        """The Execution: the collector's, with the error of a run that did not end well."""
+        ex = self.collector.execution
+        ex.duration = wall
+        content = (self.reply or {}).get("content", {})
+        if ex.error is None and content.get("status") == "error":
+            ex.error = error_from(content)
+        if self.refused:
+            ex.error = ErrorInfo("KernelRefused", self.refused, [f"KernelRefused: {self.refused}"])
+        elif self.lost:
+            name = ONE_SHOT_TIMEOUT if self.lost.startswith("the execution ran") \
+                else "MessageTooLarge" if self.lost.startswith("the one-shot kernel sent") \
+                else "KernelDied"
+            ex.error = ErrorInfo(name, self.lost, [f"{name}: {self.lost}"])
+            ex.state_lost = True
+        if self.meter is not None:
+            if not self.metered:
+                self.meter.stop()
+            ex.usage = self.meter.finish(wall, self.collector.budget.output_received,
+                                         self.collector.result_bytes, self.reply)
+        jsonwire.thaw()
+        return ex

@@ -1,0 +1,401 @@
+"""The one-shot kernel: SandboxKernel with its channels replaced by one socket, for one run.
+
+A stateless run needs one execution and none of a Jupyter kernel's transport: no five ZMQ
+sockets, no IOPub, control, heartbeat or shell-channel thread, no connection file. Everything
+else is the sandbox kernel's, unchanged: `SandboxKernelApp`'s confinement (every layer, the
+same functions in the same order: scratch, audit file, identity, rlimits, network namespace
+with the egress listener handed out, promises, Landlock, uid switch, seccomp with its listener
+handed out), the prebuilt IPython shell, and `SandboxKernel`'s execution path (main(), caps,
+explained refusals, the deadline, usage). This module holds every difference:
+
+- the channels: `Channel` stands for the shell and IOPub sockets; each message ipykernel sends
+  is written, as the frames Session.serialize made, in one record on the connection
+  (kernel/oneshot_wire.py). So the caller gets the same Jupyter messages, in order.
+- the output streams: `CapturedStream` replaces ipykernel's OutStream and its thread; fds 1
+  and 2 are memfds, drained into the stream messages at each write and before any other
+  message, so `os.write(1, ...)` and C libraries' output count as a ZMQ kernel's captured fds
+  do. The output cap (kernel/output.py's budget) is spent on both.
+- the companion: the descriptors a kernel hands its reaper (uid lock, seccomp listener, audit
+  file, egress listener) go to the fork server's companion (confine/companion.py) instead.
+- Landlock binds no port at all: there are no listeners to bind.
+- the request: the process is confined *before* a request exists (a pool keeps it waiting,
+  launch/forkserver/server.py); it accepts exactly one connection, closes the listener, reads
+  the request itself, runs it, and exits.
+
+A one-shot kernel has no stdin (input() raises), no comms (widgets), no interrupts over a
+control channel and no second execution: callers that need those start a ZMQ kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import ctypes
+import io
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+from typing import Any, NoReturn
+
+import zmq
+from traitlets import Any as AnyTrait
+from traitlets import Type
+
+from . import oneshot_wire as wire
+from .app import SandboxKernelApp
+from .kernel import SandboxKernel
+from .output import BUDGET
+
+REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its request once connected
+FLUSH_AFTER = 0.05  # seconds between a stream's messages while output keeps coming
+FLUSH_SIZE = 64 * 1024  # characters a stream keeps before sending them
+_PR_SET_PDEATHSIG = 1
+
+
+class Channel:
+    """The shell and IOPub sockets of a one-shot kernel: messages become records on one socket.
+
+    ipykernel hands this object to Session.send as a socket; before a message that is not a
+    stream's, the streams send what they hold, so output and displays keep their order.
+    """
+
+    def __init__(self) -> None:
+        self.conn: socket.socket | None = None  # the caller's connection, once it came
+        self.streams: list[CapturedStream] = []
+        self.sending_output = False  # a stream's own message is being sent
+
+    def send_multipart(self, frames: list[Any], copy: bool = True, **_: Any) -> None:
+        """Session.send's call: write the message's frames as one record."""
+        if not self.sending_output:
+            for stream in self.streams:
+                stream.flush()
+        self.write(wire.MESSAGE, wire.pack_frames([_as_bytes(frame) for frame in frames]))
+
+    def write(self, kind: int, payload: bytes) -> None:
+        """One record to the caller; nothing before it connected (no caller, no message)."""
+        if self.conn is not None:
+            self.conn.sendall(wire.record(kind, payload))
+
+    def flush(self, *_: Any) -> None:
+        """ZMQStream's flush: every record is written when it is sent."""
+
+
+def _as_bytes(frame: Any) -> bytes:
+    if isinstance(frame, bytes):
+        return frame
+    if isinstance(frame, zmq.Frame):
+        return frame.bytes
+    return bytes(frame)
+
+
+class CapturedStream(io.TextIOBase):
+    """sys.stdout or sys.stderr: text in stream messages, with what reached its fd.
+
+    The fd (1 or 2) is a memfd; whatever was written to it (os.write, C code, a subprocess
+    that cannot exist here) since the last look is taken in order before each Python write.
+    Both go through the per-execution output budget, as CappedOutStream's writes do.
+    """
+
+    def __init__(self, channel: Channel, session: Any, name: str, fd: int) -> None:
+        super().__init__()
+        self.channel, self.session, self.name, self.fd = channel, session, name, fd
+        self.parent: dict[str, Any] | None = None  # the request this output answers
+        self.topic = f"stream.{name}".encode()
+        self.pending: list[str] = []
+        self.pending_size = 0
+        self.sent_at = 0.0  # when this stream last sent a message
+        self.read_to = 0  # bytes of the memfd already taken
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        channel.streams.append(self)
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        """Text goes out as UTF-8, as ipykernel's streams send it."""
+        return "utf-8"
+
+    def writable(self) -> bool:
+        """Always: it is an output stream."""
+        return True
+
+    def isatty(self) -> bool:
+        """Never a terminal (as in a notebook)."""
+        return False
+
+    def fileno(self) -> int:
+        """The captured fd (1 or 2): what is written there is this stream's output too."""
+        return self.fd
+
+    def set_parent(self, parent: dict[str, Any]) -> None:
+        """ipykernel's hook: the request this output answers."""
+        self.parent = parent
+
+    def write(self, string: str) -> int:  # type: ignore[override]
+        """Keep what the output budget allows, after what reached the fd meanwhile."""
+        if not isinstance(string, str):
+            raise TypeError(f"write() argument must be str, not {type(string).__name__}")
+        self.take_fd_output()
+        self._keep(BUDGET.take(string))
+        return len(string)
+
+    def write_uncapped(self, string: str) -> None:
+        """Write past the cap (for the sandbox's own marker)."""
+        self.take_fd_output()
+        self._keep(string)
+
+    def _keep(self, text: str) -> None:
+        if not text:
+            return
+        for other in self.channel.streams:  # the other stream's text first: write order
+            if other is not self and other.pending:
+                other.flush()
+        self.pending.append(text)
+        self.pending_size += len(text)
+        # A line goes out at once unless a message went out just now (a flood is batched);
+        # what is kept goes out with the next write, message or the reply.
+        if self.pending_size >= FLUSH_SIZE or (
+                "\n" in text and time.monotonic() - self.sent_at >= FLUSH_AFTER):
+            self.flush()
+
+    def take_fd_output(self) -> None:
+        """Add what was written to the fd since the last look (spending the budget)."""
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError:
+            return
+        while self.read_to < size:
+            data = os.pread(self.fd, min(size - self.read_to, 1 << 20), self.read_to)
+            if not data:
+                break
+            self.read_to += len(data)
+            self._keep(BUDGET.take(self.decoder.decode(data)))
+
+    def flush(self) -> None:
+        """Send what is kept (and what reached the fd) as one stream message."""
+        self.take_fd_output()
+        if not self.pending:
+            return
+        text, self.pending, self.pending_size = "".join(self.pending), [], 0
+        self.sent_at = time.monotonic()
+        self.channel.sending_output = True  # this message needs no streams flushed first
+        try:
+            self.session.send(self.channel, "stream", {"name": self.name, "text": text},
+                              parent=self.parent, ident=self.topic)
+        finally:
+            self.channel.sending_output = False
+
+
+class OneShotKernel(SandboxKernel):
+    """SandboxKernel whose shell stream is the one-shot channel (not a ZMQStream)."""
+
+    shell_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
+    control_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
+    debugpy_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
+
+    def _abort_queues(self, subshell_id: str | None = None) -> None:
+        # After an error ipykernel aborts the requests queued behind it: a one-shot has none.
+        return
+
+
+class OneShotKernelApp(SandboxKernelApp):
+    """SandboxKernelApp without ZMQ: confined the same way, serving one request on one socket."""
+
+    kernel_class = Type(OneShotKernel, klass="ipykernel.kernelbase.Kernel",  # type: ignore
+                        help="The kernel class to run.").tag(config=True)
+    channel: Channel
+    server_pid = 0  # the fork server: this process dies with it
+
+    # --- the transport: no connection file, sockets, heartbeat or poller --------------------------
+
+    def init_connection_file(self) -> None:
+        """No connection file: the caller connects to the pool's socket."""
+
+    def channel_files(self) -> list[str]:
+        """No connection file to read."""
+        return []
+
+    def channel_ports(self) -> dict[str, int]:
+        """No channel binds a port: Landlock then lets no TCP port be bound at all."""
+        return {}
+
+    def init_poller(self) -> None:
+        """No parent to poll: the fork server and the caller's pidfd watch this process."""
+
+    def init_sockets(self) -> None:
+        """Confine (the single-threaded layers); there are no sockets to bind."""
+        self.session.key = b""  # one private connection: nothing to sign against
+        self.channel = Channel()
+        self.init_confinement()
+        self.iopub_socket = self.channel
+        self.iopub_thread = None
+        self.stdin_socket = None
+
+    def init_heartbeat(self) -> None:
+        """No heartbeat: the caller watches the process through its pidfd."""
+
+    def wait_for_heartbeat(self, timeout: float = 10.0) -> None:
+        """Nothing binds later: seccomp can be loaded at once."""
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        """No connection file."""
+
+    def log_connection_info(self) -> None:
+        """No ports to tell."""
+
+    def init_io(self) -> None:
+        """fds 1 and 2 become memfds; sys.stdout and sys.stderr the streams that drain them.
+
+        The application's log stops here: fd 2 is the user's stderr from now on, and the
+        server's log (kept for a refusal to start) is closed before user code runs.
+        """
+        null = open(os.devnull, "w")  # the log's end, for the process's life
+        for handler in self.log.handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(null)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            memfd = os.memfd_create(f"one-shot {name}")
+            os.dup2(memfd, fd)
+            os.close(memfd)
+        sys.stdout = CapturedStream(self.channel, self.session, "stdout", 1)
+        sys.stderr = CapturedStream(self.channel, self.session, "stderr", 2)
+        from ipykernel.displayhook import ZMQDisplayHook
+
+        self.displayhook = ZMQDisplayHook(self.session, self.iopub_socket)
+        sys.displayhook = self.displayhook
+        self.patch_io()
+
+    def init_kernel(self) -> None:
+        """The kernel, on the channel: no control or shell-channel threads to start."""
+        if "hist_file" not in self.config.HistoryManager:
+            self.config.HistoryManager.hist_file = ":memory:"
+        self.kernel = self.kernel_class.instance(  # type: ignore[attr-defined]
+            parent=self, session=self.session, shell_stream=self.channel,
+            control_stream=None, debugpy_stream=None, iopub_socket=self.channel,
+            iopub_thread=None, stdin_socket=None, log=self.log, profile_dir=self.profile_dir,
+            user_ns=self.user_ns)
+        self.displayhook.get_execution_count = lambda: self.kernel.execution_count
+
+    def init_seccomp(self) -> None:
+        """Die with the fork server (set after the uid switch, which clears it), then filter.
+
+        A pooled process waits for a request its server answers for; with the server gone
+        (retired, stopped) nobody will hand it one.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 \
+                or os.getppid() != self.server_pid:
+            self.refuse_to_start("the fork server that started this one-shot kernel is gone")
+        super().init_seccomp()
+
+    @property
+    def kernel_id(self) -> str:
+        """The id the audit record names: the process's pid (there is no connection file)."""
+        return f"one-shot-{os.getpid()}"
+
+    # --- the one request ----------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Take the execute path once, silently, before any request: the run's first-time
+        costs are paid while the process waits, and a kernel that cannot run at all (e.g. a
+        memory limit below what an execution needs) ends here, never under a caller's run.
+
+        The warm-up is a client's (`Sandbox.warm_up`): a silent `pass` that leaves no history,
+        execution count or last result (kernel.py); nothing is sent, there is no caller yet.
+        """
+        msg = self.session.msg("execute_request", {
+            "code": "pass", "silent": True, "store_history": False, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": False})
+        msg["metadata"]["sandbox"] = {"warm_up": True}
+        asyncio.run(self.kernel.dispatch_shell(
+            [zmq.Frame(frame) for frame in self.session.serialize(msg)]))
+
+    def serve_one(self, listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
+        """Take exactly one connection, run its request, answer and exit."""
+        self.warm_up()
+        conn = self.take_connection(listener, taken, server_uid)
+        self.channel.conn = conn
+        try:
+            pidfd = os.pidfd_open(os.getpid())
+            try:
+                socket.send_fds(conn, [wire.record(wire.PID, str(os.getpid()).encode())],
+                                [pidfd])
+            finally:
+                os.close(pidfd)
+            frames = self.read_request(conn)
+        except (OSError, wire.WireError) as exc:
+            self.refuse_request(conn, f"the request could not be read: {exc}")
+        except MemoryError:
+            self.refuse_request(conn, "the kernel's memory limit leaves no room to read the "
+                                "request: raise --memory-limit")
+        for stream in self.channel.streams:  # what the start wrote to the fds is not output
+            stream.read_to = os.fstat(stream.fd).st_size
+        try:
+            asyncio.run(self.kernel.dispatch_shell(frames))
+            for stream in self.channel.streams:
+                stream.flush()
+            self.channel.write(wire.DONE, b"")
+            # Until the caller hangs up (it kills this process then): it reads the host's
+            # figures of the run from /proc meanwhile, as it does for a ZMQ kernel.
+            conn.settimeout(REQUEST_TIMEOUT)
+            conn.recv(1)
+        except OSError:
+            pass  # the caller left: nobody to answer
+        os._exit(0)
+
+    def take_connection(self, listener: socket.socket, taken: int,
+                        server_uid: int) -> socket.socket:
+        """The first connection from the server's user; the listener closed after it."""
+        while True:
+            conn, _ = listener.accept()
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                    struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid in (server_uid, 0):
+                break
+            conn.close()  # another user's connection: never this process's request
+        listener.close()
+        try:
+            os.write(taken, b"+")  # the server starts this one's successor now
+        finally:
+            os.close(taken)
+        return conn
+
+    @staticmethod
+    def read_request(conn: socket.socket) -> list[zmq.Frame]:
+        """The execute_request's frames, read by this process itself (never by the server)."""
+        conn.settimeout(REQUEST_TIMEOUT)
+        records = wire.Records(wire.MAX_REQUEST)
+        while True:
+            data = conn.recv(1 << 16)
+            if not data:
+                raise wire.WireError("the caller hung up before its request was complete")
+            for kind, payload in records.feed(data):
+                if kind != wire.REQUEST:
+                    raise wire.WireError(f"expected a request record, got kind {kind}")
+                conn.settimeout(None)
+                return [zmq.Frame(bytes(frame)) for frame in wire.unpack_frames(payload)]
+
+    def refuse_request(self, conn: socket.socket, reason: str) -> NoReturn:
+        """Tell the caller why nothing ran, and exit."""
+        try:
+            conn.sendall(wire.record(wire.REFUSED, reason.encode()))
+        except OSError:
+            pass
+        os._exit(4)
+
+    def refuse_to_start(self, reason: str) -> NoReturn:
+        """Before any request: one line in the server's log, and exit."""
+        os.write(self.launcher_stderr, f"sandbox-kernel one-shot: refusing to start: "
+                                       f"{reason}\n".encode())
+        os._exit(3)
+
+
+def main(argv: list[str], listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
+    """In a pooled process (launch/forkserver/server.py): confine, then serve one request."""
+    app = OneShotKernelApp.instance()
+    app.server_pid = os.getppid()
+    app.initialize(argv)
+    app.serve_one(listener, taken, server_uid)

@@ -1,0 +1,88 @@
+"""The one-shot kernel's socket: records, each a kind byte and a payload, in both directions.
+
+One unix stream connection carries a one-shot run: the caller's request (an `execute_request`
+as the frames Session.serialize makes), then the process's records: its pid (with a pidfd, so
+the caller can kill exactly this process), every Jupyter message it sends (the same frames a
+ZMQ kernel puts on IOPub and shell), and `done`. A length prefix frames each record: no
+delimiter scanning, and a reader refuses a record larger than it takes before reading it.
+
+Imported by the one-shot process (kernel/oneshot.py) and by its callers (launch/oneshot.py):
+it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+
+HEADER = struct.Struct("!IB")  # payload length, kind
+_LENGTH = struct.Struct("!I")
+
+REQUEST = ord("r")  # caller -> process: the execute_request's frames
+PID = ord("p")  # process -> caller: its pid (ASCII), with its pidfd
+MESSAGE = ord("m")  # process -> caller: one Jupyter message's frames
+REFUSED = ord("e")  # process -> caller: why it cannot run the request (UTF-8 text)
+DONE = ord("d")  # process -> caller: the reply was the last message; it exits now
+
+MAX_REQUEST = 256 * 2**20  # the largest request a one-shot process reads
+
+
+class WireError(ValueError):
+    """A record that is not well formed, or larger than the reader takes."""
+
+
+def record(kind: int, payload: bytes = b"") -> bytes:
+    """One record, ready to write."""
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def pack_frames(frames: Sequence[bytes | memoryview]) -> bytes:
+    """A message's frames as one payload: their count, then each with its length."""
+    parts = [_LENGTH.pack(len(frames))]
+    for frame in frames:
+        data = bytes(frame) if not isinstance(frame, bytes) else frame
+        parts += [_LENGTH.pack(len(data)), data]
+    return b"".join(parts)
+
+
+def unpack_frames(payload: bytes | memoryview) -> list[memoryview]:
+    """The frames of a payload made by pack_frames (views into it, not copies)."""
+    view = memoryview(payload)
+    try:
+        (count,), offset = _LENGTH.unpack_from(view, 0), _LENGTH.size
+        frames = []
+        for _ in range(count):
+            (size,) = _LENGTH.unpack_from(view, offset)
+            offset += _LENGTH.size
+            if offset + size > len(view):
+                raise WireError("a frame runs past the end of its record")
+            frames.append(view[offset:offset + size])
+            offset += size
+    except struct.error as exc:
+        raise WireError(f"a message record is cut short: {exc}") from None
+    if offset != len(view):
+        raise WireError("a message record has bytes after its last frame")
+    return frames
+
+
+class Records:
+    """Splits a byte stream into records; refuses one larger than `limit` bytes (0: any)."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self.buffer = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[tuple[int, bytes]]:
+        """Take data; yield each record it completes, as (kind, payload)."""
+        self.buffer += data
+        while len(self.buffer) >= HEADER.size:
+            size, kind = HEADER.unpack_from(self.buffer, 0)
+            if self.limit and size > self.limit:
+                raise WireError(f"a record of {size:,} bytes is larger than the "
+                                f"{self.limit:,} this reader takes")
+            end = HEADER.size + size
+            if len(self.buffer) < end:
+                return
+            payload = bytes(self.buffer[HEADER.size:end])
+            del self.buffer[:end]
+            yield kind, payload

@@ -1,0 +1,77 @@
+"""The hostile-code suite through one-shot kernels: every case that applies, the same outcome.
+
+Each case runs as one stateless run (the suite's prelude and the case's code in one request) on
+a one-shot kernel of the suite's policy, network off or on, and must end exactly as it does in
+the suite's ZMQ kernels (tests/test_hostile.py). Cases that are about the ZMQ transport itself
+are listed in ZMQ_ONLY with the reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+
+import pytest
+
+from sandbox_kernel.client import oneshot
+from sandbox_kernel.launch.oneshot import OneShotPool
+from sandbox_kernel.policy import SandboxPolicy
+from tests.test_hostile import CASES, HOSTILE_POLICY, PRELUDE, _applies, world  # noqa: F401
+
+# What the one-shot path answers differently, by design (none of these is a weaker outcome).
+ZMQ_ONLY = {
+    "N17": "connects through the kernel's own TCP sockets: a one-shot kernel has none",
+    "N18": "listens on the kernel's own channel port: a one-shot kernel has no port",
+    "N20": "listen() on a dup of the kernel's TCP listener: a one-shot kernel has none",
+    "X21": "signals the kernel's reaper child: a one-shot kernel has no child (its companion "
+           "is not its child; X-cases on PPID and other pids cover it)",
+}
+
+
+@pytest.fixture(scope="module")
+def pools(world):  # noqa: F811
+    return {"hostile": OneShotPool(SandboxPolicy(**HOSTILE_POLICY), size=2),
+            "net": OneShotPool(SandboxPolicy(allow_network=True, **HOSTILE_POLICY), size=2)}
+
+
+def _outcome(pool, code):
+    execution = asyncio.run(oneshot.run(pool, PRELUDE + "\n" + code, None, 30.0))
+    assert execution.error is None, execution.error
+    assert execution.text is not None, f"no result from {code!r}: {execution}"
+    return ast.literal_eval(execution.text)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _applies(c) and c.id not in ZMQ_ONLY],
+                         ids=lambda c: c.id)
+def test_attack_on_a_one_shot_kernel(pools, world, case):  # noqa: F811
+    code = case.code
+    for name, value in world.items():
+        code = code.replace("{" + name + "}", str(value))
+    outcome = _outcome(pools[case.kernel], code)
+    if isinstance(case.expect, tuple) and isinstance(outcome, list):
+        outcome = tuple(outcome)
+    assert outcome == case.expect, f"{case.id} {case.attack}: {outcome!r}"
+
+
+def test_no_listener_is_left_to_take_a_second_request(pools):
+    """The pool's listener was closed at the accept: nothing in the process can accept again,
+    and the one connection to the pool's socket it holds is the caller's (the other unix
+    sockets are the event loop's own socketpair)."""
+    code = PRELUDE + """
+import socket, stat
+listening, connected = 0, 0
+for name in os.listdir('/proc/self/fd'):
+    try:
+        if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+            continue
+        sock = socket.socket(fileno=os.dup(int(name)))
+    except OSError:
+        continue
+    with sock:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            listening += 1
+        elif sock.family == socket.AF_UNIX and sock.getsockname():
+            connected += 1
+(listening, connected, trap(lambda: socket.socket(socket.AF_UNIX).connect('/tmp/x')))
+"""
+    assert _outcome(pools["hostile"], code) == (0, 1, ("PermissionError", 1))
