@@ -75,13 +75,14 @@ class Service:
         self.background(old.close())
 
     async def prepare_one_shots(self) -> None:
-        """Have the fork server fill the one-shot pools (a failure shows on the first run)."""
+        """Have the fork server fill the one-shot pools, then probe each (for /ready)."""
         one_shots = self.runner.one_shots
         if one_shots is not None:
             try:
                 await asyncio.to_thread(one_shots.prepare)
             except OneShotUnavailable as exc:
                 log.warning(json_line(event="one_shot_unavailable", error=str(exc)))
+            self.background(one_shots.probe(stopped=lambda: self.stopping))
 
     def background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run a coroutine on its own, keeping a reference until it is done (an exception no
@@ -143,6 +144,9 @@ class Service:
         that every layer applies), while the latest start of none has failed; never once
         stopping. "reason" says what it waits for, naming the policy and its error."""
         health = self.kernels.source.health()
+        if self.runner.one_shots is not None:  # stateless runs need their pools to work too
+            health.update({f"{name} one-shot": state
+                           for name, state in self.runner.one_shots.health.items()})
         waiting = {name: state["error"] or "no kernel of it has started yet"
                    for name, state in health.items() if not state["started"]}
         reason = ("stopping" if self.stopping else "not started" if not self.started

@@ -32,6 +32,7 @@ from .kernels import Kernels, KernelUnavailable, Network, NetworkChoice, kernel_
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
 SERVICE_STOPPING = "ServiceStopping"
+PROBE_TIMEOUT = 30.0  # s: readiness's `pass` on a one-shot kernel
 
 
 class Busy(Exception):
@@ -174,10 +175,32 @@ class OneShots:
             return None
         return self.pools.get(bool(network))
 
+        # Per policy name: whether a one-shot kernel of it has run code here, and the latest
+        # probe's error; readiness counts these beside the ZMQ kernels' starts.
+        self.health: dict[str, dict[str, Any]] = {
+            policy_name(network): {"started": False, "error": None} for network in self.pools}
+
     def prepare(self) -> None:
         """Ask for every pool now (starting the fork server), so the first run finds it full."""
         for pool in self.pools.values():
             pool.path = pool.ask()
+
+    async def probe(self, stopped: Callable[[], bool], retry: float = 2.0) -> None:
+        """Run `pass` on a one-shot kernel of each pool until one has answered (proof that its
+        layers apply here), keeping each failure's reason for /ready; until stopped()."""
+        for network, pool in self.pools.items():
+            state = self.health[policy_name(network)]
+            while not state["started"] and not stopped():
+                try:
+                    execution = await oneshot.run(pool, "pass", None, PROBE_TIMEOUT,
+                                                  limits=self.limits[network])
+                    error = execution.error
+                    state["error"] = None if error is None else f"{error.name}: {error.value}"
+                except OneShotUnavailable as exc:
+                    state["error"] = str(exc)
+                state["started"] = state["error"] is None
+                if not state["started"]:
+                    await asyncio.sleep(retry)
 
 
 class Runner:
