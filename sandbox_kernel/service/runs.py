@@ -1,4 +1,4 @@
-"""Stateless runs: admission (in-flight cap, worker queue), a fresh kernel each, a deadline.
+"""Stateless runs: a worker from admission (admission.py), a fresh kernel each, a deadline.
 
 The deadline is the service's own: the kernel is asked to stop at `timeout` and the client
 interrupts it a little later, but if neither works the service cancels the run at
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -18,15 +18,14 @@ import zmq
 from starlette.requests import Request
 
 from ..client import ErrorInfo, Execution
+from .admission import Admission, Busy
 from .kernels import Kernels, KernelUnavailable, Network, kernel_id, policy_name
+
+__all__ = ["Admission", "Busy", "Runner"]  # Admission and Busy: where the routes import them
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
 SERVICE_STOPPING = "ServiceStopping"
-
-
-class Busy(Exception):
-    """More runs are in flight than the service admits."""
 
 
 class KernelClosed(RuntimeError):
@@ -69,38 +68,6 @@ def output_limited(record: RunRecord, message: str, state_lost: bool) -> Executi
     """The execution a run gets when its output went past the service's limit."""
     error = ErrorInfo(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
     return Execution(logs=list(record.chunks), state_lost=state_lost, error=error)
-
-
-class Admission:
-    """MAX_REQUESTS runs in flight (then Busy at once); MAX_WORKERS of them executing."""
-
-    def __init__(self, max_requests: int, max_workers: int) -> None:
-        self.max_requests = max_requests
-        self.in_flight = 0
-        self.workers = asyncio.Semaphore(max_workers)
-
-    def enter(self) -> Callable[[], None]:
-        """Take an in-flight place, or raise Busy; returns the (idempotent) release."""
-        if self.in_flight >= self.max_requests:
-            raise Busy
-        self.in_flight += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.in_flight -= 1
-        return release
-
-    @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Hold an in-flight place for the block; raises Busy when none is free."""
-        release = self.enter()
-        try:
-            yield
-        finally:
-            release()
 
 
 @dataclass
@@ -157,11 +124,12 @@ class Runner:
         self.output_limit = output_limit
         self.stopping = asyncio.Event()  # set when the shutdown grace period is over
 
-    async def run(self, code: str, *, network: Network, timeout: float,
+    async def run(self, code: str, *, network: Network, timeout: float, tenant: str,
                   inputs: dict | None = None, record: RunRecord,
                   on_output: Callable[[str, Any], None] | None = None) -> tuple[Execution, bool]:
-        """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot."""
-        async with self.admission.workers:
+        """Wait for the tenant's worker, run on a fresh kernel, discard it. Needs an admission
+        slot of the tenant's."""
+        async with self.admission.worker(tenant):
             sandbox = await self.kernels.get(network)
             record.kernel_id = kernel_id(sandbox)
             try:
