@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -402,6 +403,40 @@ def test_a_keys_session_limit_is_kept(http_server):
         assert again.is_error and "you may hold 1 sessions" in text(again)
     finally:
         one.close()
+
+
+def test_runs_without_a_session_count_against_the_keys_share(tmp_path, keys_file):
+    # Three keys share --max-runs 3: each may have 2 fresh kernels, collected or not.
+    server = HttpServer(tmp_path, keys_file, "--max-runs", "3", "--patience", "1")
+    a, b = server.client(KEY_A), server.client(KEY_B)
+    try:
+        slow = {"code": "import time\ntime.sleep(60)", "timeout": 60}
+        held = [a.tool("run_python", slow).structured_content for _ in range(2)]
+        assert [answer["status"] for answer in held] == ["running", "running"]
+        refused = a.tool("run_python", {"code": "1"})
+        assert refused.is_error
+        assert "you have 2 runs without a session still going (at most 2 at once)" \
+            in text(refused)
+        assert not FLAGS_SEEN.search(text(refused))  # written for a model
+        # Another key still has its share; past the server's 3 even it is refused.
+        quick = finished(b, b.tool("run_python", {"code": "6 * 7"}))[-1]
+        assert quick.structured_content["value"] == "42"
+        b_held = b.tool("run_python", slow).structured_content
+        full = b.tool("run_python", {"code": "1"})
+        assert full.is_error and "this server is running its limit of 3 runs" in text(full)
+        # An interrupted run ends, its kernel is shut down, and its place is free again.
+        for run in (*held, b_held):
+            a_or_b = b if run is b_held else a
+            assert a_or_b.tool("interrupt", {"run": run["run"]}).structured_content["ok"]
+            finished(a_or_b, a_or_b.tool("wait_run", {"run": run["run"]}))
+        deadline = time.monotonic() + 30
+        while (again := a.tool("run_python", {"code": "1"})).is_error:
+            assert time.monotonic() < deadline, text(again)
+            time.sleep(0.2)
+    finally:
+        a.close()
+        b.close()
+        server.stop()
 
 
 @pytest.mark.parametrize("header", [None, "Bearer wrong-key-0123456789abcdef", "Basic abc"])
