@@ -5,7 +5,8 @@ A service of its own with two native keys (and the dify route, a third tenant). 
 flight than the service has workers (each sleeps, holding its worker as long as it may, as in
 the finding: four 25 s runs made B's print(1) wait 20 s). B's p99 beside A's load must stay
 within the bound docs/SECURITY.md states: B never waits for a worker A holds, so its p99 is
-its p99 alone plus the host's contention (the goal: at most twice it, plus 100 ms).
+its p99 alone plus the contention for the host's CPU and the service's event loop (the
+goal: at most three times it, plus 100 ms; A's own runs take 10 s each).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.load.service import Service, Settings
 KEY_A, KEY_B = "bench-team-a-0123456789abcdef", "bench-team-b-0123456789abcdef"
 A_RUN = "import time\ntime.sleep({seconds})\n'a'"
 B_RUN = "print(1)"
-BOUND_FACTOR, BOUND_SLACK = 2.0, 0.100  # B's p99 beside A's load ≤ factor x alone + slack
+BOUND_FACTOR, BOUND_SLACK = 3.0, 0.100  # B's p99 beside A's load ≤ factor x alone + slack
 
 
 @dataclass
