@@ -99,10 +99,6 @@ class Runs:
         run.task = asyncio.ensure_future(self._execute(run, code, inputs))
         return run
 
-    def fresh_kernels(self, owner: str) -> int:
-        """The owner's runs without a session whose kernel is not shut down yet."""
-        return self._fresh_live[owner]
-
     def _check_fresh(self, owner: str, limit: int | None) -> None:
         if sum(self._fresh_live.values()) >= self.config.max_runs:
             raise SessionProblem(f"this server is running its limit of {self.config.max_runs} "
