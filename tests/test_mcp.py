@@ -9,16 +9,26 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("mcp")
 import httpx2
 import jsonschema
+from mcp import Client
+from mcp.client.auth import OAuthClientProvider
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.auth import OAuthClientMetadata
 
 from sandbox_kernel.confine import denials
-from tests.mcp_clients import HttpServer, stdio
+from sandbox_kernel.service.auth import PUBLISHED_KEYS
+from tests.mcp_clients import SERVER, Connected, HttpServer, stdio
+
+EXAMPLE_KEYS = Path(__file__).parent.parent / "examples" / "mcp" / "keys.json"
 
 KEY_A = "mcp-key-a-0123456789abcdef"
 KEY_B = "mcp-key-b-0123456789abcdef"
@@ -412,6 +422,40 @@ def test_a_keys_session_limit_is_kept(http_server):
         one.close()
 
 
+def test_runs_without_a_session_count_against_the_keys_share(tmp_path, keys_file):
+    # Three keys share --max-runs 3: each may have 2 fresh kernels, collected or not.
+    server = HttpServer(tmp_path, keys_file, "--max-runs", "3", "--patience", "1")
+    a, b = server.client(KEY_A), server.client(KEY_B)
+    try:
+        slow = {"code": "import time\ntime.sleep(60)", "timeout": 60}
+        held = [a.tool("run_python", slow).structured_content for _ in range(2)]
+        assert [answer["status"] for answer in held] == ["running", "running"]
+        refused = a.tool("run_python", {"code": "1"})
+        assert refused.is_error
+        assert "you have 2 runs without a session still going (at most 2 at once)" \
+            in text(refused)
+        assert not FLAGS_SEEN.search(text(refused))  # written for a model
+        # Another key still has its share; past the server's 3 even it is refused.
+        quick = finished(b, b.tool("run_python", {"code": "6 * 7"}))[-1]
+        assert quick.structured_content["value"] == "42"
+        b_held = b.tool("run_python", slow).structured_content
+        full = b.tool("run_python", {"code": "1"})
+        assert full.is_error and "this server is running its limit of 3 runs" in text(full)
+        # An interrupted run ends, its kernel is shut down, and its place is free again.
+        for run in (*held, b_held):
+            a_or_b = b if run is b_held else a
+            assert a_or_b.tool("interrupt", {"run": run["run"]}).structured_content["ok"]
+            finished(a_or_b, a_or_b.tool("wait_run", {"run": run["run"]}))
+        deadline = time.monotonic() + 30
+        while (again := a.tool("run_python", {"code": "1"})).is_error:
+            assert time.monotonic() < deadline, text(again)
+            time.sleep(0.2)
+    finally:
+        a.close()
+        b.close()
+        server.stop()
+
+
 @pytest.mark.parametrize("header", [None, "Bearer wrong-key-0123456789abcdef", "Basic abc"])
 def test_a_wrong_or_missing_key_is_refused(http_server, header):
     headers = {"Accept": "application/json, text/event-stream"}
@@ -420,5 +464,62 @@ def test_a_wrong_or_missing_key_is_refused(http_server, header):
     body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
     answer = httpx2.post(http_server.url, json=body, headers=headers, timeout=30)
     assert answer.status_code == 401
-    with pytest.raises(Exception):  # noqa: B017  # the SDK's client cannot connect at all
-        http_server.client("wrong-key-0123456789abcdef")
+    # Keys, not OAuth: the 401 names no protected-resource document (an OAuth-aware client
+    # would follow it into a login this server cannot do), and none is served.
+    assert answer.headers["www-authenticate"].startswith("Bearer ")
+    assert "resource_metadata" not in answer.headers["www-authenticate"]
+    root = http_server.url.removesuffix("/mcp")
+    for document in ("/.well-known/oauth-protected-resource/mcp",
+                     "/.well-known/oauth-protected-resource",
+                     "/.well-known/oauth-authorization-server"):
+        assert httpx2.get(root + document, timeout=30).status_code == 404, document
+
+
+class _NoTokens:
+    """An OAuth client's token storage that holds nothing (the client must discover a login)."""
+
+    async def get_tokens(self):
+        return None
+
+    async def set_tokens(self, tokens):
+        pass
+
+    async def get_client_info(self):
+        return None
+
+    async def set_client_info(self, info):
+        pass
+
+
+def test_an_oauth_aware_sdk_client_finds_no_login_to_try(http_server):
+    answers: list[tuple[str, int]] = []
+
+    async def record(response):
+        answers.append((response.request.url.path, response.status_code))
+
+    def connect():
+        oauth = OAuthClientProvider(
+            http_server.url, OAuthClientMetadata(redirect_uris=["http://127.0.0.1:1/cb"]),
+            _NoTokens(), redirect_handler=None, callback_handler=None)
+        http = httpx2.AsyncClient(headers={"Authorization": "Bearer wrong-key-0123456789abcd"},
+                                  auth=oauth, event_hooks={"response": [record]}, timeout=30)
+        return Client(streamable_http_client(http_server.url, http_client=http))
+
+    with pytest.raises(Exception):  # noqa: B017  # the SDK wraps the failure in groups
+        Connected(connect)
+    assert ("/mcp", 401) in answers
+    # Whatever discovery the client tries, no document claims this server does OAuth.
+    discovered = [(path, status) for path, status in answers if path.startswith("/.well-known")]
+    assert discovered and all(status == 404 for _, status in discovered), discovered
+
+
+def test_a_keys_file_with_the_published_example_key_is_refused():
+    done = subprocess.run([*SERVER, "--http", "127.0.0.1:1", "--keys", str(EXAMPLE_KEYS)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "keys[0] ('research-agent'): the key is the published example's placeholder" \
+        in done.stderr
+    # Every secret the project publishes is one the loader knows.
+    published = {entry["key"] for path in EXAMPLE_KEYS.parent.parent.rglob("keys.json")
+                 for entry in json.loads(path.read_text())["keys"]}
+    assert published and published <= PUBLISHED_KEYS

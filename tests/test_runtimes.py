@@ -4,6 +4,7 @@ the kernels running on it. Everything goes through the `sandbox-kernel runtime` 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,51 @@ def test_a_kernel_on_the_runtime_imports_its_preloaded_package_and_cannot_change
 def test_the_default_kernel_does_not_see_the_runtimes_packages(runtime, sandbox):
     done = sandbox.run("import rtpkg")
     assert done.error.name == "ModuleNotFoundError"
+
+
+TOKEN = "https://user:index-token-0123456789@packages.invalid/simple"
+
+
+@pytest.fixture
+def store_in_the_prefix():
+    """A runtime's files where runtimes live by default: this environment's data directory,
+    inside sys.prefix, which every default kernel's Landlock grants cover."""
+    store = Path(sys.prefix) / "share" / "sandbox-kernel" / "runtimes"
+    made = not store.exists()
+    runtime = store / "planted-probe"
+    (runtime / "builds" / "1").mkdir(parents=True)
+    (runtime / "requirements.txt").write_text(f"--extra-index-url {TOKEN}\nrtpkg\n")
+    (runtime / "runtime.json").write_text(json.dumps({"name": "planted-probe",
+                                                      "source": "/srv/secret/reqs.txt"}))
+    (runtime / "builds" / "1" / "frozen.txt").write_text("rtpkg==1.0\n")
+    yield store
+    shutil.rmtree(store if made else runtime)
+
+
+def test_a_kernel_cannot_read_the_runtimes_in_its_prefix(store_in_the_prefix, kernelspecs):
+    runtime = store_in_the_prefix / "planted-probe"
+    targets = [runtime / "requirements.txt", runtime / "runtime.json",
+               runtime / "builds" / "1" / "frozen.txt"]
+    with Sandbox("sandbox") as sb:  # started after the files exist, as a service's kernels
+        for target in targets:
+            done = sb.run(f"open({str(target)!r}).read()")
+            assert done.error is not None and done.error.name == "PermissionError", done
+            assert "[Errno 13]" in done.error.value
+        for listed in (store_in_the_prefix, runtime, store_in_the_prefix.parent):
+            done = sb.run(f"import os\nos.listdir({str(listed)!r})")
+            assert done.error is not None and done.error.name == "PermissionError", done
+        # Obvious bypasses: another spelling of the path, a link made in the scratch.
+        sneaky = f"{sys.prefix}/share/./sandbox-kernel/../sandbox-kernel/runtimes"
+        done = sb.run(f"open({sneaky + '/planted-probe/requirements.txt'!r}).read()")
+        assert done.error is not None and done.error.name == "PermissionError"
+        done = sb.run(f"import os\nos.symlink({str(runtime)!r}, 'link')\n"
+                      "open('link/requirements.txt').read()")
+        assert done.error is not None and done.error.name == "PermissionError"
+        # The rest of the prefix is as readable as before (the folders on the way to the
+        # store are not listed, their other contents are), and the kernel lives.
+        kept = sb.run(f"import os\nsorted(os.listdir({sys.prefix + '/share/jupyter'!r}))")
+        assert kept.error is None and "'kernels'" in kept.text, kept
+        assert sb.run("import ipykernel, json\nprint(2)").stdout == "2\n"
 
 
 def test_update_refuses_under_a_running_kernel_then_forced_new_kernels_get_the_new(runtime):

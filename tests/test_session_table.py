@@ -95,3 +95,20 @@ def test_idle_lists_sessions_past_their_timeout_but_not_busy_or_timeless_ones():
     found, idle, busy = asyncio.run(scenario())
     assert found == [idle]
     assert busy.busy and busy.idle_seconds() == 0.0 and idle.idle_seconds() >= 10
+
+
+def test_an_owners_limit_counts_its_sessions_still_starting():
+    async def scenario():
+        table: SessionTable[KernelSession] = SessionTable(max_sessions=10)
+        started = asyncio.Event()
+        first = asyncio.ensure_future(table.open("a", 1, _maker("a", started=started)))
+        await asyncio.sleep(0)
+        with pytest.raises(SessionLimit) as refused:  # sent while the first still starts
+            await table.open("a", 1, _maker("a"))
+        other = await table.open("b", 1, _maker("b"))
+        started.set()
+        return refused.value, await first, other
+
+    refused, first, other = asyncio.run(scenario())
+    assert (refused.limit, refused.per_owner) == (1, True)
+    assert (first.owner, other.owner) == ("a", "b")

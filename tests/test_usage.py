@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import time
 
 from sandbox_kernel.client import AsyncSandbox, Sandbox
 from sandbox_kernel.client.meter import KernelProcess
@@ -177,3 +178,42 @@ def test_a_librarys_numa_hints_are_audited_but_not_counted_as_the_codes(tmp_path
     assert len(execution.displays) == 1 and execution.usage.refused_syscalls == 0
     assert hints and all("NUMA placement hint" in entry["probe"] for entry in hints)
     assert refused.usage.refused_syscalls == 1  # the code's own refusals are counted
+
+
+SPINNER = ("import threading, time\n"
+           "def spin():\n    start = time.thread_time()\n"
+           "    while time.thread_time() - start < 1.0:\n        for _ in range(10**5): pass\n"
+           "spinner = threading.Thread(target=spin, name='spinner')\nspinner.start()\n")
+
+
+def test_cpu_a_thread_spends_between_executions_is_in_the_next_ones_usage(fresh_sandbox):
+    # The cell returns at once; its thread goes on spending 1 s of CPU with no execution
+    # running. That CPU must be billed to the session's next execution, not to nobody.
+    started = ok(fresh_sandbox.run(SPINNER)).usage
+    assert cpu(started) < 0.5
+    later = []
+    while True:
+        time.sleep(0.5)  # between executions: the thread spins on its own
+        usage = ok(fresh_sandbox.run("spinner.is_alive()"))
+        later.append(usage.usage)
+        if usage.text == "False":
+            break
+        assert len(later) < 60, "the spinner did not end"
+    billed = sum(cpu(u) for u in later)
+    assert billed >= 1.0 - 2 * TICK, (billed, later)
+    assert all(u.source["cpu_user_seconds"] == "host" for u in later)
+    # Nothing is billed twice: an execution after a quiet pause costs what it ran.
+    time.sleep(0.3)
+    assert cpu(ok(fresh_sandbox.run("pass")).usage) <= 0.05
+
+
+def test_the_kernels_own_report_also_counts_from_the_previous_execution(fresh_sandbox,
+                                                                         monkeypatch):
+    monkeypatch.setattr(fresh_sandbox, "_kernel_process", lambda: None)  # as a remote kernel
+    ok(fresh_sandbox.run(SPINNER))
+    time.sleep(1.0)  # part of the spinner's CPU, at least, is spent with no execution running
+    joined = ok(fresh_sandbox.run("spinner.join()")).usage
+    assert joined.source["cpu_user_seconds"] == "kernel"
+    assert cpu(joined) >= 1.0 - 2 * TICK, joined
+    time.sleep(0.2)
+    assert cpu(ok(fresh_sandbox.run("pass")).usage) <= 0.05

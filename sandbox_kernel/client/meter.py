@@ -9,6 +9,11 @@ looks at the kernel instead ("sampled"). A kernel with no local process (a remot
 gets the figures the kernel reports about itself ("kernel").
 
 The files stay open for the kernel's life: pread re-reads a /proc file, a few microseconds a run.
+
+An execution's CPU is counted from the end of the kernel's previous execution, not from its own
+start: a thread a cell left running spends CPU between executions, and that CPU must be in some
+figure a caller can bill, so it is in the next execution's (the first execution of a kernel
+counts from its own start: starting the kernel is the operator's).
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ class KernelProcess:
         self.pid = pid
         self.stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         self.status = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
+        self.billed: tuple[int, int] | None = None  # CPU ticks when the last execution ended
+        self.clear_refs: int | None = None
         try:
-            self.clear_refs: int | None = os.open(f"/proc/{pid}/clear_refs",
-                                                  os.O_WRONLY | os.O_CLOEXEC)
+            self.clear_refs = os.open(f"/proc/{pid}/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
         except OSError:  # neither root nor the kernel's uid: peak memory is sampled
             self.clear_refs = None
 
@@ -88,7 +94,8 @@ class Meter:
             try:
                 self.sampling = not process.reset_peak()
                 self.peak = process.memory(b"VmRSS") if self.sampling else None
-                self.cpu = process.cpu_ticks()
+                now = process.cpu_ticks()
+                self.cpu = process.billed or now  # from where the last execution's ended
             except (OSError, ValueError):  # the kernel is gone: its own report stands
                 self.process = None
 
@@ -110,6 +117,7 @@ class Meter:
             peak = self.process.memory(b"VmRSS" if self.sampling else b"VmHWM")
         except (OSError, ValueError):  # died meanwhile
             return
+        self.process.billed = (user, system)
         self.host.cpu_user_seconds = (user - self.cpu[0]) / _TICK
         self.host.cpu_system_seconds = (system - self.cpu[1]) / _TICK
         self.host.peak_memory_bytes = max(peak, self.peak or 0)

@@ -61,7 +61,7 @@ class SessionTable(Generic[S]):
     def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
         self._sessions: dict[str, S] = {}
-        self._starting = 0  # sessions whose kernel is starting
+        self._starting: dict[str, int] = {}  # per owner, sessions whose kernel is starting
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -82,15 +82,17 @@ class SessionTable(Generic[S]):
     async def open(self, owner: str, owner_limit: int | None,
                    make: Callable[[str], Awaitable[S]]) -> S:
         """A new session, `make(id)` (which starts its kernel); SessionLimit past a limit."""
-        if len(self._sessions) + self._starting >= self.max_sessions:
+        # Kernels still starting count too: requests sent at once must not all pass the check.
+        starting = self._starting.get(owner, 0)
+        if len(self._sessions) + sum(self._starting.values()) >= self.max_sessions:
             raise SessionLimit(self.max_sessions, per_owner=False)
-        if owner_limit is not None and len(self.owned_by(owner)) >= owner_limit:
+        if owner_limit is not None and len(self.owned_by(owner)) + starting >= owner_limit:
             raise SessionLimit(owner_limit, per_owner=True)
-        self._starting += 1
+        self._starting[owner] = starting + 1
         try:
             session = await make(secrets.token_hex(self.id_bytes))
         finally:
-            self._starting -= 1
+            self._starting[owner] -= 1
         self._sessions[session.id] = session
         return session
 

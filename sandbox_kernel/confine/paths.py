@@ -31,6 +31,12 @@ SYSTEM_READ_ONLY = (
     "/sys/devices/system/cpu",
 )
 SYSTEM_READ_WRITE = ("/dev/null", "/dev/full")
+# Where runtimes live (runtimes/store.py): $SANDBOX_KERNEL_RUNTIMES, else this data directory of
+# the environment, which is inside its prefix (granted whole). Each runtime there keeps the
+# operator's requirements file (an index URL with its token) and record; a kernel may read only
+# its own runtime's build, never the rest (`hidden_runtimes`).
+RUNTIMES_VAR = "SANDBOX_KERNEL_RUNTIMES"
+RUNTIMES_DATA = os.path.join("share", "sandbox-kernel", "runtimes")
 
 
 def interpreter_paths() -> list[str]:
@@ -107,11 +113,63 @@ def own_proc_dir() -> str:
     return f"/proc/{os.getpid()}"
 
 
+def hidden_runtimes() -> list[str]:
+    """The runtime stores a kernel must not read: each prefix's data directory of runtimes,
+    $SANDBOX_KERNEL_RUNTIMES, and the store of the runtime this interpreter is a build of
+    (<store>/<name>/builds/<N>): the kernel keeps its own build, granted as its prefix."""
+    candidates = [os.path.join(prefix, RUNTIMES_DATA) for prefix in
+                  (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)]
+    candidates += [os.environ.get(RUNTIMES_VAR) or ""]
+    build = Path(os.path.realpath(sys.prefix))
+    if build.parent.name == "builds" and (build.parent.parent / "runtime.json").is_file():
+        candidates.append(str(build.parents[2]))
+    return list(dict.fromkeys(os.path.realpath(path) for path in candidates
+                              if path and os.path.isdir(path)))
+
+
+def around(grants: Iterable[str], hidden: Iterable[str]) -> list[str]:
+    """The grants with the hidden directories left out.
+
+    Landlock only adds rights: a grant of a directory covers everything below it, and nothing
+    inside can be taken back. So a grant holding a hidden directory is replaced by its
+    children, down the path to the hidden one, every sibling granted whole. Symbolic links
+    among them are left out (access through one is checked on its target, which is granted
+    where it was before). Grants inside a hidden directory (the kernel's own build) stay.
+    """
+    hidden = [path.rstrip("/") or "/" for path in hidden]
+
+    def holds(directory: str, path: str) -> bool:
+        return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+    def split(directory: str) -> list[str]:
+        if directory in hidden:
+            return []
+        kept: list[str] = []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    continue
+                if any(holds(entry.path, path) for path in hidden):
+                    kept += split(entry.path)
+                else:
+                    kept.append(entry.path)
+        return kept
+
+    result: list[str] = []
+    for grant in grants:
+        if any(holds(grant, path) for path in hidden):
+            result += split(grant)
+        else:
+            result.append(grant)
+    return result
+
+
 def read_only(extra: Iterable[str], *connection_files: str) -> list[str]:
-    """Everything granted read-only: system, interpreter, this process's /proc, the connection
-    file (a one-shot kernel has none), grants."""
-    granted = [*existing(SYSTEM_READ_ONLY), *interpreter_paths(), own_proc_dir(),
-               *map(os.path.realpath, connection_files), *extra]
+    """Everything granted read-only: system, interpreter (without the runtime stores beside
+    the kernel's own build), this process's /proc, the connection file (a one-shot kernel has
+    none), grants."""
+    granted = [*around([*existing(SYSTEM_READ_ONLY), *interpreter_paths()], hidden_runtimes()),
+               own_proc_dir(), *map(os.path.realpath, connection_files), *extra]
     return list(dict.fromkeys(granted))
 
 

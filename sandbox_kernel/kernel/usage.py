@@ -3,6 +3,8 @@
 A caller next to the kernel reads these figures from /proc, where user code cannot alter them
 (client/meter.py); a caller of a remote kernel has only this report. getrusage has no per-call
 peak: ru_maxrss is the process's high-water mark so far, an upper bound for the execution.
+CPU and refusals count from the end of the previous execution (see client/meter.py): what a
+thread left running spent between executions is in the next one's figures.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ class SelfUsage:
     def __init__(self) -> None:
         self.refusals: Tally | None = None  # set by the application when the reaper counts
         self.before: tuple[Any, int] | None = None
+        self.reported: tuple[Any, int] | None = None  # the figures the last report ended at
 
     def start(self) -> None:
-        """Take the figures an execution starts from."""
-        self.before = (resource.getrusage(resource.RUSAGE_SELF), self._refused())
+        """Take the figures an execution starts from: where the last one's report ended."""
+        self.before = self.reported or (resource.getrusage(resource.RUSAGE_SELF),
+                                        self._refused())
 
     def report(self) -> dict[str, Any]:
         """The execution's figures since start(), JSON-able."""
@@ -30,6 +34,7 @@ class SelfUsage:
             return {}
         (was, refused_before), now = self.before, resource.getrusage(resource.RUSAGE_SELF)
         refused = self._refused()
+        self.reported = (now, refused)
         return {
             "cpu_user_seconds": round(now.ru_utime - was.ru_utime, 6),
             "cpu_system_seconds": round(now.ru_stime - was.ru_stime, 6),

@@ -59,7 +59,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     limits.add_argument("--max-sessions", type=int, default=defaults.max_sessions, metavar="N",
                         help="sessions open at once on this server")
     limits.add_argument("--max-sessions-per-key", type=int, metavar="N",
-                        help="sessions one key may hold, unless its entry sets max_sessions")
+                        help="sessions one key may hold, unless its entry sets max_sessions "
+                        "(default: all of --max-sessions for one key, else half)")
+    limits.add_argument("--max-runs", type=int, default=defaults.max_runs, metavar="N",
+                        help="runs without a session (each a fresh kernel, kept until its "
+                        "timeout even when nobody collects it) at once on this server")
+    limits.add_argument("--max-runs-per-key", type=int, metavar="N",
+                        help="such runs one key may have at once (default: all of --max-runs "
+                        "for one key, else half)")
     limits.add_argument("--session-idle-timeout", type=float, metavar="S",
                         default=defaults.session_idle_timeout,
                         help="seconds idle before a session is closed (0: never)")
@@ -84,6 +91,7 @@ def config_from(args: argparse.Namespace) -> McpConfig:
         cold_start=args.cold_start, pool_size=max(0, args.pool_size),
         patience=max(1.0, args.patience), max_timeout=args.max_timeout,
         max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
+        max_runs=max(1, args.max_runs), max_runs_per_key=args.max_runs_per_key,
         session_idle_timeout=args.session_idle_timeout, max_text=args.max_text,
         max_file_bytes=args.max_file, embed_bytes=args.embed_files)
 

@@ -26,6 +26,10 @@ class McpConfig:
     max_sessions: int = 16  # sessions open at once on this server
     max_sessions_per_key: int | None = None  # a key's own limit, unless its entry sets one
     session_idle_timeout: float = 1800.0  # seconds idle before a session is closed (0: never)
+    # Runs without a session each hold a fresh kernel until it is shut down (up to the run's
+    # timeout, whether or not anyone collects the run): these bound them.
+    max_runs: int = 8  # such kernels at once on this server
+    max_runs_per_key: int | None = None  # one key's; None: its fair share of max_runs
 
     @property
     def default_timeout(self) -> float:

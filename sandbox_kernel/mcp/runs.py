@@ -9,6 +9,7 @@ caller, then forgotten.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -67,6 +68,9 @@ class Runs:
         self.sessions = sessions
         self._runs: dict[str, Run] = {}
         self._closing: set[asyncio.Future[None]] = set()  # fresh kernels being shut down
+        # Per owner, fresh kernels not yet shut down: from a run's start until its kernel is
+        # gone (collected or not, a run keeps its kernel up to its timeout).
+        self._fresh_live: collections.Counter[str] = collections.Counter()
 
     def get(self, owner: str, run_id: str) -> Run:
         """The caller's run of that id; SessionProblem when it is not theirs or gone."""
@@ -77,18 +81,36 @@ class Runs:
         return run
 
     def start(self, owner: str, code: str, inputs: dict | None, session: Session | None,
-              timeout: float) -> Run:
-        """Begin a run in the session's kernel, or in a fresh one."""
+              timeout: float, fresh_limit: int | None = None) -> Run:
+        """Begin a run in the session's kernel, or in a fresh one (at most `fresh_limit` of
+        the owner's, and the server's max_runs, at once)."""
         if session is not None and session.busy:
             doing = f"run {session.run_id}" if session.run_id else "a file operation"
             raise SessionProblem(f"session {session.id} is still busy with {doing}: collect a "
                                  "run with wait_run, or stop it with interrupt")
+        if session is None:
+            self._check_fresh(owner, fresh_limit)
         run = Run(secrets.token_hex(8), owner, session, timeout)
         if session is not None:
             session.run_id = run.id  # busy from now, before the run's task takes the lock
+        else:
+            self._fresh_live[owner] += 1  # until its kernel is shut down (_fresh_ended)
         self._runs[run.id] = run
         run.task = asyncio.ensure_future(self._execute(run, code, inputs))
         return run
+
+    def _check_fresh(self, owner: str, limit: int | None) -> None:
+        if sum(self._fresh_live.values()) >= self.config.max_runs:
+            raise SessionProblem(f"this server is running its limit of {self.config.max_runs} "
+                                 "runs without a session: try again in a moment, or run in a "
+                                 "session (create_session)")
+        if limit is not None and self._fresh_live[owner] >= limit:
+            raise SessionProblem(f"you have {self._fresh_live[owner]} runs without a session "
+                                 f"still going (at most {limit} at once): collect them with "
+                                 "wait_run or stop them with interrupt, then try again")
+
+    def _fresh_ended(self, owner: str) -> None:
+        self._fresh_live[owner] -= 1
 
     async def wait(self, run: Run, seconds: float) -> None:
         """Wait until the run ends or `seconds` pass, whichever is first."""
@@ -153,7 +175,11 @@ class Runs:
                 session.run_id, session.last_used = None, time.monotonic()
 
     async def _fresh(self, run: Run, code: str, inputs: dict | None) -> None:
-        sandbox = run.sandbox = await self.source.get(self.config.policy.allow_network)
+        try:
+            sandbox = run.sandbox = await self.source.get(self.config.policy.allow_network)
+        except BaseException:
+            self._fresh_ended(run.owner)
+            raise
         try:
             run.execution = await sandbox.run(code, inputs, timeout=run.timeout,
                                               **self._callbacks(run))
@@ -164,6 +190,7 @@ class Runs:
             closing = asyncio.ensure_future(_close_quietly(sandbox))
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
+            closing.add_done_callback(lambda _: self._fresh_ended(run.owner))
 
     async def _find_written(self, run: Run, sandbox: AsyncSandbox) -> None:
         """The files the run wrote or changed (not worth failing the run over)."""

@@ -57,10 +57,13 @@ def build(config: McpConfig, keys: list[ApiKey] | None = None,
 
     auth: dict[str, Any] = {}
     if keys is not None:
+        # Keys, not OAuth: no resource_server_url, so the SDK neither serves a protected-resource
+        # document nor names one in its 401s. Naming one (with this server as its authorization
+        # server, which has no OAuth endpoints) sent OAuth-aware clients into a login that could
+        # only fail, instead of telling their user the key is wrong. The issuer is required by
+        # the SDK's settings and used for nothing else without an authorization server provider.
         auth = {"token_verifier": KeyVerifier(keys),
-                "auth": AuthSettings(issuer_url=AnyHttpUrl(url),
-                                     resource_server_url=AnyHttpUrl(f"{url}/mcp"),
-                                     validate_token_resource=False)}
+                "auth": AuthSettings(issuer_url=AnyHttpUrl(url), resource_server_url=None)}
     network = "" if config.policy.allow_network else " and no network"
     server = MCPServer("sandbox-kernel", title="Python sandbox", version=__version__,
                        instructions=INSTRUCTIONS.format(network=network), lifespan=lifespan,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from mcp.server.auth.middleware.auth_context import get_access_token
 
+from ..service.admission import fair_share
 from .config import McpConfig
 from .kernels import KernelSource, Sessions
 from .runs import Runs
@@ -57,6 +58,17 @@ class State:
         token = get_access_token()
         return token.client_id if token is not None else LOCAL
 
-    def owner_limit(self, owner: str) -> int | None:
-        """How many sessions this owner may hold at once (None: only the server's limit)."""
-        return self.key_limits.get(owner, self.config.max_sessions_per_key)
+    def owner_limit(self, owner: str) -> int:
+        """How many sessions this owner may hold at once: its key's max_sessions, else
+        --max-sessions-per-key, else its fair share of the server's (all of it for one key)."""
+        config = self.config
+        own = self.key_limits.get(owner)
+        if own is not None:
+            return own
+        return config.max_sessions_per_key or fair_share(config.max_sessions,
+                                                         len(self.key_limits))
+
+    def run_limit(self, owner: str) -> int:
+        """How many runs without a session (each a fresh kernel) this owner may have at once."""
+        config = self.config
+        return config.max_runs_per_key or fair_share(config.max_runs, len(self.key_limits))

@@ -80,7 +80,9 @@ def register(server: MCPServer, state: State) -> None:
     ) -> Annotated[CallToolResult, RunResult]:
         limit = _check(lambda: config.timeout(timeout))
         held = session_of(session) if session is not None else None
-        run = _check(lambda: state.runs.start(state.owner(), code, inputs, held, limit))
+        owner = state.owner()
+        run = _check(lambda: state.runs.start(owner, code, inputs, held, limit,
+                                              state.run_limit(owner)))
         return await answer(run, config.patience)
 
     async def wait_run(

@@ -15,7 +15,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT_VAR = "SANDBOX_KERNEL_RUNTIMES"  # where runtimes live, when not in this environment's data
+from ..confine.paths import RUNTIMES_DATA
+from ..confine.paths import RUNTIMES_VAR as ROOT_VAR  # where runtimes live, if not in the data
+
 RECORD = "runtime.json"
 # A kernelspec name is sandbox-NAME: Jupyter allows [a-zA-Z0-9._-] and prefers lower case.
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,39}")
@@ -27,10 +29,10 @@ class RuntimesError(Exception):
 
 def root() -> Path:
     """The directory holding every runtime: $SANDBOX_KERNEL_RUNTIMES, else this environment's
-    share/sandbox-kernel/runtimes (the package's data directory, readable by kernels)."""
+    share/sandbox-kernel/runtimes (inside its prefix: kernels' Landlock grants leave it out,
+    confine/paths.py)."""
     given = os.environ.get(ROOT_VAR)
-    return Path(given).absolute() if given else Path(sys.prefix) / "share" / "sandbox-kernel" \
-        / "runtimes"
+    return Path(given).absolute() if given else Path(sys.prefix) / RUNTIMES_DATA
 
 
 def check_name(name: str) -> str:

@@ -13,6 +13,10 @@ from pathlib import Path
 
 DIFY_DEFAULT_KEY = "dify-sandbox"  # dify-sandbox's and Dify's default, known to everyone
 MIN_KEY_LENGTH = 16
+# The placeholder secrets of the keys files this project publishes (examples/mcp/keys.json):
+# known to everyone who read them, so a keys file that still holds one is refused, not served.
+PUBLISHED_KEYS = frozenset({"replace-with-a-long-random-secret-1",
+                            "replace-with-a-long-random-secret-2"})
 
 
 class KeyFileError(ValueError):
@@ -100,8 +104,13 @@ def _entry(path: str, number: int, entry: object) -> ApiKey:
     key_id, secret, limit = entry.get("id"), entry.get("key"), entry.get("max_sessions")
     if not isinstance(key_id, str) or not key_id:
         raise KeyFileError(f"{where}: id must be a non-empty string")
-    if not isinstance(secret, str) or len(secret) < 16:
-        raise KeyFileError(f"{where}: key must be a string of at least 16 characters")
+    if not isinstance(secret, str) or len(secret) < MIN_KEY_LENGTH:
+        raise KeyFileError(f"{where}: key must be a string of at least {MIN_KEY_LENGTH} "
+                           "characters")
+    if secret in PUBLISHED_KEYS:
+        raise KeyFileError(f"{where} ({key_id!r}): the key is the published example's "
+                           "placeholder, which anyone can send; replace it with a secret of your "
+                           "own (e.g. `openssl rand -hex 32`)")
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
         raise KeyFileError(f"{where}: max_sessions must be a non-negative integer")
     return ApiKey(key_id, secret, limit)

@@ -54,6 +54,20 @@ class ServiceConfig(Configurable):
         "(dify-sandbox's MAX_REQUESTS).",
     ).tag(config=True, flag="max-requests", env="MAX_REQUESTS", metavar="N")
 
+    max_workers_per_key = Int(
+        None, allow_none=True,
+        help="Runs one tenant (a native API key, or the dify routes) may have executing at once. "
+        "Unset: all of --max-workers while one tenant exists, else half, rounded up.",
+    ).tag(config=True, flag="max-workers-per-key", env="SANDBOX_MAX_WORKERS_PER_KEY",
+          metavar="N")
+
+    max_requests_per_key = Int(
+        None, allow_none=True,
+        help="Runs one tenant may have in flight (running or waiting) before its new ones get "
+        "503. Unset: all of --max-requests while one tenant exists, else half, rounded up.",
+    ).tag(config=True, flag="max-requests-per-key", env="SANDBOX_MAX_REQUESTS_PER_KEY",
+          metavar="N")
+
     worker_timeout = Float(
         5.0, help="Seconds one stateless run may take (dify-sandbox's WORKER_TIMEOUT); also the "
         "default of the native API's /execute on a fresh kernel.",
@@ -116,6 +130,14 @@ class ServiceConfig(Configurable):
     max_sessions = Int(
         32, help="Sessions open at once over all keys; each holds a kernel.",
     ).tag(config=True, flag="max-sessions", env="SANDBOX_MAX_SESSIONS", metavar="N")
+
+    max_sessions_per_key = Int(
+        None, allow_none=True,
+        help="Sessions one API key may hold, unless its entry in the keys file sets "
+        "max_sessions. Unset: all of --max-sessions while one key exists, else half, rounded "
+        "up.",
+    ).tag(config=True, flag="max-sessions-per-key", env="SANDBOX_MAX_SESSIONS_PER_KEY",
+          metavar="N")
 
     session_idle_timeout = Float(
         600.0, help="Default seconds a session may sit idle before its kernel is shut down.",
@@ -232,6 +254,10 @@ def check(config: ServiceConfig) -> None:
                 "max_idle_connections")
     for name in positive:
         if getattr(config, name) <= 0:
+            raise TraitError(f"{name.replace('_', '-')} must be positive, "
+                             f"got {getattr(config, name)}")
+    for name in ("max_workers_per_key", "max_requests_per_key", "max_sessions_per_key"):
+        if getattr(config, name) is not None and getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
                              f"got {getattr(config, name)}")
     for name in ("pool_size", "one_shot_pool_size", "kernel_grace", "shutdown_grace",

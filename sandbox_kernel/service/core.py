@@ -13,11 +13,12 @@ from ..client import Execution
 from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
 from .access import json_line
+from .admission import DIFY_TENANT, Admission, fair_share, tenant_of
 from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, upstream_proxy
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
-from .runs import SERVICE_TIMEOUT, Admission, OneShots, Runner
+from .runs import SERVICE_TIMEOUT, OneShots, Runner
 from .sessions import Sessions
 
 log = logging.getLogger("sandbox_kernel.service")
@@ -35,14 +36,24 @@ class Service:
                  source: KernelSource | None = None) -> None:
         self.config, self.policy = config, policy
         self.kernels = Kernels(source or self.make_source())
-        self.admission = Admission(config.max_requests, config.max_workers)
-        self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
-                             config.max_output_total, self.make_one_shots())
-        self.sessions = Sessions(self.kernels, config.max_sessions)
         self.dify_key = dify_key(config.api_key, config.api_keys_file)
         keys = (load_keys(config.api_keys_file) if config.api_keys_file
                 else [ApiKey("default", self.dify_key or "")])
         self.bearer_keys = BearerKeys(keys)
+        # The dify routes' tenant: the native key of the same secret (without a keys file, the
+        # one key is both), else a tenant of their own.
+        same_key = [key for key in keys if same(self.dify_key, key.secret)]
+        self.dify_tenant = tenant_of(same_key[0].id) if same_key else DIFY_TENANT
+        tenants = len(keys) + (self.dify_key is not None and not same_key)
+        self.admission = Admission(
+            config.max_requests, config.max_workers,
+            config.max_requests_per_key or fair_share(config.max_requests, tenants),
+            config.max_workers_per_key or fair_share(config.max_workers, tenants))
+        self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
+                             config.max_output_total, self.make_one_shots())
+        self.sessions = Sessions(self.kernels, config.max_sessions,
+                                 config.max_sessions_per_key
+                                 or fair_share(config.max_sessions, len(keys)))
         self.metrics = Metrics()
         self.metrics.bind(lambda: len(self.kernels.live), lambda: self.kernels.source.ready(),
                           lambda: len(self.sessions), lambda: self.admission.in_flight)

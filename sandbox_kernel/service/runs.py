@@ -1,4 +1,4 @@
-"""Stateless runs: admission (in-flight cap, worker queue), a fresh kernel each, a deadline.
+"""Stateless runs: a worker from admission (admission.py), a fresh kernel each, a deadline.
 
 A run gets a one-shot kernel (kernel/oneshot.py) from the fork server's pool of its network
 policy: a process confined before the request came, that takes this one request and is gone
@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,16 +27,15 @@ from starlette.requests import Request
 
 from ..client import CallerLimits, ErrorInfo, Execution, oneshot
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from .admission import Admission, Busy
 from .kernels import Kernels, KernelUnavailable, Network, NetworkChoice, kernel_id, policy_name
+
+__all__ = ["Admission", "Busy", "Runner"]  # Admission and Busy: where the routes import them
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
 SERVICE_STOPPING = "ServiceStopping"
 PROBE_TIMEOUT = 30.0  # s: readiness's `pass` on a one-shot kernel
-
-
-class Busy(Exception):
-    """More runs are in flight than the service admits."""
 
 
 class KernelClosed(RuntimeError):
@@ -79,38 +78,6 @@ def output_limited(record: RunRecord, message: str, state_lost: bool) -> Executi
     """The execution a run gets when its output went past the service's limit."""
     error = ErrorInfo(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
     return Execution(logs=list(record.chunks), state_lost=state_lost, error=error)
-
-
-class Admission:
-    """MAX_REQUESTS runs in flight (then Busy at once); MAX_WORKERS of them executing."""
-
-    def __init__(self, max_requests: int, max_workers: int) -> None:
-        self.max_requests = max_requests
-        self.in_flight = 0
-        self.workers = asyncio.Semaphore(max_workers)
-
-    def enter(self) -> Callable[[], None]:
-        """Take an in-flight place, or raise Busy; returns the (idempotent) release."""
-        if self.in_flight >= self.max_requests:
-            raise Busy
-        self.in_flight += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.in_flight -= 1
-        return release
-
-    @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Hold an in-flight place for the block; raises Busy when none is free."""
-        release = self.enter()
-        try:
-            yield
-        finally:
-            release()
 
 
 @dataclass
@@ -168,17 +135,16 @@ class OneShots:
                       for network, kwargs in options.items()}
         self.limits = {network: CallerLimits.from_policy(kwargs["policy"].as_dict())
                        for network, kwargs in options.items()}
+        # Per policy name: whether a one-shot kernel of it has run code here, and the latest
+        # probe's error; readiness counts these beside the ZMQ kernels' starts.
+        self.health: dict[str, dict[str, Any]] = {
+            policy_name(network): {"started": False, "error": None} for network in self.pools}
 
     def pool_for(self, network: Network) -> OneShotPool | None:
         """The pool for this run, or None when it needs a ZMQ kernel (its own allowlist)."""
         if isinstance(network, NetworkChoice) and network.mode == "hosts":
             return None
         return self.pools.get(bool(network))
-
-        # Per policy name: whether a one-shot kernel of it has run code here, and the latest
-        # probe's error; readiness counts these beside the ZMQ kernels' starts.
-        self.health: dict[str, dict[str, Any]] = {
-            policy_name(network): {"started": False, "error": None} for network in self.pools}
 
     def prepare(self) -> None:
         """Ask for every pool now (starting the fork server), so the first run finds it full."""
@@ -213,21 +179,21 @@ class Runner:
         self.one_shots = one_shots
         self.stopping = asyncio.Event()  # set when the shutdown grace period is over
 
-    async def run(self, code: str, *, network: Network, timeout: float,
+    async def run(self, code: str, *, network: Network, timeout: float, tenant: str,
                   inputs: dict | None = None, record: RunRecord,
                   on_output: Callable[[str, Any], None] | None = None,
                   entrypoint: str = "main") -> tuple[Execution, bool]:
-        """Wait for a worker, run on a fresh kernel, discard it. Needs an admission slot.
-
-        With inputs, entrypoint(**inputs) is called after the code (the main() convention)."""
+        """Wait for the tenant's worker, run on a fresh kernel, discard it. Needs an admission
+        slot of the tenant's. With inputs, entrypoint(**inputs) is called after the code (the
+        main() convention)."""
         pool = None if self.one_shots is None else self.one_shots.pool_for(network)
         if pool is not None:
             assert self.one_shots is not None
-            async with self.admission.workers:
+            async with self.admission.worker(tenant):
                 return await self.run_one_shot(pool, self.one_shots.limits[bool(network)],
                                                code, network, timeout, inputs, record,
                                                on_output, entrypoint)
-        async with self.admission.workers:
+        async with self.admission.worker(tenant):
             sandbox = await self.kernels.get(network)
             record.kernel_id = kernel_id(sandbox)
             try:

@@ -53,18 +53,21 @@ class Session(KernelSession):
 class Sessions(SessionTable[Session]):
     """Every open session, by id; a key sees only its own."""
 
-    def __init__(self, kernels: Kernels, max_sessions: int) -> None:
+    def __init__(self, kernels: Kernels, max_sessions: int, per_key: int) -> None:
         super().__init__(max_sessions)
         self.kernels = kernels
+        self.per_key = per_key  # a key's limit unless its entry in the keys file sets one
 
     async def create(self, key: ApiKey, network: Network, idle_timeout: float) -> Session:
-        """A new session with a fresh kernel; 429 past the key's or the service's limit."""
+        """A new session with a fresh kernel; 429 past the key's or the service's limit (a key's
+        own max_sessions, else --max-sessions-per-key, else its fair share)."""
         async def make(session_id: str) -> Session:
             return Session(session_id, key.id, await self.kernels.get(network), idle_timeout,
                            network=network)
 
         try:
-            return await self.open(key.id, key.max_sessions, make)
+            limit = self.per_key if key.max_sessions is None else key.max_sessions
+            return await self.open(key.id, limit, make)
         except SessionLimit as full:
             if full.per_owner:
                 raise SessionError(429, f"API key {key.id!r} may hold {full.limit} sessions "

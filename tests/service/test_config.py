@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from traitlets import TraitError
@@ -54,6 +55,12 @@ def test_serve_refuses_a_bad_keys_file(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "keys[0]: key must be a string of at least 16 characters" in done.stderr
+    example = Path(__file__).parents[2] / "examples" / "mcp" / "keys.json"  # published keys
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "serve", "--api-keys-file",
+                           str(example), "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "the key is the published example's placeholder" in done.stderr
 
 
 @pytest.mark.parametrize("argv, environ, says", [

@@ -50,7 +50,7 @@ async def run(request: Request, service: ServiceDep) -> Response:
     if (refusal := _refused(request, service)) is not None:
         return refusal
     try:
-        with service.admission.slot():
+        with service.admission.slot(service.dify_tenant):
             return await _run_admitted(request, service)
     except Busy:
         service.metrics.denials.labels(reason="too_many_requests").inc()
@@ -81,8 +81,9 @@ async def _run_admitted(request: Request, service: Service) -> Response:
     runner = framing.split(values["code"])  # Dify's runner: its result survives any logs
     try:
         outcome = await unless_disconnected(request, service.runner.run(
-            runner or values["code"], network=network, timeout=timeout, record=record,
-            inputs={} if runner else None, entrypoint=framing.ENTRYPOINT))
+            runner or values["code"], network=network, timeout=timeout,
+            tenant=service.dify_tenant, record=record, inputs={} if runner else None,
+            entrypoint=framing.ENTRYPOINT))
     except KernelUnavailable as exc:  # dify-sandbox answers a runner failure so, too
         log.error(json_line(event="kernel_unavailable", error=str(exc)))
         return error_answer(200, -500, str(exc))

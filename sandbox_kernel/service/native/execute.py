@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
+from ..admission import tenant_of
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
 from ..openapi import EVENT_STREAM
@@ -49,11 +50,15 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     network = network_choice(body.network)
     if network and not service.config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
+    tenant = tenant_of(key.id)
     try:
-        release = service.admission.enter()
-    except Busy:
+        release = service.admission.enter(tenant)
+    except Busy as busy:
         service.metrics.denials.labels(reason="too_many_requests").inc()
-        raise HTTPException(503, "too many runs in flight; try again later",
+        why = (f"API key {key.id!r} has its limit of {service.admission.requests_cap} runs in "
+               "flight (--max-requests-per-key)" if busy.per_tenant
+               else "too many runs in flight")
+        raise HTTPException(503, f"{why}; try again later",
                             headers={"Retry-After": "1"}) from None
     record = RunRecord()
     request.state.record = record
@@ -61,7 +66,7 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     async def work(on_output: Any = None) -> Execution:
         try:
             execution, _ = await service.runner.run(
-                body.code, network=network, timeout=timeout, inputs=body.inputs,
+                body.code, network=network, timeout=timeout, tenant=tenant, inputs=body.inputs,
                 record=record, on_output=on_output)
             service.count_run("native", execution)
             return execution
