@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..policy import SandboxPolicy
 from .forkserver.client import ForkServerClient, _tail, request_env
-from .forkserver.protocol import ForkServerError, frame, receive
+from .forkserver.protocol import ForkServerError, frame, receive, runtime_dir
 
 DEFAULT_ONE_SHOT_POOL = 2  # pre-confined processes per policy
 
@@ -101,12 +101,22 @@ class OneShotPool:
         return code if isinstance(code, int) else None
 
     def _connect_pools(self) -> socket.socket:
+        try:  # as ForkServerClient.connect: owner-only (made now if need be) before any
+            runtime_dir()  # socket in it is trusted
+        except ForkServerError as exc:
+            raise OneShotUnavailable(str(exc)) from exc
         try:
             return _connect(self.pools_path)
         except OSError:
             pass
-        directory = self.server.directory
-        with open(directory / f"{self.server.key}.lock", "w") as lock:
+        try:
+            return self._start_under_lock()
+        except OSError as exc:  # e.g. a full disk: what the host refuses, said
+            raise OneShotUnavailable(f"cannot start the fork server in "
+                                     f"{self.server.directory}: {exc}") from exc
+
+    def _start_under_lock(self) -> socket.socket:
+        with open(self.server.directory / f"{self.server.key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 return _connect(self.pools_path)  # another launcher started it meanwhile

@@ -91,7 +91,7 @@ class Service:
         if one_shots is not None:
             try:
                 await asyncio.to_thread(one_shots.prepare)
-            except OneShotUnavailable as exc:
+            except OneShotUnavailable as exc:  # the probe retries; /ready says why
                 log.warning(json_line(event="one_shot_unavailable", error=str(exc)))
             self.background(one_shots.probe(stopped=lambda: self.stopping))
 

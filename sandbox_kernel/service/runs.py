@@ -162,8 +162,8 @@ class OneShots:
                                                   limits=self.limits[network])
                     error = execution.error
                     state["error"] = None if error is None else f"{error.name}: {error.value}"
-                except OneShotUnavailable as exc:
-                    state["error"] = str(exc)
+                except Exception as exc:  # whatever stops it is what /ready must say
+                    state["error"] = f"{type(exc).__name__}: {exc}"
                 state["started"] = state["error"] is None
                 if not state["started"]:
                     await asyncio.sleep(retry)

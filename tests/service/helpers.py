@@ -84,17 +84,19 @@ class Server:
         raise AssertionError(f"the server did not answer:\n{self.log.read_text()}")
 
     def wait_ready(self, timeout: float = 60) -> dict:
-        deadline = time.monotonic() + timeout
+        deadline, said = time.monotonic() + timeout, ""
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()
             try:
                 answer = http.get(f"{self.url}/ready", timeout=2)
                 if answer.status_code == 200:
                     return answer.json()
+                said = answer.text
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        raise AssertionError(f"the server did not become ready:\n{self.log.read_text()}")
+        raise AssertionError(f"the server did not become ready ({said}):\n"
+                             f"{self.log.read_text()}")
 
     def ready(self) -> dict:
         return http.get(f"{self.url}/ready", timeout=5).json()
