@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..policy import SandboxPolicy
 from .forkserver.client import ForkServerClient, _tail, request_env
-from .forkserver.protocol import ForkServerError, frame, receive, runtime_dir
+from .forkserver.protocol import ForkServerError, frame, pools_path, receive, runtime_dir
 
 DEFAULT_ONE_SHOT_POOL = 2  # pre-confined processes per policy
 
@@ -45,7 +45,7 @@ class OneShotPool:
     @property
     def pools_path(self) -> str:
         """Where the server takes requests for pools (beside its own socket)."""
-        return self.server.socket_path.removesuffix(".sock") + ".pools.sock"
+        return pools_path(self.server.socket_path)
 
     def connect(self) -> socket.socket:
         """A connection that one waiting process of the pool will accept (blocking)."""

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -28,7 +29,7 @@ def _serve_without_sys_admin(tmp_path, pool_size: str):
     env = {**os.environ, "API_KEY": DIFY_KEY, "SANDBOX_PORT": str(port),
            # A fork server of its own: one started with every capability would fork kernels
            # that have CAP_SYS_ADMIN.
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+           "JUPYTER_RUNTIME_DIR": tempfile.mkdtemp(prefix="rt", dir=tmp_path.parents[2])}
     log = (tmp_path / "serve.log").open("wb")
     process = subprocess.Popen(
         ["setpriv", "--bounding-set", "-sys_admin", sys.executable, "-m", "sandbox_kernel",
@@ -74,7 +75,7 @@ def test_a_policy_that_cannot_start_keeps_the_service_not_ready(tmp_path, pool_s
         # The offline kernels do run meanwhile: the service is up, only not ready.
         answer = http.post(url + RUN, headers={"X-Api-Key": DIFY_KEY},
                            json={"language": "python3", "code": "print(6 * 7)"})
-        assert answer.json()["data"]["stdout"] == "42\n"
+        assert (answer.json()["data"] or {}).get("stdout") == "42\n", answer.json()
     finally:
         process.terminate()
         process.wait(30)

@@ -151,3 +151,9 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     if not isinstance(message, dict):
         raise ValueError("a message is a JSON object")
     return message, fds
+
+
+def pools_path(server_socket: str) -> str:
+    """Where launchers ask a server for pools of one-shot kernels (beside its socket; short,
+    as a unix socket's path has at most 107 bytes)."""
+    return server_socket.removesuffix(".sock") + ".p.sock"

@@ -45,6 +45,7 @@ from .protocol import (
     frame,
     main_module,
     peer_pid_uid,
+    pools_path,
     receive,
     split_names,
     thread_count,
@@ -111,7 +112,8 @@ class _Pool:
 def pool_path(directory: str, key: str, argv: list[str], env: dict[str, str], cwd: str) -> str:
     """Where the pool of this policy listens (the same policy, the same pool)."""
     digest = hashlib.sha256(json.dumps([argv, env, cwd], sort_keys=True).encode()).hexdigest()
-    return os.path.join(directory, f"{key}.pool-{digest[:16]}.sock")
+    # Short: a unix socket's path has at most 107 bytes, and the directory comes first.
+    return os.path.join(directory, f"{key}.{digest[:8]}.sock")
 
 
 @dataclass
@@ -190,7 +192,7 @@ class Server:
     @property
     def pools_path(self) -> str:
         """Where launchers ask for pools of one-shot kernels (beside the server's socket)."""
-        return self.path.removesuffix(".sock") + ".pools.sock"
+        return pools_path(self.path)
 
     @property
     def retiring(self) -> bool:
@@ -647,6 +649,10 @@ def _listen(path: str) -> socket.socket:
     old_umask = os.umask(0o177)
     try:
         listener.bind(path)
+    except OSError as exc:  # "AF_UNIX path too long" has no errno: say what to change
+        listener.close()
+        raise OSError(f"cannot listen at {path}: {exc}; set JUPYTER_RUNTIME_DIR to a "
+                      "directory with a shorter path") from exc
     finally:
         os.umask(old_umask)
     listener.listen(64)
