@@ -241,5 +241,8 @@ held.recv(4096).split(b"\\r\\n")[0].decode()
     finally:
         catcher.close()
     [ended] = [r for r in records(path) if r.get("event") == "egress"]
-    assert (ended["host"], ended["port"], ended["allowed"], ended["sent"], ended["reason"]) == (
-        "127.0.0.1", catcher.port, True, len("still open"), "cut when the kernel ended")
+    assert (ended["host"], ended["port"], ended["allowed"], ended["sent"]) == (
+        "127.0.0.1", catcher.port, True, len("still open"))
+    # Either the reaper cut it at the kernel's end, or the proxy saw the dead kernel's socket
+    # close first: both are recorded, neither is lost with the kernel.
+    assert ended.get("reason") in (None, "cut when the kernel ended"), ended

@@ -76,7 +76,8 @@ class OneShotPool:
             except (OSError, ValueError) as exc:
                 raise OneShotUnavailable(f"the fork server did not answer: {exc}") from exc
         if "socket" not in answer:
-            raise OneShotUnavailable(f"no one-shot kernels: {answer.get('error', answer)}")
+            raise OneShotUnavailable(f"no one-shot kernels: {answer.get('error', answer)}; "
+                                     f"{self.server_log()}")  # its last line: the refusal
         return str(answer["socket"])
 
     def server_log(self) -> str:
