@@ -110,18 +110,18 @@ async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
     end of the shutdown grace period (`stopping`), each answered with an error, not a 500."""
     work = asyncio.ensure_future(run)
     stop = asyncio.ensure_future(stopping.wait())
-    try:
-        done, _ = await asyncio.wait({work, stop}, timeout=timeout + grace,
-                                     return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-    if work in done:
-        if work.cancelled():  # not by this function: the kernel's sockets closed under it
-            raise KernelClosed("the kernel was shut down during the run")
-        return work.result(), False
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work
+    # The run is cancelled (its finally blocks kill a one-shot kernel) however this is left:
+    # its deadline, the shutdown, or this caller cancelled (a client that went away).
+    async with cancelled_on_exit(work):
+        try:
+            done, _ = await asyncio.wait({work, stop}, timeout=timeout + grace,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if work in done:
+            if work.cancelled():  # not by this function: the kernel's sockets closed under it
+                raise KernelClosed("the kernel was shut down during the run")
+            return work.result(), False
     return (service_stopping(record) if stop in done else service_timeout(timeout, record)), True
 
 
