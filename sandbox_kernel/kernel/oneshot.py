@@ -388,7 +388,7 @@ class OneShotKernelApp(SandboxKernelApp):
 
     def refuse_to_start(self, reason: str) -> NoReturn:
         """Before any request: one line in the server's log, and exit."""
-        os.write(self.launcher_stderr, f"sandbox-kernel one-shot: refusing to start: "
+        os.write(self.launcher_stderr, f"sandbox-kernel: refusing to start: "
                                        f"{reason}\n".encode())
         os._exit(3)
 
