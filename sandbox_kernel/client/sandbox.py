@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import queue
 import shlex
 import sys
@@ -31,7 +32,7 @@ import zmq.asyncio
 
 from .. import jsonwire
 from ..install import DEFAULT_NAME
-from ..launch.oneshot import OneShotPool
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from ..policy import SandboxPolicy
 from . import oneshot
 from .collect import POLL, Call, Callback, Collector, Watchdog
@@ -317,8 +318,18 @@ class _SandboxCore:
         """Start the kernel and wait until it answers."""
         if self.one_shot_pool is not None:  # each run's kernel is started for it: the pool
             if not self.one_shot_pool.path:
-                self.one_shot_pool.path = yield (self._off_loop, self.one_shot_pool.ask)
-            return
+                try:
+                    self.one_shot_pool.path = yield (self._off_loop, self.one_shot_pool.ask)
+                    return
+                except OneShotUnavailable as exc:
+                    # As a ZMQ kernel falls back to a cold start: a kernel of its own instead
+                    # (one that cannot start either says its own reason).
+                    logging.getLogger(__name__).warning(
+                        "sandbox-kernel: no one-shot kernel (%s); starting a kernel of its "
+                        "own instead", exc)
+                    self.one_shot_pool = None
+            else:
+                return
         context = self._live_context()  # also the manager's control socket's (shutdown requests)
         if self.manager.context is not context:
             self.manager.context = context
@@ -431,9 +442,9 @@ class _SandboxCore:
 
         raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
         parsed into objects), for a caller that only passes it on (the service)."""
+        if self.one_shot_pool is not None and not self.one_shot_pool.path:
+            yield from self._start_steps()  # a ZMQ kernel instead if no pool could be had
         if self.one_shot_pool is not None:
-            if not self.one_shot_pool.path:
-                yield from self._start_steps()
             return (yield (self._complete, oneshot.run(
                 self.one_shot_pool, code, inputs, timeout, on_stdout=on_stdout,
                 on_stderr=on_stderr, on_display=on_display, limits=self.limits,
