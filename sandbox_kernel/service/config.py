@@ -122,9 +122,10 @@ class ServiceConfig(Configurable):
     ).tag(config=True, flag="pool-size", env="SANDBOX_POOL_SIZE", metavar="N")
 
     one_shot_pool_size = Int(
-        2, help="One-shot kernels kept confined and waiting per network policy for stateless "
+        0, help="One-shot kernels kept confined and waiting per network policy for stateless "
         "runs (the dify route, the native one-shot execute), each used for exactly one run; "
-        "0 runs them on fresh ZMQ kernels from --pool-size's pools instead.",
+        "0 (the default, until one-shot kernels run in the shipped container and pass the "
+        "load suite's faults) runs them on fresh ZMQ kernels from --pool-size's pools.",
     ).tag(config=True, flag="one-shot-pool-size", env="SANDBOX_ONE_SHOT_POOL_SIZE", metavar="N")
 
     max_sessions = Int(

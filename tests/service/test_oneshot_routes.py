@@ -1,8 +1,20 @@
-"""The service's stateless routes run on one-shot kernels: SSE flows, a kernel per run."""
+"""With --one-shot-pool-size, the stateless routes run on one-shot kernels: SSE flows, a
+kernel per run."""
 
 from __future__ import annotations
 
-from .helpers import KEY_A, auth, http, sse_events
+import pytest
+
+from .helpers import KEY_A, Server, auth, http, sse_events
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, keys_file):
+    srv = Server(tmp_path_factory.mktemp("one-shot"), "--api-keys-file", str(keys_file),
+                 "--pool-size", "0", "--one-shot-pool-size", "2",
+                 env={"WORKER_TIMEOUT": "3", "MAX_WORKERS": "4"})
+    yield srv
+    srv.stop()
 
 
 def test_native_one_shot_sse_delivers_stdout_before_the_run_finishes(server):
