@@ -41,6 +41,9 @@ EG_ARGV = ["--RemoteProcessProxy.kernel-id", "{kernel_id}",
            "--RemoteProcessProxy.public-key", "{public_key}",
            "--RemoteProcessProxy.spark-context-initialization-mode", "none"]
 TEMPLATES = Path(__file__).with_name("eg_templates")
+# Where deploy/enterprise-gateway/README.md has operators install deploy/service/seccomp.json,
+# relative to the kubelet's seccomp directory (/var/lib/kubelet/seccomp).
+NODE_PROFILE = "Localhost:profiles/sandbox-kernel.json"
 
 
 class EnterpriseGatewaySpec(Configurable):
@@ -68,9 +71,14 @@ class EnterpriseGatewaySpec(Configurable):
     scratch_size = Unicode(
         "1Gi", help="sizeLimit of the emptyDir on /tmp that holds the kernel's scratch.",
     ).tag(config=True, flag="k8s-scratch-size", metavar="QUANTITY")
+    # The default needs deploy/service/seccomp.json on every node (deploy/enterprise-gateway/
+    # README.md): a runtime's default profile refuses the unshare a network kernel makes.
     seccomp_profile = Unicode(
-        "RuntimeDefault", help="Pod seccomp profile: RuntimeDefault (containerd >= 1.6 and "
-        "Docker's default allow seccomp, prctl and landlock_*) or Localhost:<path on the node>.",
+        NODE_PROFILE, help="Pod seccomp profile: Localhost:<path in the kubelet's seccomp "
+        "directory>, by default the runtime's default profile plus unshare(CLONE_NEWUSER|"
+        "CLONE_NEWNET) (deploy/service/seccomp.json, installed on every node), which network "
+        "kernels need; or RuntimeDefault (containerd >= 1.6 and Docker's default allow seccomp, "
+        "prctl and landlock_*, but refuse unshare: only --network off kernels start).",
     ).tag(config=True, flag="k8s-seccomp-profile", metavar="PROFILE")
     port_range = Unicode(
         "40000..41000", help="EG's port range (EG_PORT_RANGE, at least 1000 ports), for the "
