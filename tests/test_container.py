@@ -1,6 +1,7 @@
-"""The shipped container, as an operator runs it: deploy/service/Dockerfile built unchanged and
-run with exactly deploy/service/compose.yaml's settings (read from the file), on Debian's own
-Docker.
+"""The shipped containers, as an operator runs them, on Debian's own Docker: deploy/service/
+Dockerfile built unchanged and run with exactly deploy/service/compose.yaml's settings (read
+from the file); and deploy/enterprise-gateway/Dockerfile's kernel image run with the security
+settings of the pod Enterprise Gateway renders from our template (read from the rendered pod).
 
 The public image registry is out of reach here, so the base is a stand-in for the Dockerfile's
 default (debootstrap bookworm with python3, python3-venv and libseccomp2, `docker import`),

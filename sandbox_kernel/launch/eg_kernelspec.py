@@ -7,7 +7,8 @@ argv runs EG's own launch_kubernetes.py / launch_docker.py on EG's side (from EG
 placed in scripts/ next to what we write); in the container, the image runs
 `sandbox-kernel eg-launch`. For kubernetes we also write scripts/kernel-pod.yaml.j2 (the
 hardened pod EG's script renders), kernel-networkpolicy.yaml (to apply once) and
-seccomp-profile.json (a Localhost profile for nodes whose runtime default refuses Landlock).
+seccomp-profile.json (a stricter Localhost profile than the pod's default, for --network off
+kernels only: it refuses unshare).
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def _kernel_syscalls() -> set[str]:
 def pod_seccomp_profile() -> dict[str, Any]:
     """A Localhost seccomp profile (OCI/Docker JSON) for kernel pods: deny by default.
 
-    For nodes whose runtime default refuses landlock_*; everything else it refuses stays
-    refused (mount, unshare, bpf, keyrings, ptrace, io_uring...).
+    Stricter than the pod's default (deploy/service/seccomp.json): everything else it refuses
+    stays refused (mount, unshare, bpf, keyrings, ptrace, io_uring...), so only --network off
+    kernels start under it.
     """
     allowed = sorted(_kernel_syscalls() | set(STARTUP_SYSCALLS))
     return {
