@@ -89,10 +89,7 @@ def _network_problem(network: dict[str, Any]) -> str | None:
     if network["mode"] == "off" or network["namespace"]["available"]:
         return None
     return (f"network {network['mode']}: no network namespace here "
-            f"({network['namespace']['reason']}): run as root or where unprivileged user "
-            "namespaces are enabled (in a container: its seccomp profile must allow "
-            "unshare(CLONE_NEWUSER|CLONE_NEWNET), deploy/service/seccomp.json), or use "
-            "--network off")
+            f"({network['namespace']['reason']}): {netns.NAMESPACE_FIX}")
 
 
 def _problems(policy: SandboxPolicy, judged: list[promises.Promise],

@@ -3,6 +3,7 @@
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,17 @@ import pytest  # noqa: E402
 from sandbox_kernel.client import Sandbox  # noqa: E402
 from sandbox_kernel.install import install  # noqa: E402
 from sandbox_kernel.policy import SandboxPolicy  # noqa: E402
+
+from . import eg_venv  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def eg_python():
+    """Enterprise Gateway's interpreter (its own venv, cached between runs)."""
+    try:
+        return eg_venv.ensure()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"Enterprise Gateway could not be installed in its own venv: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
-"""The shipped container, as an operator runs it: deploy/service/Dockerfile built unchanged and
-run with exactly deploy/service/compose.yaml's settings (read from the file), on Debian's own
-Docker.
+"""The shipped containers, as an operator runs them, on Debian's own Docker: deploy/service/
+Dockerfile built unchanged and run with exactly deploy/service/compose.yaml's settings (read
+from the file); and deploy/enterprise-gateway/Dockerfile's kernel image run with the security
+settings of the pod Enterprise Gateway renders from our template (read from the rendered pod).
 
 The public image registry is out of reach here, so the base is a stand-in for the Dockerfile's
 default (debootstrap bookworm with python3, python3-venv and libseccomp2, `docker import`),
@@ -13,12 +14,14 @@ In CI (CI=true) the test fails when Docker cannot run; elsewhere it skips, sayin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -27,6 +30,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from .test_enterprise_gateway_launcher import (
+    connect_client,
+    execute,
+    launch_with_eg,
+    send_request,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = ROOT / "deploy" / "service"
@@ -142,20 +152,22 @@ def _pip_settings(directory: Path) -> list[str]:
     return secrets
 
 
-def _build(say, tmp: Path) -> None:
-    say("image: docker build -f deploy/service/Dockerfile (BASE = the stand-in); cached "
+def _build(say, tmp: Path, dockerfile: Path = SERVICE / "Dockerfile", image: str = IMAGE,
+           *options: str) -> None:
+    shown = dockerfile.relative_to(ROOT)
+    say(f"image: docker build -f {shown} {' '.join(options)} (BASE = the stand-in); cached "
         "layers are reused, a fresh build takes minutes")
     started = time.monotonic()
-    before = _docker("image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
-    _docker("build", "--build-arg", f"BASE={BASE}", *_pip_settings(tmp),
-            "-f", str(SERVICE / "Dockerfile"), "-t", IMAGE, str(ROOT),
+    before = _docker("image", "inspect", "-f", "{{.Id}}", image, check=False).stdout.strip()
+    _docker("build", "--build-arg", f"BASE={BASE}", *_pip_settings(tmp), *options,
+            "-f", str(dockerfile), "-t", image, str(ROOT),
             timeout=1800, env={**os.environ, "DOCKER_BUILDKIT": "1"})
-    if before and before != _docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
+    if before and before != _docker("image", "inspect", "-f", "{{.Id}}", image).stdout.strip():
         _docker("rmi", before, check=False)  # the last run's image: ~800 MB a run otherwise
-    say(f"image {IMAGE}: built in {time.monotonic() - started:.0f} s")
+    say(f"image {image}: built in {time.monotonic() - started:.0f} s")
     # Nothing of the build's pip settings is in the image: not its file, not its variables.
-    assert MARKER not in _docker("history", "--no-trunc", IMAGE).stdout
-    found = _docker("run", "--rm", "--entrypoint", "sh", IMAGE, "-c",
+    assert MARKER not in _docker("history", "--no-trunc", image).stdout
+    found = _docker("run", "--rm", "--user", "0", "--entrypoint", "sh", image, "-c",
                     f"grep -rlsF '{MARKER}' /etc /opt /root /usr/local /run; "
                     "env | grep ^PIP_; ls -A /run/secrets 2>/dev/null; true")
     assert found.stdout == "", found.stdout
@@ -408,3 +420,201 @@ def test_the_dify_overlay_hardens_the_container_the_same_way():
         json.loads((SERVICE / "seccomp.json").read_text())
     assert overlay["environment"]["JUPYTER_RUNTIME_DIR"] == shipped["environment"].get(
         "JUPYTER_RUNTIME_DIR", "/run/jupyter")
+
+
+# ---- Enterprise Gateway's kernel pod ------------------------------------------------------
+# deploy/enterprise-gateway/Dockerfile's `kernel` image, run with the securityContext of the pod
+# `install --enterprise-gateway kubernetes` renders (read from that YAML), and started the way
+# a pod starts: the pod's command and args, EG's variables, EG's own ResponseManager receiving.
+
+EG = ROOT / "deploy" / "enterprise-gateway"
+KERNEL_IMAGE = "sandbox-kernel:test"
+# Where deploy/enterprise-gateway/README.md has the operator install each Localhost profile
+# (relative to the kubelet's seccomp directory): the service's profile, not a copy of it.
+NODE_PROFILES = {"profiles/sandbox-kernel.json": SERVICE / "seccomp.json"}
+# What EG's launch_kubernetes.py puts in the kernel pod's environment for the launcher.
+EG_VARIABLES = ("KERNEL_ID", "PORT_RANGE", "RESPONSE_ADDRESS", "PUBLIC_KEY")
+# Pod settings that need no `docker run` option, with the only value they may have (a
+# container has no API token, no service variables, and comes back only if told).
+POD_AS_DOCKER = {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                 "enableServiceLinks": False, "hostNetwork": False, "hostPID": False,
+                 "hostIPC": False}
+
+
+def _quantity(value: str) -> str:
+    """A Kubernetes quantity (2Gi, 512Mi) as Docker and tmpfs spell it."""
+    return re.sub(r"([KMG])i$", lambda unit: unit.group(1).lower(), value)
+
+
+def _security_options(context: dict, options: list[str]) -> None:
+    """`docker run` options for a pod's or container's securityContext; unknown keys fail."""
+    for key, value in context.items():
+        if key == "runAsNonRoot":
+            assert value is True
+        elif key in ("runAsUser", "runAsGroup"):
+            continue  # below, together
+        elif key == "privileged":
+            assert value is False  # docker run's default
+        elif key == "allowPrivilegeEscalation":  # allowed is docker run's default
+            options += [] if value else ["--security-opt", "no-new-privileges:true"]
+        elif key == "readOnlyRootFilesystem":
+            options += ["--read-only"] if value else []
+        elif key == "capabilities":
+            options += [f"--cap-{verb}={cap}" for verb in ("drop", "add")
+                        for cap in value.get(verb, [])]
+        elif key == "seccompProfile":
+            if value["type"] == "Localhost":
+                profile = NODE_PROFILES[value["localhostProfile"]]
+                options += ["--security-opt", f"seccomp={profile}"]
+            else:  # the runtime's default: Docker's too
+                assert value == {"type": "RuntimeDefault"}, value
+        else:
+            raise AssertionError(f"securityContext {key!r} has no docker run option here")
+    if "runAsUser" in context:
+        assert context["runAsUser"] != 0
+        options += ["--user", f"{context['runAsUser']}:{context.get('runAsGroup', 0)}"]
+
+
+def pod_run(pod: dict) -> tuple[list[str], list[str]]:
+    """`docker run` options and command for a kernel pod; a setting not translated fails."""
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    options: list[str] = []
+    for key, value in spec.items():
+        if key in POD_AS_DOCKER:
+            assert value == POD_AS_DOCKER[key], (key, value)
+        elif key not in ("securityContext", "containers", "volumes"):
+            raise AssertionError(f"the pod's {key!r} has no docker run option here")
+    # The container's securityContext wins over the pod's, key by key, as in Kubernetes.
+    _security_options({**spec.get("securityContext", {}),
+                       **container.get("securityContext", {})}, options)
+    volumes = {volume["name"]: volume for volume in spec.get("volumes", [])}
+    for key, value in container.items():
+        if key in ("name", "image", "imagePullPolicy", "command", "args", "securityContext"):
+            continue
+        if key == "env":
+            options += [f"--env={item['name']}={item['value']}" for item in value]
+        elif key == "resources":
+            limits = value["limits"]
+            cpus = str(limits["cpu"])  # "1", or millicores: "500m"
+            cpus = str(int(cpus[:-1]) / 1000) if cpus.endswith("m") else cpus
+            options += ["--cpus", cpus, "--memory", _quantity(limits["memory"])]
+        elif key == "volumeMounts":
+            for mount in value:
+                empty_dir = volumes[mount["name"]]["emptyDir"]  # the only kind it may use
+                options += ["--tmpfs", f"{mount['mountPath']}:size="
+                            f"{_quantity(empty_dir['sizeLimit'])},mode=1777"]
+        else:
+            raise AssertionError(f"the container's {key!r} has no docker run option here")
+    return options, [*container["command"], *container.get("args", [])]
+
+
+@pytest.fixture(scope="module")
+def kernel_image(docker, say, tmp_path_factory):
+    _make_base(say)
+    _build(say, tmp_path_factory.mktemp("kernel-build"), EG / "Dockerfile", KERNEL_IMAGE,
+           "--target", "kernel")
+    return KERNEL_IMAGE
+
+
+@pytest.fixture(scope="module")
+def kernel_pod(tmp_path_factory):
+    """The pod EG's launch_kubernetes.py renders from the kernelspec install writes, for
+    network kernels (--network on) of the test's kernel image."""
+    from .test_enterprise_gateway_kernelspec import CLIENT_ENV, render_like_eg
+
+    prefix = tmp_path_factory.mktemp("eg-kernelspec")
+    subprocess.run([sys.executable, "-m", "sandbox_kernel", "install",
+                    "--prefix", str(prefix), "--name", "sandbox_kubernetes",
+                    "--enterprise-gateway", "kubernetes", "--image", KERNEL_IMAGE,
+                    "--network", "on", "--timeout", "60"],
+                   check=True, capture_output=True, timeout=120)
+    scripts = prefix / "share" / "jupyter" / "kernels" / "sandbox_kubernetes" / "scripts"
+    (pod,) = render_like_eg(scripts, CLIENT_ENV)  # a client's hostile KERNEL_* values too
+    return pod
+
+
+@contextlib.contextmanager
+def pod_kernel(eg_python, pod: dict, log: Path):
+    """The kernel pod as a container: the pod's command and args under its security settings,
+    EG's variables from launch_kubernetes.py, EG's ResponseManager receiving the payload.
+
+    On the host's network (the test's stand-in for the pod's, so that EG's receiver and client
+    on 127.0.0.1 reach it); the kernel makes a namespace of its own inside either way.
+    """
+    options, command = pod_run(pod)
+    name = f"sandbox-kernel-pod-{uuid.uuid4().hex[:8]}"
+    wrapper = (DOCKER, "run", "--rm", "--name", name, "--network", "host",
+               *(f"--env={variable}" for variable in EG_VARIABLES), *options,
+               pod["spec"]["containers"][0]["image"])
+    try:
+        with launch_with_eg(eg_python, log, wrapper, policy=(), as_container=True,
+                            command=tuple(command)) as launch:
+            yield launch
+    finally:
+        _docker("rm", "-f", name, check=False)
+
+
+# /proc/self/status's confinement lines and the network namespace, as user code sees them.
+POD_PROBE = PROBE + "import os\nprint(os.readlink('/proc/self/ns/net'))\n"
+
+
+def test_the_check_pod_passes_on_this_node(kernel_image):
+    """deploy/enterprise-gateway/check-pod.yaml as it stands (its image: the test's)."""
+    options, command = pod_run(yaml.safe_load((EG / "check-pod.yaml").read_text()))
+    done = _docker("run", "--rm", *options, kernel_image, *command, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "network namespace per kernel: available (user namespace)" in done.stdout
+    assert "the kernel will start" in done.stdout
+
+
+def test_a_network_kernel_runs_confined_in_the_pod(kernel_image, kernel_pod, eg_python,
+                                                    tmp_path):
+    with pod_kernel(eg_python, kernel_pod, tmp_path / "launcher.log") as launch:
+        kc = connect_client(launch["info"])
+        try:
+            network = kc.sandbox_info["layers"]["network"]
+            assert kc.sandbox_info["policy"]["network"] == "on"
+            out = execute(kc, POD_PROBE)
+            seccomp_mode, no_new_privs, effective, uid, namespace = out["stdout"].split()
+            assert (seccomp_mode, no_new_privs, effective) == ("2", "1", "0000000000000000"), out
+            assert uid == str(kernel_pod["spec"]["securityContext"]["runAsUser"])
+            # A namespace of the kernel's own, made in a user namespace (no root in the pod).
+            assert network["owner"] == "user namespace" and network["active"], network
+            assert namespace == network["namespace"] != network["launcher"], network
+            port = launch["info"]["comm_port"]
+            send_request(port, {"signum": 0})  # EG's liveness poll
+            out = execute(kc, "import time\nfor _ in range(600):\n    time.sleep(0.1)",
+                          on_busy=lambda: (time.sleep(1), send_request(port, {"signum": 2})))
+            assert out["error"] is not None and out["error"][0] == "KeyboardInterrupt", out
+            # EG's shutdown: a shutdown_request first (then the pod is deleted). The kernel is
+            # the container's pid 1, which ignores the comm port's SIGTERM and SIGKILL.
+            kc.shutdown()
+            assert launch["launcher"].wait(timeout=30) == 0
+        finally:
+            kc.stop_channels()
+
+
+def test_without_the_pods_profile_a_network_kernel_refuses_naming_why(kernel_image, kernel_pod,
+                                                                      eg_python, tmp_path):
+    """The runtime's default profile in place of the shipped one (RuntimeDefault, Docker's
+    default): unshare is refused, so the network kernel must not start, and must say why."""
+    pod = json.loads(json.dumps(kernel_pod))
+    for context in (pod["spec"]["securityContext"],
+                    pod["spec"]["containers"][0]["securityContext"]):
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
+    options, _ = pod_run(pod)
+    assert not any(option.startswith("seccomp=") for option in options)
+    _, check_command = pod_run(yaml.safe_load((EG / "check-pod.yaml").read_text()))
+    done = _docker("run", "--rm", *options, kernel_image, *check_command, check=False)
+    assert done.returncode == 1, done.stdout
+    assert "MISSING  network on: no network namespace here" in done.stdout
+    log = tmp_path / "launcher.log"
+    with pod_kernel(eg_python, pod, log) as launch:
+        assert launch["launcher"].wait(timeout=60) != 0
+    text = log.read_text()
+    assert "refusing to start: network on: no network namespace: " in text, text
+    # The fix, named: the profile to give the pod, and how (deploy/enterprise-gateway/README.md).
+    assert "unshare(CLONE_NEWUSER|CLONE_NEWNET), deploy/service/seccomp.json, a pod's " \
+        "Localhost profile as deploy/enterprise-gateway/README.md installs it" in text, text
+    assert "seccomp.json" in done.stdout and "deploy/enterprise-gateway/README.md" in done.stdout

@@ -96,7 +96,9 @@ def test_rendered_pod_is_a_valid_hardened_pod(k8s_spec):
     assert context["allowPrivilegeEscalation"] is False
     assert context["capabilities"] == {"drop": ["ALL"]}
     assert context["readOnlyRootFilesystem"] is True
-    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    # deploy/service/seccomp.json on the node: what network kernels need (test_container.py).
+    assert context["seccompProfile"] == {"type": "Localhost",
+                                         "localhostProfile": "profiles/sandbox-kernel.json"}
     assert container["command"] == ["python", "-I", "-m", "sandbox_kernel", "eg-launch"]
     assert container["args"] == ["--SandboxPolicy.timeout=30.0"]
     limits = container["resources"]["limits"]
@@ -174,7 +176,7 @@ def test_check_pod_manifest_is_valid_and_confined_like_a_kernel(k8s_spec):
         assert check["spec"][key] == pod["spec"][key]
     assert check["spec"]["containers"][0]["securityContext"] == \
         pod["spec"]["containers"][0]["securityContext"]
-    assert check["spec"]["containers"][0]["command"][-1] == "check"
+    assert check["spec"]["containers"][0]["command"][-3:] == ["check", "--network", "on"]
 
 
 def test_shipped_seccomp_profile_is_the_generated_one(k8s_spec):

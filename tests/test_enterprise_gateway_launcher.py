@@ -23,19 +23,8 @@ from pathlib import Path
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from . import eg_venv
-
 SECRET = "eg-secret-token-7f3a"  # stands for EG's credentials in the launcher's environment
 PORT_LOW, PORT_HIGH = 43000, 44999
-
-
-@pytest.fixture(scope="module")
-def eg_python():
-    """Enterprise Gateway's interpreter (its own venv, cached between runs)."""
-    try:
-        return eg_venv.ensure()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"Enterprise Gateway could not be installed in its own venv: {exc}")
 
 
 def send_request(port: int, request: dict) -> None:
@@ -110,8 +99,11 @@ def wait_until(condition, timeout: float, what: str) -> None:
 @contextlib.contextmanager
 def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
                    policy: tuple[str, ...] = ("--SandboxPolicy.timeout=30",),
-                   extra_env: dict[str, str] | None = None, as_container: bool = False):
-    """Start eg-launch (under wrapper) as EG would and yield what EG's ResponseManager got.
+                   extra_env: dict[str, str] | None = None, as_container: bool = False,
+                   command: tuple[str, ...] = (sys.executable, "-I", "-m", "sandbox_kernel",
+                                               "eg-launch")):
+    """Start eg-launch (command, under wrapper) as EG would and yield what EG's
+    ResponseManager got.
 
     as_container: everything through the variables launch_kubernetes.py / launch_docker.py
     set in the container, and the image's bare command, as in a pod.
@@ -124,19 +116,19 @@ def launch_with_eg(eg_python, log: Path, wrapper: tuple[str, ...] = (),
     launcher_env = {**os.environ, "EG_AUTH_TOKEN": SECRET, "KERNEL_USERNAME": "alice",
                     "PUBLIC_KEY": eg["public_key"], "LD_PRELOAD": "", "PYTHONPATH": "/nowhere",
                     **(extra_env or {})}
-    command = [*wrapper, sys.executable, "-I", "-m", "sandbox_kernel", "eg-launch"]
+    argv = [*wrapper, *command]
     if as_container:
         launcher_env.update(KERNEL_ID=eg["kernel_id"], PORT_RANGE=f"{PORT_LOW}..{PORT_HIGH}",
                             RESPONSE_ADDRESS=eg["response_address"],
                             SANDBOX_KERNEL_EG_POLICY=" ".join(policy))
     else:  # the public key still comes from PUBLIC_KEY
-        command += ["--RemoteProcessProxy.kernel-id", eg["kernel_id"],
-                    "--RemoteProcessProxy.port-range", f"{PORT_LOW}..{PORT_HIGH}",
-                    "--RemoteProcessProxy.response-address", eg["response_address"],
-                    "--RemoteProcessProxy.spark-context-initialization-mode", "none", *policy]
+        argv += ["--RemoteProcessProxy.kernel-id", eg["kernel_id"],
+                 "--RemoteProcessProxy.port-range", f"{PORT_LOW}..{PORT_HIGH}",
+                 "--RemoteProcessProxy.response-address", eg["response_address"],
+                 "--RemoteProcessProxy.spark-context-initialization-mode", "none", *policy]
     with open(log, "w") as log_file:
         launcher = subprocess.Popen(
-            [*command, "--ip", "127.0.0.1"], env=launcher_env, stdout=log_file,
+            [*argv, "--ip", "127.0.0.1"], env=launcher_env, stdout=log_file,
             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         info = json.loads(receiver.stdout.readline())

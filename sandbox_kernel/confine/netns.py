@@ -43,6 +43,15 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
+# What makes a namespace possible where enter() finds none: said by `check` and by a kernel
+# that refuses to start for want of one.
+NAMESPACE_FIX = (
+    "run as root or where unprivileged user namespaces are enabled (in a container or a pod: "
+    "its seccomp profile must allow unshare(CLONE_NEWUSER|CLONE_NEWNET), "
+    "deploy/service/seccomp.json, a pod's Localhost profile as deploy/enterprise-gateway/"
+    "README.md installs it), or use --network off")
+
+
 def current() -> str:
     """The calling thread's network namespace, as /proc names it ('net:[4026531833]')."""
     return os.readlink(f"/proc/self/task/{_gettid()}/ns/net")

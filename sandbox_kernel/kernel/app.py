@@ -365,9 +365,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             if policy.network != "off":
                 raise ConfinementError(
                     f"network {policy.network}: {exc.strerror}. Without a namespace of its own "
-                    "user code could reach the host's loopback and other kernels: run the "
-                    "kernel as root or where unprivileged user namespaces are enabled, or use "
-                    "--network off", layer="network") from exc
+                    "user code could reach the host's loopback and other kernels: "
+                    f"{netns.NAMESPACE_FIX}", layer="network") from exc
             self.layers["network"] = {"active": False, "mode": "off", "reason": exc.strerror}
             return
         layer["mode"] = policy.network

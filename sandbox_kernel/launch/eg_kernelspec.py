@@ -7,7 +7,8 @@ argv runs EG's own launch_kubernetes.py / launch_docker.py on EG's side (from EG
 placed in scripts/ next to what we write); in the container, the image runs
 `sandbox-kernel eg-launch`. For kubernetes we also write scripts/kernel-pod.yaml.j2 (the
 hardened pod EG's script renders), kernel-networkpolicy.yaml (to apply once) and
-seccomp-profile.json (a Localhost profile for nodes whose runtime default refuses Landlock).
+seccomp-profile.json (a stricter Localhost profile than the pod's default, for --network off
+kernels only: it refuses unshare).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ EG_ARGV = ["--RemoteProcessProxy.kernel-id", "{kernel_id}",
            "--RemoteProcessProxy.public-key", "{public_key}",
            "--RemoteProcessProxy.spark-context-initialization-mode", "none"]
 TEMPLATES = Path(__file__).with_name("eg_templates")
+# Where deploy/enterprise-gateway/README.md has operators install deploy/service/seccomp.json,
+# relative to the kubelet's seccomp directory (/var/lib/kubelet/seccomp).
+NODE_PROFILE = "Localhost:profiles/sandbox-kernel.json"
 
 
 class EnterpriseGatewaySpec(Configurable):
@@ -68,9 +72,14 @@ class EnterpriseGatewaySpec(Configurable):
     scratch_size = Unicode(
         "1Gi", help="sizeLimit of the emptyDir on /tmp that holds the kernel's scratch.",
     ).tag(config=True, flag="k8s-scratch-size", metavar="QUANTITY")
+    # The default needs deploy/service/seccomp.json on every node (deploy/enterprise-gateway/
+    # README.md): a runtime's default profile refuses the unshare a network kernel makes.
     seccomp_profile = Unicode(
-        "RuntimeDefault", help="Pod seccomp profile: RuntimeDefault (containerd >= 1.6 and "
-        "Docker's default allow seccomp, prctl and landlock_*) or Localhost:<path on the node>.",
+        NODE_PROFILE, help="Pod seccomp profile: Localhost:<path in the kubelet's seccomp "
+        "directory>, by default the runtime's default profile plus unshare(CLONE_NEWUSER|"
+        "CLONE_NEWNET) (deploy/service/seccomp.json, installed on every node), which network "
+        "kernels need; or RuntimeDefault (containerd >= 1.6 and Docker's default allow seccomp, "
+        "prctl and landlock_*, but refuse unshare: only --network off kernels start).",
     ).tag(config=True, flag="k8s-seccomp-profile", metavar="PROFILE")
     port_range = Unicode(
         "40000..41000", help="EG's port range (EG_PORT_RANGE, at least 1000 ports), for the "
@@ -124,8 +133,9 @@ def _kernel_syscalls() -> set[str]:
 def pod_seccomp_profile() -> dict[str, Any]:
     """A Localhost seccomp profile (OCI/Docker JSON) for kernel pods: deny by default.
 
-    For nodes whose runtime default refuses landlock_*; everything else it refuses stays
-    refused (mount, unshare, bpf, keyrings, ptrace, io_uring...).
+    Stricter than the pod's default (deploy/service/seccomp.json): everything else it refuses
+    stays refused (mount, unshare, bpf, keyrings, ptrace, io_uring...), so only --network off
+    kernels start under it.
     """
     allowed = sorted(_kernel_syscalls() | set(STARTUP_SYSCALLS))
     return {
