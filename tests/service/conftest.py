@@ -28,6 +28,16 @@ def server(tmp_path_factory, keys_file):
     srv.stop()
 
 
+@pytest.fixture(scope="package")
+def one_shot_server(tmp_path_factory, keys_file):
+    """A server whose stateless runs are one-shot kernels (--one-shot-pool-size)."""
+    srv = Server(tmp_path_factory.mktemp("one-shot"), "--api-keys-file", str(keys_file),
+                 "--pool-size", "0", "--one-shot-pool-size", "2",
+                 env={"WORKER_TIMEOUT": "3", "MAX_WORKERS": "4"})
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
 def session(server):
     """A fresh session of key B, deleted after the test."""

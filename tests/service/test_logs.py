@@ -33,9 +33,10 @@ def _lines_mentioning(log: str, word: str) -> list[str]:
     return [line for line in log.splitlines() if word in line]
 
 
-def test_a_one_shot_kernels_fd_2_is_its_stderr_never_the_log(server):
+def test_a_one_shot_kernels_fd_2_is_its_stderr_never_the_log(one_shot_server):
     # A stateless run's kernel (kernel/oneshot.py) has no log pipe: what it writes to fd 2 is
     # the run's stderr, and nothing of it reaches the service's log.
+    server = one_shot_server
     answer = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY},
                        json={"language": "python3", "code": CODE})
     data = answer.json()["data"]

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import KEY_A, Server, auth, http, sse_events
+from .helpers import KEY_A, auth, http, sse_events
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, keys_file):
-    srv = Server(tmp_path_factory.mktemp("one-shot"), "--api-keys-file", str(keys_file),
-                 "--pool-size", "0", "--one-shot-pool-size", "2",
-                 env={"WORKER_TIMEOUT": "3", "MAX_WORKERS": "4"})
-    yield srv
-    srv.stop()
+@pytest.fixture
+def server(one_shot_server):
+    return one_shot_server
 
 
 def test_native_one_shot_sse_delivers_stdout_before_the_run_finishes(server):
