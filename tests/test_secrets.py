@@ -216,13 +216,9 @@ def _wait_ready(url: str, service: subprocess.Popen, log: Path) -> None:
     raise AssertionError(f"the service did not become ready:\n{log.read_text()}")
 
 
-def test_eg_launched_kernel_holds_no_secret(tmp_path):
+def test_eg_launched_kernel_holds_no_secret(tmp_path, eg_python):
     from tests import test_enterprise_gateway_launcher as eg
 
-    try:
-        eg_python = eg.eg_venv.ensure()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"Enterprise Gateway could not be installed in its own venv: {exc}")
     secret = new_secret()
     with eg.launch_with_eg(eg_python, tmp_path / "launcher.log",
                            extra_env={"OPENAI_API_KEY": secret}) as launch:

@@ -37,8 +37,11 @@ from .logrelay import LauncherLog
 from .reaper import auditor_for, egress_proxy
 
 
-def start() -> tuple[int, int]:
-    """In the fork server, single-threaded: fork the companion; its pid and the registry fd."""
+def start(close_in_child: Callable[[], None]) -> tuple[int, int]:
+    """In the fork server, single-threaded: fork the companion; its pid and the registry fd.
+
+    close_in_child: closes the server's descriptors in the companion (a listener it kept open
+    would take launchers' connections and never answer them once the server is gone)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server = os.getpid()
     pid = os.fork()
@@ -46,6 +49,7 @@ def start() -> tuple[int, int]:
         code = 0
         try:
             ours.close()
+            close_in_child()
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             Companion(theirs.detach(), server).serve()
         except BaseException:

@@ -294,7 +294,7 @@ class Server:
             if self.companion is None:
                 from sandbox_kernel.confine import companion
 
-                _, self.companion = companion.start()
+                _, self.companion = companion.start(self.close_in_child)
             pool = self.pools[path] = _Pool(path, _listen(path), argv, env, cwd, size)
         pool.size = max(pool.size, size)
         self.refill(pool)
