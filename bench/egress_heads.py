@@ -5,7 +5,9 @@ a kernel sends it must cost it little beside what sending it cost the kernel. A 
 kernel sends N heads of each kind on fresh connections (as an attacker would: a proxy answers
 one request per connection) and reads each answer; the figures are the kernel's own CPU for
 that execution (its execute_reply's usage) and the companion's, from /proc/<reaper>/stat
-before and after (utime + stime), in the same run.
+before and after (utime + stime), in the same run; and what the execution was charged for the
+proxy's work (its usage's egress_cpu_seconds: each step of a connection's coroutines, the event
+loop's own polling left out).
 
     python -m bench.egress_heads [--count N]
 """
@@ -58,7 +60,7 @@ def main() -> None:
         pid = sb.manager.provisioner.pid
         sb.run(SEND.format(head=HEADS["a short refused head"], count=1))  # the proxy's start
         print(f"{count} heads of each kind, each on its own connection; CPU seconds")
-        print(f"{'head':28} {'kernel':>8} {'companion':>10} {'ratio':>6}")
+        print(f"{'head':28} {'kernel':>8} {'companion':>10} {'ratio':>6} {'charged':>8}")
         for name, head in HEADS.items():
             before = reaper_seconds(pid)
             execution = sb.run(SEND.format(head=head, count=count))
@@ -66,7 +68,8 @@ def main() -> None:
             companion = reaper_seconds(pid) - before
             usage = execution.usage
             kernel = (usage.cpu_user_seconds or 0) + (usage.cpu_system_seconds or 0)
-            print(f"{name:28} {kernel:8.3f} {companion:10.3f} {companion / kernel:6.2f}")
+            print(f"{name:28} {kernel:8.3f} {companion:10.3f} {companion / kernel:6.2f} "
+                  f"{usage.egress_cpu_seconds or 0:8.3f}")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.stats import publish
+from sandbox_kernel.launch.forkserver.zygote import NAME as ZYGOTE_NAME
 from tests.load.service import Service, Settings, free_port
 
 ANCHOR = Path(os.environ.get("SANDBOX_BENCH_DIFY_SANDBOX",
@@ -130,9 +131,18 @@ def _tree_times(pid: int) -> float:
 
 def _is_companion(pid: int) -> bool:
     """Whether a fork server's child is its companion: it keeps the server's uid, while every
-    kernel (started by root) runs as a uid of its own, a pooled one-shot already while waiting."""
+    kernel (started by root) runs as a uid of its own, a pooled one-shot already while waiting;
+    a pool's zygote keeps it too, and is named (_is_zygote)."""
     try:
-        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid() and not _is_zygote(pid)
+    except OSError:
+        return False
+
+
+def _is_zygote(pid: int) -> bool:
+    """Whether a fork server's child is a pool's zygote (launch/forkserver/zygote.py names it)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().strip() == ZYGOTE_NAME
     except OSError:
         return False
 
@@ -169,13 +179,15 @@ class Target:
     def parts(self) -> dict[str, float]:
         """CPU seconds so far of the fork servers themselves (with what they reaped: the
         one-shot kernels) and of their companions, for the per-process split."""
-        split = {"fork server + reaped kernels": 0.0, "companion": 0.0}
+        split = {"fork server + reaped kernels": 0.0, "companion": 0.0, "zygotes": 0.0}
         if self.tree:
             for child in _children(self.pid):
                 split["fork server + reaped kernels"] += _stat_times(child)
                 for grandchild in _children(child):
                     if _is_companion(grandchild):
                         split["companion"] += _tree_times(grandchild)
+                    elif _is_zygote(grandchild):
+                        split["zygotes"] += _stat_times(grandchild)
         return split
 
 

@@ -64,11 +64,33 @@ class SandboxPolicy(Configurable):
         "Dify's SSRF proxy or a corporate proxy. The egress proxy still applies the policy.",
     ).tag(config=True, flag="upstream-proxy", metavar="URL")
 
+    upstream_ca = Unicode(
+        "", help="A PEM file of CA certificates the egress proxy trusts, beside the system "
+        "store, for the hosts it adds a secret for (it verifies them itself, having ended the "
+        "kernel's TLS): a private CA's. Read by the kernel's companion, outside the sandbox.",
+    ).tag(config=True, flag="upstream-ca", metavar="FILE")
+
     package_index = Unicode(
         "", help="The package index (its simple-API URL) that pip installs from inside a "
         "kernel (the pip magic); empty: pip's default index. The network policy must let the "
-        "kernel reach it.",
+        "kernel reach it. A token goes in as a secret's name, never its value: "
+        "'https://${TOKEN}@index.example/simple' with --secret TOKEN=index.example.",
     ).tag(config=True, flag="package-index", metavar="URL")
+
+    secrets = List(
+        Unicode(), help="A credential user code may use but never read: NAME=HOST "
+        "(repeatable; repeat the name for more hosts, in --allow-host's syntax). User code's "
+        "os.environ[NAME] holds a placeholder; the egress proxy, outside the sandbox, puts the "
+        "value in place of it in requests to HOST. The value is the launcher's environment "
+        "variable NAME (or NAME's entry in --secrets-file), never a command-line argument. "
+        "HOST must be reachable under --network.",
+    ).tag(config=True, flag="secret", metavar="NAME=HOST")
+
+    secrets_file = Unicode(
+        "", help='A JSON file of secrets, {"NAME": {"value": "...", "hosts": ["HOST", ...]}}, '
+        "read by the launcher at each kernel start (never by the kernel); it must be readable "
+        "by its owner only (chmod 600).",
+    ).tag(config=True, flag="secrets-file", metavar="FILE")
 
     read_paths = List(
         Unicode(), help="Extra paths user code may read (repeatable). Each must exist.",
@@ -237,6 +259,49 @@ class SandboxPolicy(Configurable):
     def _valid_addresses(self, proposal: dict[str, Any]) -> list[str]:
         return _checked(proposal["value"], "parse_net", "--allow-address")
 
+    @validate("secrets")
+    def _valid_secrets(self, proposal: dict[str, Any]) -> list[str]:
+        if proposal["value"]:
+            from .secrets import SecretError, declared
+
+            try:
+                declared(proposal["value"])
+            except SecretError as exc:
+                raise TraitError(str(exc)) from None
+        return list(proposal["value"])
+
+    def holds_credentials(self) -> bool:
+        """Whether kernels of this policy need a vault: secrets, or upstream credentials."""
+        from .secrets import without_credentials
+
+        return bool(self.secrets or self.secrets_file
+                    or without_credentials(self.upstream_proxy) != self.upstream_proxy)
+
+    def declared_secrets(self) -> dict[str, list[str]]:
+        """The secrets this policy declares, {NAME: [HOST, ...]}, the secrets file's included.
+
+        Raises secrets.SecretError when one cannot be used: a bad or world-readable file, or a
+        host the network policy does not reach (naming both).
+        """
+        from .secrets import check_reachable, declared, read_file
+
+        hosts = declared(self.secrets)
+        if self.secrets_file:
+            for name, entry in read_file(self.secrets_file).items():
+                hosts.setdefault(name, []).extend(entry["hosts"])
+        check_reachable(hosts, self.network, self.allow_hosts, self.allow_addresses)
+        return hosts
+
+    @validate("package_index")
+    def _index_without_credentials(self, proposal: dict[str, Any]) -> str:
+        from .secrets import SecretError, check_index
+
+        try:
+            check_index(proposal["value"])
+        except SecretError as exc:
+            raise TraitError(str(exc)) from None
+        return str(proposal["value"])
+
     @validate("upstream_proxy")
     def _valid_upstream(self, proposal: dict[str, Any]) -> str:
         if proposal["value"]:
@@ -249,8 +314,14 @@ class SandboxPolicy(Configurable):
         return str(proposal["value"])
 
     def as_dict(self) -> dict[str, Any]:
-        """The effective policy as plain JSON-able values."""
-        return {name: getattr(self, name) for name in self.trait_names(config=True)}
+        """The effective policy as plain JSON-able values (the upstream proxy's credentials
+        left out: they go by the vault, secrets.py)."""
+        values = {name: getattr(self, name) for name in self.trait_names(config=True)}
+        if values["upstream_proxy"]:
+            from .secrets import remember_upstream
+
+            values["upstream_proxy"] = remember_upstream(values["upstream_proxy"])
+        return values
 
     def _implied(self, name: str) -> bool:
         """allow_network and network say one thing twice: `on` is said by allow_network (what
@@ -266,6 +337,10 @@ class SandboxPolicy(Configurable):
             value = getattr(self, name)
             if value == trait.default() or self._implied(name):
                 continue
+            if name == "upstream_proxy":  # its credentials go by the vault (secrets.py)
+                from .secrets import remember_upstream
+
+                value = remember_upstream(value)
             if isinstance(value, dict):
                 argv += [f"--SandboxPolicy.{name}={key}={item}" for key, item in value.items()]
             elif isinstance(value, list):
@@ -273,6 +348,20 @@ class SandboxPolicy(Configurable):
             else:
                 argv.append(f"--SandboxPolicy.{name}={value}")
         return argv
+
+
+def from_kernel_argv(argv: list[str]) -> SandboxPolicy:
+    """The policy a kernel's argv (`--SandboxPolicy.x=...` and the policy flags) gives it.
+
+    For the launcher, which must know the secrets a kernel it starts declares; options that
+    are not the policy's are ignored.
+    """
+    from traitlets.config.loader import KVArgParseConfigLoader
+
+    ours = [arg for arg in argv if arg.startswith("--")]
+    config = KVArgParseConfigLoader(ours, aliases=app_aliases(),
+                                    flags=app_flags()).load_config()  # type: ignore[arg-type]
+    return SandboxPolicy(config=config)
 
 
 def _checked(entries: list[str], parser: str, flag: str) -> list[str]:

@@ -3,13 +3,18 @@ index, and a plain listener that nothing in a sandbox may ever reach."""
 
 from __future__ import annotations
 
+import base64
 import datetime
+import gzip
 import http.server
 import ipaddress
+import json
 import socket
 import ssl
 import threading
+import zipfile
 from pathlib import Path
+from urllib.parse import parse_qs
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -41,11 +46,51 @@ def self_signed(directory: Path, names: list[str]) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+def wheel_index(directory: Path) -> None:
+    """A PEP 503 index at /simple/ with one pure-Python wheel, tinypkg 1.0."""
+    name = "tinypkg-1.0-py3-none-any.whl"
+    files = {"tinypkg/__init__.py": "VALUE = 42\n",
+             "tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\n"
+                                               "Version: 1.0\n",
+             "tinypkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
+                                            "Root-Is-Purelib: true\nTag: py3-none-any\n"}
+    files["tinypkg-1.0.dist-info/RECORD"] = "".join(f"{path},,\n" for path in files) + \
+        "tinypkg-1.0.dist-info/RECORD,,\n"
+    (directory / "simple" / "tinypkg").mkdir(parents=True)
+    with zipfile.ZipFile(directory / "simple" / "tinypkg" / name, "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+    (directory / "simple" / "tinypkg" / "index.html").write_text(
+        f'<html><body><a href="{name}">{name}</a></body></html>')
+    (directory / "simple" / "index.html").write_text(
+        '<html><body><a href="tinypkg/">tinypkg</a></body></html>')
+
+
 class _Handler(http.server.SimpleHTTPRequestHandler):
     """GET /: BODY and the Host header it saw; other paths: files of the served directory."""
 
+    seen: list[dict[str, str]]  # each request's headers, for the tests (EchoOrigin)
+    token: str | None = None  # a Basic password every request needs, if set
+
     def do_GET(self) -> None:
-        if self.path.split("?")[0] != "/":
+        path, _, query = self.path.partition("?")
+        if hasattr(self, "seen"):
+            self.seen.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+            if self.token is not None and not self._authorized():
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="index"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            if path == "/redirect":
+                self.send_response(302)
+                self.send_header("Location", query)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            if path in ("/echo", "/v1/models"):
+                return self._echo(path, query)
+        if path != "/":
             return super().do_GET()
         body = BODY + b" host=" + (self.headers.get("Host") or "").encode()
         self.send_response(200)
@@ -54,6 +99,50 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         self.wfile.write(body)
         return None
 
+    def _authorized(self) -> bool:
+        scheme, _, credentials = (self.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() == "bearer":
+            return credentials == self.token
+        if scheme.lower() != "basic":
+            return False
+        user, _, password = base64.b64decode(credentials).decode().partition(":")
+        return self.token in (user, password)
+
+    def _echo(self, path: str, query: str) -> None:
+        """What the request carried, back: in a header, and in a body of `repeat` copies
+        written in 7-byte pieces of a chunked body (so reads split what is echoed), or with
+        `length` in the query in one piece framed by Content-Length; `early`: after a 103;
+        `gzip` (or `br`, still gzip): compressed, whatever the request accepted."""
+        seen = self.seen[-1]
+        if path == "/v1/models":  # the shape of OpenAI's model list, for its SDK
+            body = json.dumps({"object": "list", "data": [
+                {"id": seen.get("authorization", ""), "object": "model", "created": 0,
+                 "owned_by": seen.get("x-api-key", "")}]}).encode()
+        else:
+            repeat = int(parse_qs(query).get("repeat", ["1"])[0])
+            body = json.dumps(seen).encode() * repeat
+        if "early" in query:  # a 103 Early Hints first, echoing too
+            self.send_response_only(103)
+            self.send_header("X-Early", seen.get("authorization", ""))
+            self.end_headers()
+        self.send_response(200)
+        self.send_header("X-Echo", seen.get("authorization", ""))
+        self.send_header("Content-Type", "application/json")
+        if "gzip" in query or "br" in query:  # compressed though asked for identity
+            body = gzip.compress(body)
+            self.send_header("Content-Encoding", "gzip" if "gzip" in query else "br")
+        if "length" in query or "gzip" in query or "br" in query:  # framed by Content-Length
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for at in range(0, len(body), 7):
+            piece = body[at:at + 7]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.write(b"0\r\n\r\n")
+
     def log_message(self, *args: object) -> None:
         pass
 
@@ -61,9 +150,18 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 class Origin:
     """An HTTP (or, with a certificate, HTTPS) server on 127.0.0.1 in a thread of the test."""
 
-    def __init__(self, directory: Path, cert: tuple[Path, Path] | None = None) -> None:
+    def __init__(self, directory: Path, cert: tuple[Path, Path] | None = None,
+                 echo: bool = False, token: str | None = None) -> None:
+        """echo: /echo, /v1/models and /redirect?URL answer, and self.seen keeps each request's
+        headers; token: every request needs it (a bearer token, or Basic auth's user or
+        password)."""
+        self.seen: list[dict[str, str]] = []
+        attributes = {"seen": self.seen, "token": token, "protocol_version": "HTTP/1.1"} \
+            if echo or token else {}
+        served = type("Served", (_Handler,), attributes)
+
         def handler(*args: object) -> _Handler:
-            return _Handler(*args, directory=str(directory))  # type: ignore[arg-type]
+            return served(*args, directory=str(directory))  # type: ignore[no-any-return]
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True

@@ -136,7 +136,7 @@ def test_user_code_cannot_make_the_reaper_fault_through_the_shared_count(fresh_s
     code = OUTCOME + """
 import os
 fds = [int(fd) for fd in os.listdir('/proc/self/fd') if os.path.exists(f'/proc/self/fd/{fd}')
-       and os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd:sandbox-kernel-refusals')]
+       and os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd:sandbox-kernel-tally')]
 (len(fds), [outcome(lambda: os.ftruncate(fd, 0)) for fd in fds],
  [outcome(lambda: os.ftruncate(fd, 1 << 20)) for fd in fds])
 """

@@ -213,7 +213,8 @@ def test_the_dify_overlay_keeps_difys_network_and_proxy_and_replaces_the_rest():
     assert merged["environment"]["HTTP_PROXY"] == "${SANDBOX_HTTP_PROXY:-http://ssrf_proxy:3128}"
     assert merged["environment"]["HTTPS_PROXY"] == DIFY_SANDBOX["environment"]["HTTPS_PROXY"]
     assert merged["environment"]["API_KEY"] == "${SANDBOX_API_KEY:-dify-sandbox}"
-    assert merged["volumes"] == []
+    assert merged["volumes"] == ["./volumes/sandbox-kernel/state:/var/lib/sandbox-kernel"]
+    assert merged["environment"]["SANDBOX_STATE_DIR"] == "/var/lib/sandbox-kernel"
     assert "curl" not in merged["healthcheck"]["test"]  # the image has none
     assert merged["cap_drop"] == ["ALL"] and merged["read_only"] is True
     # Dify's Template nodes import jinja2: in the kernels' runtime of the image

@@ -206,7 +206,7 @@ BUSY = ("import time\nstart = time.process_time()\n"
         "while time.process_time() - start < 0.4:\n    for _ in range(10**5): pass")
 HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
         "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
-        "refused_syscalls": "kernel"}
+        "refused_syscalls": "kernel", "egress_cpu_seconds": "kernel"}
 
 
 def test_usage_reports_cpu_memory_and_refusals_as_the_client_measures_them(mcp, session):
@@ -260,6 +260,9 @@ def test_a_session_keeps_state_and_files_across_calls(mcp, session):
     assert answer.structured_content["state"] == "kept"
     listed = mcp.tool("list_sessions").structured_content["sessions"]
     assert session in [s["session"] for s in listed]
+    # What its sandbox spent in all (tests/test_usage.py shows a thread's CPU after a run in it).
+    spent = next(s for s in listed if s["session"] == session)["usage"]
+    assert 0 <= spent["cpu_user_seconds"] + spent["cpu_system_seconds"] < 5, spent
 
 
 def test_files_written_read_listed_and_linked(mcp, session):
@@ -523,3 +526,39 @@ def test_a_keys_file_with_the_published_example_key_is_refused():
     published = {entry["key"] for path in EXAMPLE_KEYS.parent.parent.rglob("keys.json")
                  for entry in json.loads(path.read_text())["keys"]}
     assert published and published <= PUBLISHED_KEYS
+
+
+# --- snapshots and pausing (--state-dir) ---------------------------------------------------
+
+
+def test_a_snapshot_opens_as_new_sessions_and_an_idle_session_pauses_and_resumes(tmp_path):
+    log = tmp_path / "server.log"
+    client = stdio(log, "--state-dir", str(tmp_path / "state"), "--session-pause-after", "2")
+    try:
+        source = client.tool("create_session").structured_content["session"]
+        made = client.tool("run_python", {"session": source, "code": (
+            "kept = 41\ncounting = (i for i in range(3))")})
+        assert not made.is_error, text(made)
+        taken = client.tool("snapshot_session", {"session": source})
+        assert not taken.is_error, text(taken)
+        snap = taken.structured_content
+        assert "kept" in snap["saved"] and snap["bytes"] > 0
+        assert [s["name"] for s in snap["skipped"]] == ["counting"]
+        assert [s["snapshot"] for s in client.tool("list_snapshots").structured_content[
+            "snapshots"]] == [snap["snapshot"]]
+        opened = client.tool("create_session", {"snapshot": snap["snapshot"]})
+        fork = opened.structured_content["session"]
+        again = client.tool("run_python", {"session": fork, "code": "kept + 1"})
+        assert again.structured_content["value"] == "42", text(again)
+        # Both sessions idle past --session-pause-after: paused, listed as such, resumed.
+        deadline = time.monotonic() + 30
+        while not all(s["paused"] for s in client.tool("list_sessions").structured_content[
+                "sessions"]):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        resumed = client.tool("run_python", {"session": source, "code": "kept"})
+        assert resumed.structured_content["value"] == "41", text(resumed)
+        refused = client.tool("create_session", {"snapshot": "00" * 16})
+        assert refused.is_error and "no snapshot" in text(refused)
+    finally:
+        client.close()

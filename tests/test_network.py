@@ -11,7 +11,6 @@ import ast
 import json
 import os
 import time
-import zipfile
 
 import pytest
 
@@ -19,7 +18,7 @@ from sandbox_kernel.client import Sandbox
 from sandbox_kernel.policy import SandboxPolicy
 
 from .helpers import ok
-from .network_servers import BODY, Listener, Origin, self_signed
+from .network_servers import BODY, Listener, Origin, self_signed, wheel_index
 
 PROXY = "http://127.0.0.1:3128"
 
@@ -31,7 +30,7 @@ def served(tmp_path_factory):
     os.chmod(directory, 0o755)
     cert, _ = self_signed(directory, ["localhost", "other.test"])
     os.chmod(cert, 0o644)
-    _wheel_index(directory)
+    wheel_index(directory)
     http_origin, https_origin, listener = Origin(directory), Origin(directory, (cert, _)), \
         Listener()
     yield {"http": http_origin.port, "https": https_origin.port, "listener": listener,
@@ -39,26 +38,6 @@ def served(tmp_path_factory):
     http_origin.close()
     https_origin.close()
     listener.close()
-
-
-def _wheel_index(directory):
-    """A PEP 503 index at /simple/ with one pure-Python wheel, tinypkg 1.0."""
-    name = "tinypkg-1.0-py3-none-any.whl"
-    files = {"tinypkg/__init__.py": "VALUE = 42\n",
-             "tinypkg-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: tinypkg\n"
-                                               "Version: 1.0\n",
-             "tinypkg-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
-                                            "Root-Is-Purelib: true\nTag: py3-none-any\n"}
-    files["tinypkg-1.0.dist-info/RECORD"] = "".join(f"{path},,\n" for path in files) + \
-        "tinypkg-1.0.dist-info/RECORD,,\n"
-    (directory / "simple" / "tinypkg").mkdir(parents=True)
-    with zipfile.ZipFile(directory / "simple" / "tinypkg" / name, "w") as wheel:
-        for path, text in files.items():
-            wheel.writestr(path, text)
-    (directory / "simple" / "tinypkg" / "index.html").write_text(
-        f'<html><body><a href="{name}">{name}</a></body></html>')
-    (directory / "simple" / "index.html").write_text(
-        '<html><body><a href="tinypkg/">tinypkg</a></body></html>')
 
 
 @pytest.fixture(scope="module")

@@ -33,8 +33,11 @@ class Records:
         self.opened: list[Connection] = []
         self.flushes = 0
 
+        self.secrets: list[Connection] = []  # "egress-secret": a request a secret was added to
+
     def __call__(self, entry: Connection) -> None:
-        (self.opened if entry.event == "egress-open" else self.ended).append(entry)
+        {"egress-open": self.opened, "egress-secret": self.secrets}.get(
+            entry.event, self.ended).append(entry)
 
     def flush(self) -> None:
         self.flushes += 1
@@ -44,12 +47,13 @@ class Served:
     """An EgressProxy on 127.0.0.1 in a thread of its own, and the records it wrote."""
 
     def __init__(self, rules: EgressRules, upstream: Upstream | None = None,
-                 record: object = None) -> None:
+                 record: object = None, **options: object) -> None:
         self.recorder = Records()
         self.records = self.recorder.ended
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.proxy = EgressProxy(rules, "k1", record or self.recorder, upstream)
+        self.proxy = EgressProxy(rules, "k1", record or self.recorder, upstream,
+                                 **options)  # type: ignore[arg-type]
         self.errors: list[dict[str, object]] = []  # what escaped a handler (nothing may)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -675,3 +679,220 @@ def test_an_upstream_answer_past_the_head_limit_is_refused_cleanly():
     finally:
         served.close()  # asserts that nothing escaped a handler
         upstream.close()
+
+
+# Secrets: the proxy adds a secret's value for its hosts, over TLS it terminates with the
+# kernel's CA; user code holds the placeholder only, and never gets the value back.
+
+PLACEHOLDER = "sk-sandbox-API_KEY-" + "p" * 20
+
+
+@pytest.fixture(scope="module")
+def secret_origin(tmp_path_factory):
+    """An echoing HTTPS origin (own CA) for localhost, a plain one, a token index, and a Secret."""
+    from sandbox_kernel.confine.egress.secret import Secret
+
+    directory = tmp_path_factory.mktemp("secret-origin")
+    cert = self_signed(directory, ["localhost"])
+    value = "sk-real-" + os.urandom(12).hex()
+    secure, plain = Origin(directory, cert, echo=True), Origin(directory, echo=True)
+    yield secure, plain, cert[0].read_bytes(), Secret("API_KEY", value, ("localhost",),
+                                                      PLACEHOLDER)
+    secure.close()
+    plain.close()
+
+
+@pytest.fixture
+def secret_proxy(secret_origin, tmp_path):
+    secure, plain, upstream_ca, secret = secret_origin
+    served = Served(_rules("hosts", ["localhost", "127.0.0.1"],
+                           [f"127.0.0.1:{secure.port}", f"127.0.0.1:{plain.port}"]),
+                    secrets=[secret], upstream_ca=upstream_ca)
+    trusted = tmp_path / "kernel-ca.pem"  # what the kernel trusts: only the kernel's CA here
+    trusted.write_bytes(served.proxy.ca.certificate_pem())
+    served.trusted = str(trusted)
+    yield served
+    served.close()
+
+
+def _seen_and_echoed(origin, answer_text: str, secret) -> dict[str, str]:
+    seen = origin.seen[-1]
+    assert secret.value not in answer_text and PLACEHOLDER in answer_text
+    return seen
+
+
+def test_a_secret_reaches_its_host_in_every_client_and_never_comes_back(secret_proxy,
+                                                                        secret_origin):
+    secure, _, _, secret = secret_origin
+    url = f"https://localhost:{secure.port}/echo?repeat=50"
+    bearer = {"Authorization": f"Bearer {PLACEHOLDER}"}
+
+    for framed in (url, url + "&length"):  # chunked in 7-byte pieces; by Content-Length
+        answer = secret_proxy.get(framed, headers=bearer, verify=secret_proxy.trusted)
+        assert answer.status_code == 200 and answer.headers["X-Echo"] == f"Bearer {PLACEHOLDER}"
+        assert secure.seen[-1]["authorization"] == f"Bearer {secret.value}"
+        assert answer.text.count(PLACEHOLDER) == 50 and secret.value not in answer.text
+        assert json.loads(answer.text[:len(answer.text) // 50])["accept-encoding"] == "identity"
+
+    import urllib.request
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({"https": secret_proxy.url}),
+        urllib.request.HTTPSHandler(context=ssl.create_default_context(
+            cafile=secret_proxy.trusted)))
+    with opener.open(urllib.request.Request(url, headers=bearer), timeout=10) as response:
+        _seen_and_echoed(secure, response.read().decode(), secret)
+    assert secure.seen[-1]["authorization"] == f"Bearer {secret.value}"
+
+    import httpx
+    with httpx.Client(proxy=secret_proxy.url, verify=ssl.create_default_context(
+            cafile=secret_proxy.trusted)) as client:
+        for _ in range(2):  # the second request on the same (kept-alive) connection
+            text = client.get(url, headers={"X-Api-Key": PLACEHOLDER}).text
+            _seen_and_echoed(secure, text, secret)
+            assert secure.seen[-1]["x-api-key"] == secret.value
+
+    import aiohttp
+
+    async def fetch() -> str:
+        connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(
+            cafile=secret_proxy.trusted))
+        async with aiohttp.ClientSession(connector=connector) as session, \
+                session.get(f"https://localhost:{secure.port}/echo?q={PLACEHOLDER}",
+                            proxy=secret_proxy.url) as response:
+            return await response.text()
+
+    _seen_and_echoed(secure, asyncio.run(fetch()), secret)
+    assert secure.seen[-1]["path"] == f"/echo?q={secret.value}"  # the query string
+
+    import openai
+    client = openai.OpenAI(api_key=PLACEHOLDER, base_url=f"https://localhost:{secure.port}/v1",
+                           http_client=httpx.Client(proxy=secret_proxy.url, verify=ssl
+                                                    .create_default_context(
+                                                        cafile=secret_proxy.trusted)),
+                           max_retries=0)
+    (model,) = client.models.list().data
+    assert model.id == f"Bearer {PLACEHOLDER}"  # the SDK got the placeholder back, not the value
+    assert secure.seen[-1]["authorization"] == f"Bearer {secret.value}"
+
+    basic = secret_proxy.get(f"https://user:{PLACEHOLDER}@localhost:{secure.port}/echo",
+                             verify=secret_proxy.trusted)
+    import base64
+    assert secure.seen[-1]["authorization"] == "Basic " + base64.b64encode(
+        f"user:{secret.value}".encode()).decode()
+    sent_form = "Basic " + base64.b64encode(f"user:{PLACEHOLDER}".encode()).decode()
+    assert basic.headers["X-Echo"] == sent_form and sent_form in basic.text
+
+    uses = secret_proxy.recorder.secrets
+    assert len(uses) == secret_proxy.proxy.substitutions["API_KEY"] == 8  # one per request
+    assert {(use.secret, use.host, use.port) for use in uses} == {
+        ("API_KEY", "localhost", secure.port)}
+    assert all(secret.value not in json.dumps(use.as_dict()) for use in uses)
+    assert "egress secret API_KEY added to a request to CONNECT localhost" in uses[0].summary()
+
+
+def test_the_placeholder_anywhere_else_and_plain_http_to_its_host_are_refused(secret_proxy,
+                                                                               secret_origin):
+    secure, plain, _, secret = secret_origin
+    seen = len(plain.seen)
+    other = secret_proxy.get(f"http://127.0.0.1:{plain.port}/echo",
+                             headers={"Authorization": f"Bearer {PLACEHOLDER}"})
+    said = (f"the placeholder of secret API_KEY was sent to 127.0.0.1:{plain.port}, which is "
+            "not its host (localhost); send API_KEY only to localhost (or declare it for this "
+            "host too with --secret API_KEY=127.0.0.1)")
+    assert (other.status_code, other.reason) == (403, said)
+
+    # A redirect from the secret's host to another carries only the placeholder: refused too.
+    redirect = f"http://127.0.0.1:{plain.port}/echo?key={PLACEHOLDER}"
+    answer = secret_proxy.get(f"https://localhost:{secure.port}/redirect?{redirect}",
+                              headers={"Authorization": f"Bearer {PLACEHOLDER}"},
+                              verify=secret_proxy.trusted)
+    assert (answer.status_code, answer.reason) == (403, said)
+    assert answer.history[0].status_code == 302
+    assert len(plain.seen) == seen  # nothing reached the other host
+
+    cleartext = secret_proxy.get(f"http://localhost:{plain.port}/echo",
+                                 headers={"Authorization": f"Bearer {PLACEHOLDER}"})
+    assert (cleartext.status_code, cleartext.reason) == (
+        403, f"plain HTTP to localhost:{plain.port}, a host of secret API_KEY: secrets are "
+             "added over HTTPS only; use https://localhost")
+    refused = [record for record in secret_proxy.wait(4) if not record.allowed]
+    assert [record.reason for record in refused] == [said, said, cleartext.reason]
+    assert all(secret.value not in json.dumps(record.as_dict()) for record in
+               secret_proxy.records)
+
+
+def test_what_a_raw_client_gets_back_holds_no_value(secret_proxy, secret_origin):
+    """Every byte back, informational responses (103) and the framing h11 made included."""
+    secure, _, _, secret = secret_origin
+    host, port = secret_proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        raw.sendall(f"CONNECT localhost:{secure.port} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+        context = ssl.create_default_context(cafile=secret_proxy.trusted)
+        with context.wrap_socket(raw, server_hostname="localhost") as tls_socket:
+            tls_socket.sendall(f"GET /echo?early&repeat=3 HTTP/1.1\r\nHost: localhost\r\n"
+                               f"Authorization: Bearer {PLACEHOLDER}\r\n"
+                               "Connection: close\r\n\r\n".encode())
+            answer = b""
+            while data := tls_socket.recv(65536):
+                answer += data
+    early = f"HTTP/1.1 103 Early Hints\r\nX-Early: Bearer {PLACEHOLDER}\r\n"
+    assert answer.startswith(early.encode())
+    head, _, chunked = answer.partition(b"\r\n\r\nHTTP/1.1 200 OK\r\n")[2].partition(b"\r\n\r\n")
+    assert b"\r\nTransfer-Encoding: chunked" in b"\r\n" + head
+    body = b""
+    while True:  # the body h11 framed anew, unframed here
+        size, _, chunked = chunked.partition(b"\r\n")
+        body, chunked = body + chunked[:int(size, 16)], chunked[int(size, 16) + 2:]
+        if not int(size, 16):
+            break
+    assert chunked == b"" and len(json.loads(body[:len(body) // 3])) > 3
+    for text in (head, body):
+        assert secret.value.encode() not in text and PLACEHOLDER.encode() in text
+    assert secure.seen[-1]["authorization"] == f"Bearer {secret.value}"
+
+
+def test_a_body_compressed_anyway_is_undone_and_scrubbed_or_refused(secret_proxy,
+                                                                     secret_origin):
+    secure, _, _, secret = secret_origin
+    url = f"https://localhost:{secure.port}/echo?repeat=20&"
+    bearer = {"Authorization": f"Bearer {PLACEHOLDER}"}
+    answer = secret_proxy.get(url + "gzip", headers=bearer, verify=secret_proxy.trusted,
+                              stream=True)
+    raw = answer.raw.read()  # as the proxy sent it, undecoded by the client
+    assert "Content-Encoding" not in answer.headers and raw.count(PLACEHOLDER.encode()) == 20
+    assert secret.value.encode() not in raw
+    refused = secret_proxy.get(url + "br", headers=bearer, verify=secret_proxy.trusted)
+    assert (refused.status_code, refused.reason) == (
+        502, f"localhost:{secure.port} answered in Content-Encoding br though asked for "
+             "identity: the proxy cannot scrub a secret's value from it, so the response is "
+             "refused; ask the host for an uncompressed response (or for gzip)")
+    assert secret.value not in refused.text
+
+
+def test_an_upstream_that_cannot_be_verified_is_refused(secret_origin):
+    secure, _, _, secret = secret_origin
+    served = Served(_rules("hosts", ["localhost"], [f"127.0.0.1:{secure.port}"]),
+                    secrets=[secret])  # no --upstream-ca: the origin's own CA is unknown
+    seen = len(secure.seen)
+    try:
+        with pytest.raises(requests.exceptions.ProxyError,
+                           match=r"502 localhost:.*: TLS to it failed: its certificate cannot "
+                                 r"be verified .*; give its CA with --upstream-ca FILE"):
+            served.get(f"https://localhost:{secure.port}/echo",
+                       headers={"Authorization": f"Bearer {PLACEHOLDER}"})
+        assert len(secure.seen) == seen  # no request went to an origin not verified
+    finally:
+        served.close()
+
+
+def test_the_scrubber_finds_values_split_across_reads():
+    from sandbox_kernel.confine.egress.intercept import Scrubber
+
+    stream = (b"x" * 5 + b"VALUE" + b"y" + b"VALUE") * 3
+    for size in range(1, 12):
+        scrubber = Scrubber([(b"VALUE", b"<placeholder>")])
+        out = b"".join(scrubber.feed(stream[at:at + size])
+                       for at in range(0, len(stream), size)) + scrubber.end()
+        assert out == stream.replace(b"VALUE", b"<placeholder>")
+        assert len(scrubber.held) == 0

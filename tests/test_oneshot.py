@@ -14,13 +14,14 @@ import json
 import os
 import re
 import socket
+import sys
 import time
 
 import pytest
 
 from sandbox_kernel.client import Sandbox, oneshot
 from sandbox_kernel.kernel import oneshot_wire as wire
-from sandbox_kernel.launch.oneshot import OneShotPool
+from sandbox_kernel.launch.oneshot import OneShotPool, OneShotUnavailable
 from sandbox_kernel.policy import SandboxPolicy
 
 POLICY = dict(max_output_bytes=10_000)
@@ -111,6 +112,23 @@ def test_a_run_that_never_yields_is_killed_and_says_so(pool):
     assert ex.error.name == "ExecutionTimeout"
     assert "its one-shot kernel was killed" in ex.error.value
     assert ex.state_lost
+
+
+def test_the_callers_side_needs_no_jupyter_client_session(pool, monkeypatch):
+    # The service's per-request work frames the request and reads the answers itself.
+    from jupyter_client.session import Session
+
+    def refused(*_, **__):
+        raise AssertionError("jupyter_client's Session is on the one-shot caller's path")
+
+    for name in ("msg", "serialize", "deserialize", "feed_identities"):
+        monkeypatch.setattr(Session, name, refused)
+    ex = one_shot(pool, "print('hi')\nimport IPython.display as d\n"
+                        "d.display({'text/plain': 'p', 'text/html': '<b>h</b>'}, raw=True)\n"
+                        "6 * 7")
+    assert ex.error is None and ex.stdout == "hi\n"
+    assert ex.text == "42"
+    assert ex.displays == [{"text/plain": "p", "text/html": "<b>h</b>"}]
 
 
 def test_fd_level_output_counts(pool):
@@ -214,7 +232,7 @@ def test_a_pooled_process_takes_exactly_one_request(pool):
     [(kind, pid)] = _record(first)
     assert kind == wire.PID
     request = oneshot.request("print('one')", None, 5.0)
-    payload = wire.pack_frames(oneshot._SESSION.serialize(request))
+    payload = wire.pack_frames(oneshot.serialize(request))
     first.sendall(wire.record(wire.REQUEST, payload) * 2)  # a second request on the same line
     received = b""
     while chunk := first.recv(65536):
@@ -233,22 +251,78 @@ def test_a_pooled_process_takes_exactly_one_request(pool):
     assert other != pid
 
 
-def test_the_server_never_holds_the_request(pool):
-    """The code of a run never reaches the fork server's memory (only the process's)."""
-    marker = "sandbox-oneshot-marker-" + os.urandom(8).hex()
-    assert one_shot(pool, f"print('{marker}')").stdout == marker + "\n"
-    server = pool.server.server_pid()
-    assert server is not None
-    with open(f"/proc/{server}/maps") as maps, open(f"/proc/{server}/mem", "rb") as mem:
+def _holds(pid, marker):
+    """Whether the writable memory of process pid holds these bytes."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb") as mem:
         for line in maps:
             start, end = (int(part, 16) for part in line.split()[0].split("-"))
             if "rw" not in line.split()[1] or end - start > 1 << 30:
                 continue
             try:
                 mem.seek(start)
-                assert marker.encode() not in mem.read(end - start)
+                if marker in mem.read(end - start):
+                    return True
             except OSError:
                 continue
+    return False
+
+
+ORIGIN = ("import os, time\nkernel = get_ipython().kernel\n"
+          "print(os.getpid(), os.getppid(), kernel.parent.built_by, id(kernel), id(type(kernel)),"
+          " kernel.session.session, kernel.ident)")
+
+
+def test_the_server_and_the_zygote_never_hold_the_request(pool):
+    """The code of a run never reaches the fork server's or the zygote's memory."""
+    marker = "sandbox-oneshot-marker-" + os.urandom(8).hex()
+    assert one_shot(pool, f"print('{marker}')").stdout == marker + "\n"
+    server = pool.server.server_pid()
+    assert server is not None
+    zygote = int(one_shot(pool, ORIGIN).stdout.split()[2])
+    assert not _holds(server, marker.encode()) and not _holds(zygote, marker.encode())
+
+
+def test_a_pool_whose_processes_refuse_to_start_says_why():
+    """Each process forked from the zygote refuses in its own init_confinement (a loader
+    variable in --env); three in a row break the pool, and the caller learns why."""
+    pool = OneShotPool(SandboxPolicy(env={"LD_PRELOAD": "/x.so"}, **POLICY), size=1)
+    with pytest.raises(OneShotUnavailable, match="3 one-shot kernels in a row ended before"):
+        one_shot(pool, "print(1)")
+
+
+SHELL_PATHS = ("import os\nip = get_ipython()\n"
+               "print(repr([str(path) for path in (ip.profile_dir.location, ip.ipython_dir,"
+               " ip.kernel.parent.profile_dir.location, ip.home_dir, ip.starting_dir,"
+               " *ip.history_manager.dir_hist, *_dh)]))\nprint(os.environ['HOME'])\n"
+               "print('startup' in os.listdir(ip.profile_dir.location))")
+
+
+def test_a_pooled_process_makes_its_shell_s_paths_again(pool):
+    """What the zygote's shell held of its (removed) home is this process's scratch's now."""
+    paths, home, made = one_shot(pool, SHELL_PATHS).stdout.splitlines()
+    paths = ast.literal_eval(paths)
+    assert home.startswith("/") and len(paths) == 7
+    assert all(path == home or path.startswith(home + "/") for path in paths), (home, paths)
+    assert made == "True"  # the profile dir exists, in the scratch
+
+
+def test_a_pooled_process_is_a_fork_of_the_pools_zygote(pool):
+    """The kernel a pooled process runs was built before its fork, in the pool's zygote: the
+    zygote holds the same object at the same address, and the process, a child of the server
+    (forked with CLONE_PARENT), has ids of its own."""
+    server = pool.server.server_pid()
+    seen = [one_shot(pool, ORIGIN).stdout.split() for _ in range(2)]
+    (pid, ppid, zygote, kernel, kernel_type, *ids), other = seen[0], seen[1]
+    assert pid != other[0] and zygote == other[2] and kernel == other[3]
+    assert ids[0] != other[5] and ids[1] != other[6]  # session and kernel ids: its own
+    assert int(zygote) not in (int(pid), int(other[0]), server)
+    assert int(ppid) == int(other[1]) == server  # the server reaps it and is what it dies with
+    with open(f"/proc/{zygote}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    assert int(fields["PPid"]) == server and fields["Seccomp"].strip() == "0"  # unconfined
+    with open(f"/proc/{zygote}/mem", "rb") as mem:  # the object's header: refcount, type
+        mem.seek(int(kernel) + 8)
+        assert int.from_bytes(mem.read(8), sys.byteorder) == int(kernel_type)
 
 
 def test_a_refused_request_is_said(pool):
@@ -271,6 +345,26 @@ def test_traceback_frames_are_the_users(pool):
     assert "oneshot" not in text
 
 
+def test_the_companion_charges_each_kernel_its_own_egress_cpu():
+    # Two one-shot kernels at once, both served by the one companion's event loop: one sends
+    # 300 hostile heads, the other 3; each execution is charged its own connections' work.
+    from tests.test_usage import HEADS
+
+    pool = OneShotPool(SandboxPolicy(allow_network=True, **POLICY), size=2)
+
+    async def both():
+        quiet = HEADS.format(count=3) + "import time\ntime.sleep(1.0)\n" \
+            + HEADS.format(count=3)
+        return await asyncio.gather(oneshot.run(pool, HEADS.format(count=300), None, 30),
+                                    oneshot.run(pool, quiet, None, 30))
+
+    busy, quiet = asyncio.run(both())
+    assert busy.error is None and quiet.error is None, (busy.error, quiet.error)
+    assert busy.usage.egress_cpu_seconds > 0.02, busy.usage
+    assert 0 < quiet.usage.egress_cpu_seconds < busy.usage.egress_cpu_seconds / 10, \
+        (quiet.usage, busy.usage)
+
+
 def test_refused_calls_are_answered_and_recorded_by_the_companion(tmp_path):
     from tests.test_audit import ATTACKS, MARKER, records
 
@@ -287,3 +381,158 @@ def test_refused_calls_are_answered_and_recorded_by_the_companion(tmp_path):
     assert len(raws) == 1, found
     assert raws[0]["kernel"] == f"one-shot-{pid}" and raws[0]["uid"] == uid
     assert raws[0]["errno"] == "EPERM"
+
+
+def test_a_pooled_process_takes_requests_only_from_the_servers_user():
+    from sandbox_kernel.kernel.oneshot import OVERFLOW_UID, caller_allowed
+
+    assert caller_allowed(os.getuid(), os.getuid()) and caller_allowed(0, os.getuid())
+    assert not caller_allowed(4242, os.getuid())
+    # Here (no user namespace of its own) the server's uid is mapped: the overflow uid is
+    # another user's, never the server's. (Inside one, tests/test_container.py's runs.)
+    assert not caller_allowed(OVERFLOW_UID, os.getuid())
+
+
+def test_a_run_outlives_its_fork_server_and_the_next_reaches_a_new_one():
+    """kill -9 the fork server mid-run. A pooled process dies with its server only while it
+    waits: the run it already took ends as it would have, and so does a run sent at once after
+    the kill (taken by a process not yet gone, or by a server started afresh); the waiting
+    ones end, and a later run reaches a new server. (A server of its own: another preload, so
+    the other tests' pools are untouched.)"""
+    import psutil
+
+    pool = OneShotPool(SandboxPolicy(**POLICY), size=2, preload=["json"])
+    code = "print('started', flush=True)\nimport time\ntime.sleep(1.5)\nprint('ended')"
+
+    async def kill_mid_run():
+        started = asyncio.Event()
+        taken = asyncio.ensure_future(oneshot.run(pool, code, None, 20,
+                                                  on_stdout=lambda _: started.set()))
+        await asyncio.wait_for(started.wait(), 60)
+        server = psutil.Process(pool.server.server_pid())
+        waiting = [child for child in server.children() if child.name() != "sk-zygote"]
+        server.kill()
+        following = await oneshot.run(pool, "print('next')", None, 20)
+        return server.pid, waiting, await taken, following
+
+    killed, waiting, taken, following = asyncio.run(kill_mid_run())
+    assert taken.error is None and taken.stdout == "started\nended\n", (taken.error, taken.stdout)
+    assert following.error is None and following.stdout == "next\n", following.error
+    _, alive = psutil.wait_procs(waiting, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    assert one_shot(pool, "print('later')").stdout == "later\n"
+    assert pool.server.server_pid() not in (None, killed)
+
+
+def test_a_select_round_never_hands_an_old_event_to_a_descriptor_that_took_its_number():
+    """The fork server's and the companion's loop (confine/rounds.py): in one round a callback
+    closes a descriptor that is also ready (a ward gone) and the next handover takes its number.
+    The old descriptor's event is neither its callback's (the server reaped a process twice and
+    died of the KeyError) nor the new one's (a seccomp receive with no call waiting blocked the
+    companion, and every kernel's refused calls with it)."""
+    import selectors
+
+    from sandbox_kernel.confine.rounds import run_round
+
+    selector = selectors.DefaultSelector()
+    first_read, first_write = os.pipe()
+    old_read, old_write = os.pipe()
+    calls = []
+
+    def reuse(_):  # ready first: closes the other ready pipe, and a new one takes its number
+        os.read(first_read, 1)
+        selector.unregister(old_read)
+        os.close(old_read)
+        new_read, new_write = os.pipe()
+        assert new_read == old_read
+        os.write(new_write, b"y")
+        selector.register(new_read, selectors.EVENT_READ,
+                          lambda fd: calls.append(os.read(fd, 1)))
+        calls.append("reused")
+
+    selector.register(first_read, selectors.EVENT_READ, reuse)
+    selector.register(old_read, selectors.EVENT_READ, lambda _: calls.append("old"))
+    os.write(first_write, b"x")
+    os.write(old_write, b"x")
+    run_round(selector, 0)
+    assert calls == ["reused"]
+    run_round(selector, 0)  # the new descriptor's own event, on the next select
+    assert calls == ["reused", b"y"]
+
+
+BIG_RESULT = "def main():\n    return {'x': [[] for _ in range(400_000)]}"  # 1.2 MB of JSON
+FORGED_CONTENT = ("_k = get_ipython().kernel\n"
+                  "_k.session.send(_k.iopub_socket, 'execute_result', CONTENT,"
+                  " parent=_k.get_parent())\npass\n")
+
+
+def _raw_run(pool, code, monkeypatch, inputs=None):
+    """A run keeping its result as JSON bytes; the contents checked in a child process."""
+    from sandbox_kernel import resultcheck
+
+    checked = []
+
+    async def spy(content):
+        checked.append(len(content))
+        return await resultcheck.checked_elsewhere(content)
+
+    monkeypatch.setattr(oneshot, "checked_elsewhere", spy)
+    return asyncio.run(oneshot.run(pool, code, inputs, 30, raw_result=True)), checked
+
+
+def test_a_large_result_is_checked_in_a_child_process_and_kept_as_sent(pool, monkeypatch):
+    """Over 1 MiB, the check (msgspec, holding the GIL ~5 ns a byte) leaves the caller's event
+    loop for a child process; the result is the same bytes the check in place keeps."""
+    ex, checked = _raw_run(pool, BIG_RESULT, monkeypatch, {})
+    assert ex.error is None, ex.error
+    assert json.loads(ex.result_json) == {"x": [[]] * 400_000}
+    assert len(checked) == 1 and checked[0] > 1 << 20
+    small, checked = _raw_run(pool, "def main():\n    return {'x': [[], []]}", monkeypatch, {})
+    assert small.result_json == b'{"x":[[],[]]}' and checked == []  # checked in place
+
+
+def test_a_large_malformed_result_is_refused_by_the_check_in_a_child(pool, monkeypatch):
+    """A forged execute_result whose JSON breaks 1.2 MB in: the child's check refuses it."""
+    content = ("b'{\"execution_count\": 1, \"metadata\": {}, \"data\": {\"text/plain\": \"f\","
+               " \"application/json\": {\"x\": [' + b'[],' * 400_000 + b'}}}'")
+    ex, checked = _raw_run(pool, FORGED_CONTENT.replace("CONTENT", content), monkeypatch)
+    assert len(checked) == 1
+    assert ex.result_json is None and ex.error is not None and ex.error.name == "InvalidResult"
+    assert ex.error.value.startswith("the kernel's result message is not valid: JSON is "
+                                     "malformed"), ex.error.value
+
+
+def test_a_result_check_whose_child_cannot_start_is_made_in_place(monkeypatch):
+    from sandbox_kernel import resultcheck
+
+    content = b'{"data": {"application/json": {"a": [1]}, "text/plain": "t"}}'
+    monkeypatch.setattr(resultcheck.sys, "executable", "/nonexistent/python")
+    assert asyncio.run(resultcheck.check_elsewhere(content)) == (b'{"a": [1]}', "t") \
+        == resultcheck.raw_result(content)
+
+
+def test_a_zmq_kernels_large_result_is_checked_in_a_child_by_the_async_caller(monkeypatch):
+    """The same check off the loop on the ZMQ path (the service's sessions); a blocking caller
+    checks in place, and both keep the same bytes."""
+    from sandbox_kernel import resultcheck
+    from sandbox_kernel.client import AsyncSandbox
+
+    checked = []
+
+    async def spy(content):
+        checked.append(len(content))
+        return await resultcheck.checked_elsewhere(content)
+
+    monkeypatch.setattr(AsyncSandbox, "_check_large", staticmethod(spy))
+
+    async def async_run():
+        async with AsyncSandbox(None, policy=SandboxPolicy(**POLICY)) as sandbox:
+            return await sandbox.run(BIG_RESULT, {}, timeout=30, raw_result=True)
+
+    ex = asyncio.run(async_run())
+    assert ex.error is None, ex.error
+    assert len(checked) == 1 and checked[0] > 1 << 20
+    with Sandbox(None, policy=SandboxPolicy(**POLICY)) as sandbox:
+        in_place = sandbox.run(BIG_RESULT, {}, timeout=30, raw_result=True)
+    assert in_place.result_json == ex.result_json and len(checked) == 1
+    assert json.loads(ex.result_json) == {"x": [[]] * 400_000}

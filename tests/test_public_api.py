@@ -7,8 +7,9 @@ import pytest
 import sandbox_kernel.client as client
 
 PUBLIC = ["GRACE_SECONDS", "AsyncSandbox", "CallerLimits", "ErrorInfo", "Execution", "Sandbox",
-          "Usage"]
-METHODS = ["start", "close", "restart", "interrupt", "kernel_info", "warm_up", "run", "install"]
+          "Snapshot", "SnapshotError", "Usage"]
+METHODS = ["start", "close", "restart", "interrupt", "kernel_info", "warm_up", "run", "install",
+           "snapshot", "restore"]
 
 
 def test_all_lists_the_public_names():

@@ -130,9 +130,10 @@ def test_a_kernel_cannot_read_the_runtimes_in_its_prefix(store_in_the_prefix, ke
                       "open('link/requirements.txt').read()")
         assert done.error is not None and done.error.name == "PermissionError"
         # The rest of the prefix is as readable as before (the folders on the way to the
-        # store are not listed, their other contents are), and the kernel lives.
-        kept = sb.run(f"import os\nsorted(os.listdir({sys.prefix + '/share/jupyter'!r}))")
-        assert kept.error is None and "'kernels'" in kept.text, kept
+        # store are not listed, their other contents are; Jupyter's kernelspecs and config,
+        # share/jupyter, are not granted since #31), and the kernel lives.
+        kept = sb.run(f"import os\nsorted(os.listdir({sys.prefix + '/lib'!r}))")
+        assert kept.error is None and f"'python{sys.version_info[0]}." in kept.text, kept
         assert sb.run("import ipykernel, json\nprint(2)").stdout == "2\n"
 
 

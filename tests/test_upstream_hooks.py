@@ -15,6 +15,7 @@ from __future__ import annotations
 import _posixsubprocess
 import atexit
 import inspect
+import os
 import socket
 import subprocess
 
@@ -246,3 +247,15 @@ def test_a_main_call_publishes_no_execute_input_and_a_cell_does(sandbox):
     assert "execute_input" in published({})
     assert "execute_input" not in published({"entrypoint": "main", "inputs": {}})
     sandbox.run("globals().pop('main', None)")
+
+
+def test_a_session_made_before_a_fork_is_the_forks_once_its_pid_and_count_are_reset():
+    """OneShotKernel.renew (kernel/oneshot.py) sets a pooled process's Session.pid: Session.send
+    drops, with a warning, what another process than the one that made the session sends; and
+    resets message_count, which numbers the message ids."""
+    from jupyter_client.session import Session
+
+    session = Session(key=b"")
+    assert session.check_pid and session.pid == os.getpid()
+    session.session, session.message_count = "renewed", 0
+    assert session.msg_id == f"renewed_{os.getpid()}_0" and session.message_count == 1

@@ -13,7 +13,7 @@ from tests.helpers import evaluate, ok
 MiB = 2**20
 HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
         "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
-        "refused_syscalls": "kernel"}
+        "refused_syscalls": "kernel", "egress_cpu_seconds": "kernel"}
 # Spins until the kernel process has used `cpu` seconds of CPU, whatever else the machine runs
 # (two cores shared by many processes: its wall time may be longer, never shorter).
 # It looks at the clock every 10^5 iterations: a CPU clock read is a system call.
@@ -133,7 +133,7 @@ TAMPER = """
 import ctypes, mmap
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-line = next(l for l in open('/proc/self/maps') if 'sandbox-kernel-refusals' in l)
+line = next(l for l in open('/proc/self/maps') if 'sandbox-kernel-tally' in l)
 start = int(line.split('-')[0], 16)
 assert libc.mprotect(start, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE) == 0
 ctypes.memmove(start, b'\\xff' * 8, 8)
@@ -199,8 +199,9 @@ def test_cpu_a_thread_spends_between_executions_is_in_the_next_ones_usage(fresh_
         if usage.text == "False":
             break
         assert len(later) < 60, "the spinner did not end"
-    billed = sum(cpu(u) for u in later)
-    assert billed >= 1.0 - 2 * TICK, (billed, later)
+    # What the spinner spent before the first execution's figures closed is billed to it.
+    billed = cpu(started) + sum(cpu(u) for u in later)
+    assert billed >= 1.0 - 2 * TICK, (billed, started, later)
     assert all(u.source["cpu_user_seconds"] == "host" for u in later)
     # Nothing is billed twice: an execution after a quiet pause costs what it ran.
     time.sleep(0.3)
@@ -217,3 +218,61 @@ def test_the_kernels_own_report_also_counts_from_the_previous_execution(fresh_sa
     assert cpu(joined) >= 1.0 - 2 * TICK, joined
     time.sleep(0.2)
     assert cpu(ok(fresh_sandbox.run("pass")).usage) <= 0.05
+
+
+# User code sends request heads to the egress proxy, each on its own connection, and reads each
+# answer: the proxy parses and refuses them in the kernel's companion, outside the kernel.
+HEADS = ("import socket\n"
+         "head = b'GET http://10.0.0.1/ HTTP/1.1\\r\\nHost: 10.0.0.1\\r\\n' + b'a: b\\r\\n' * 98"
+         " + b'\\r\\n'\n"
+         "for _ in range({count}):\n"
+         "    with socket.create_connection(('127.0.0.1', 3128)) as raw:\n"
+         "        raw.sendall(head)\n"
+         "        assert raw.recv(4096).startswith(b'HTTP/1.1 403')\n")
+
+
+def companion_seconds(kernel_pid):
+    """The CPU of the kernel's reaper (its only child) so far, from /proc."""
+    children = open(f"/proc/{kernel_pid}/task/{kernel_pid}/children").read().split()
+    fields = open(f"/proc/{children[0]}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_egress_proxys_cpu_for_hostile_heads_is_charged_to_the_execution(net_sandbox):
+    ok(net_sandbox.run(HEADS.format(count=1)))  # the proxy's start, and a step counted late
+    pid = net_sandbox.manager.provisioner.pid
+    before = companion_seconds(pid)
+    usage = ok(net_sandbox.run(HEADS.format(count=300))).usage
+    spent = companion_seconds(pid) - before
+    charged = usage.egress_cpu_seconds
+    assert usage.source["egress_cpu_seconds"] == "kernel"
+    # Charged: what the proxy's work on these connections cost, within what the companion
+    # spent in all (its event loop's own polling is no one connection's).
+    assert 0.02 < charged <= spent + 2 * TICK, (charged, spent)
+    assert charged >= spent / 4, (charged, spent)
+    # An execution without connections is charged nothing (later steps were counted by now).
+    time.sleep(0.2)
+    ok(net_sandbox.run("pass"))
+    assert ok(net_sandbox.run("pass")).usage.egress_cpu_seconds == 0.0
+
+
+def test_a_kernel_without_the_network_is_charged_no_egress_cpu(sandbox):
+    assert ok(sandbox.run("pass")).usage.egress_cpu_seconds == 0.0
+
+
+def test_cpu_a_thread_spends_after_the_last_execution_is_in_the_sandboxs_total(fresh_sandbox):
+    # The cell returns at once and no execution follows: the spinner's 1 s of CPU is in no
+    # execution's figures, and must be in the sandbox's total.
+    started = ok(fresh_sandbox.run(SPINNER)).usage
+    assert cpu(started) < 0.5
+    deadline = time.monotonic() + 60
+    while cpu(total := fresh_sandbox.total_usage()) < 1.0 - 2 * TICK:
+        assert time.monotonic() < deadline, total
+        time.sleep(0.2)
+    assert total.source["cpu_user_seconds"] == "host"
+    # Nothing counted twice: once the spinner is done, a quiet execution adds only its own.
+    time.sleep(0.3)
+    before = cpu(fresh_sandbox.total_usage())
+    quiet = ok(fresh_sandbox.run("pass")).usage
+    assert cpu(fresh_sandbox.total_usage()) - before <= cpu(quiet) + 0.05
+    assert before < 1.0 + cpu(started) + 0.3

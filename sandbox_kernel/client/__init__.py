@@ -11,9 +11,10 @@ from . import execution as _execution
 from .execution import ErrorInfo, Execution, Usage
 from .receive import CallerLimits
 from .sandbox import GRACE_SECONDS, AsyncSandbox, Sandbox
+from .snapshot import Snapshot, SnapshotError
 
 __all__ = ["GRACE_SECONDS", "AsyncSandbox", "CallerLimits", "ErrorInfo", "Execution", "Sandbox",
-           "Usage"]
+           "Snapshot", "SnapshotError", "Usage"]
 
 
 def __getattr__(name: str) -> Any:

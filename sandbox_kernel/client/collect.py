@@ -8,8 +8,9 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from .. import jsonwire
+from ..resultcheck import CHECK_ELSEWHERE, raw_result
 from .execution import ErrorInfo, Execution, error_from
-from .receive import Budget, CallerLimits, raw_result, unpack_frames
+from .receive import Budget, CallerLimits, unpack_frames
 
 POLL = 0.2  # seconds between looks at the kernel while no message comes
 _DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's exit
@@ -36,9 +37,13 @@ class Collector:
 
     def feed_frames(self, frames: list[Any]) -> None:
         """Take one message as it came off the socket (content parsed only if it is ours)."""
-        msg = unpack_frames(self.session, frames, self.msg_id)
+        msg = self.unpack(frames)
         if msg is not None:
             self.feed(msg)
+
+    def unpack(self, frames: list[Any]) -> dict[str, Any] | None:
+        """The message in frames if it is ours (checked, content still packed), else None."""
+        return unpack_frames(self.session, frames, self.msg_id)
 
     def feed(self, msg: dict[str, Any]) -> None:
         """Take one message; its content may still be packed (bytes), as unpack_frames leaves it."""
@@ -47,7 +52,7 @@ class Collector:
         kind, content = msg["header"]["msg_type"], msg["content"]
         size = msg.get("content_size", 0)
         if kind == "execute_result":
-            self._result(content, size)
+            self._result(content, size, msg.get("checked"))
             return
         if kind in ("display_data", "update_display_data") and not self.budget.take_display(size):
             return
@@ -68,9 +73,19 @@ class Collector:
             self.idle = True
             self._add_markers()
 
-    def _result(self, content: Any, size: int) -> None:
+    def checks_elsewhere(self, msg: dict[str, Any]) -> bool:
+        """Whether feed(msg) would check a result kept as JSON bytes (raw_result) over
+        CHECK_ELSEWHERE bytes: an async caller checks it beforehand in a child process
+        (resultcheck.checked_elsewhere) and hands the outcome in the message as "checked"."""
+        size = msg.get("content_size", 0)
+        return (self.raw_result and msg["header"]["msg_type"] == "execute_result"
+                and isinstance(msg["content"], (bytes, memoryview))
+                and msg.get("parent_header", {}).get("msg_id") == self.msg_id
+                and CHECK_ELSEWHERE < size and self.budget.near_limit(size))
+
+    def _result(self, content: Any, size: int, checked: Any = None) -> None:
         if self.raw_result and isinstance(content, (bytes, memoryview)):
-            self._raw_result(content, size)
+            self._raw_result(content, size, checked)
             return
         ex = self.execution
         problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
@@ -88,12 +103,15 @@ class Collector:
         ex.result = json_data if isinstance(json_data, dict) else None
         self.result_bytes = _result_bytes(ex.result, ex.text)
 
-    def _raw_result(self, content: bytes | memoryview, size: int) -> None:
+    def _raw_result(self, content: bytes | memoryview, size: int, checked: Any) -> None:
+        """checked: raw_result's outcome, found elsewhere (a tuple or its ValueError)."""
         ex = self.execution
         problem = None if self.budget.near_limit(size) else self.budget.result_problem(size)
         if problem is None:
             try:
-                raw, text = raw_result(content)
+                if isinstance(checked, ValueError):
+                    raise checked
+                raw, text = checked if checked is not None else raw_result(content)
             except ValueError as exc:
                 ex.error = ErrorInfo("InvalidResult", str(exc), [f"InvalidResult: {exc}"])
                 return

@@ -43,7 +43,12 @@ class Usage:
     `peak_memory_bytes` is its high-water mark up to the end of the execution (an upper bound,
     exact when the execution set a new high). `refused_syscalls` counts the calls the seccomp
     allowlist refused (the ones the audit records); argument checks that answer EPERM at once
-    (ioctl, mmap, open flags) are not counted.
+    (ioctl, mmap, open flags) are not counted. `egress_cpu_seconds` is the CPU the egress proxy
+    spent, in the kernel's unconfined companion, on the kernel's connections (reading and judging
+    request heads, TLS hellos, splicing): outside the kernel, so not in its CPU figures, and
+    billable beside them; reported by the kernel from the companion's count ("kernel").
+    `secret_uses`: with secrets (`--secret`), how many requests the proxy added each one to, by
+    name, also from the companion's count.
     """
 
     wall_seconds: float = 0.0
@@ -53,6 +58,8 @@ class Usage:
     output_bytes: int = 0
     result_bytes: int = 0
     refused_syscalls: int | None = None
+    egress_cpu_seconds: float | None = None
+    secret_uses: dict[str, int] | None = None
     source: dict[str, str] = field(default_factory=dict)
 
 

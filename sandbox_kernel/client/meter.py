@@ -14,6 +14,10 @@ An execution's CPU is counted from the end of the kernel's previous execution, n
 start: a thread a cell left running spends CPU between executions, and that CPU must be in some
 figure a caller can bill, so it is in the next execution's (the first execution of a kernel
 counts from its own start: starting the kernel is the operator's).
+
+CPU spent after a sandbox's last execution (a thread still running) is in no execution's figures;
+the sandbox's total (SessionTotal, `Sandbox.total_usage()`) counts every tick of its kernels from
+their first execution on, whenever it is asked: what a session spends is in a figure to bill.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .execution import Usage
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _KERNEL_FIGURES = ("cpu_user_seconds", "cpu_system_seconds", "peak_memory_bytes",
-                   "refused_syscalls")
+                   "refused_syscalls", "egress_cpu_seconds")
 
 
 class KernelProcess:
@@ -36,6 +40,7 @@ class KernelProcess:
         self.stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         self.status = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         self.billed: tuple[int, int] | None = None  # CPU ticks when the last execution ended
+        self.first: tuple[int, int] | None = None  # CPU ticks when the first execution started
         self.clear_refs: int | None = None
         try:
             self.clear_refs = os.open(f"/proc/{pid}/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
@@ -81,6 +86,62 @@ def open_process(pid: Any) -> KernelProcess | None:
         return None
 
 
+class SessionTotal:
+    """What a sandbox's kernels spent in all: the host's CPU ticks of each kernel process from
+    its first execution on, billed or not; the CPU of one-shot runs (each kernel ends with its
+    run, so its execution's figures are all it spent); the egress proxy's CPU its executions
+    were charged. A kernel replaced (a restart, a lost kernel) adds what it spent up to its
+    last reading."""
+
+    def __init__(self) -> None:
+        self.ended = (0.0, 0.0)  # CPU seconds of kernels no longer current, and one-shot runs
+        self.local = False  # some kernel's CPU was read from the host
+        self.egress: float | None = None
+
+    def spent(self, process: KernelProcess | None) -> tuple[int, int]:
+        """The current kernel's ticks since its first execution (its last ones, if it is gone)."""
+        if process is None or process.first is None:
+            return 0, 0
+        try:
+            now = process.cpu_ticks()
+        except (OSError, ValueError):  # gone: what the host read last
+            now = process.billed or process.first
+        return now[0] - process.first[0], now[1] - process.first[1]
+
+    def retire(self, process: KernelProcess | None) -> None:
+        """The process is about to end or be replaced: keep what it spent (once)."""
+        user, system = self.spent(process)
+        self._add(user / _TICK, system / _TICK)
+        if process is not None:
+            process.first = None
+
+    def add_run(self, usage: Usage, own_kernel: bool) -> None:
+        """An execution's figures; own_kernel: it had a kernel of its own (a one-shot run)."""
+        if usage.egress_cpu_seconds is not None:
+            self.egress = (self.egress or 0.0) + usage.egress_cpu_seconds
+        if own_kernel and usage.cpu_user_seconds is not None \
+                and usage.cpu_system_seconds is not None:
+            self._add(usage.cpu_user_seconds, usage.cpu_system_seconds)
+            self.local = self.local or usage.source.get("cpu_user_seconds") == "host"
+
+    def usage(self, process: KernelProcess | None) -> Usage:
+        """The totals so far, the current kernel's ticks included; CPU None where no kernel of
+        the sandbox was ever a local process (its executions' own figures are all there is)."""
+        total = Usage(egress_cpu_seconds=self.egress)
+        if self.egress is not None:
+            total.source["egress_cpu_seconds"] = "kernel"
+        self.local = self.local or (process is not None and process.first is not None)
+        if self.local:
+            user, system = self.spent(process)
+            total.cpu_user_seconds = round(self.ended[0] + user / _TICK, 6)
+            total.cpu_system_seconds = round(self.ended[1] + system / _TICK, 6)
+            total.source.update(cpu_user_seconds="host", cpu_system_seconds="host")
+        return total
+
+    def _add(self, user: float, system: float) -> None:
+        self.ended = (self.ended[0] + user, self.ended[1] + system)
+
+
 class Meter:
     """One execution's usage: started before the request goes out, stopped at idle."""
 
@@ -96,6 +157,7 @@ class Meter:
                 self.peak = process.memory(b"VmRSS") if self.sampling else None
                 now = process.cpu_ticks()
                 self.cpu = process.billed or now  # from where the last execution's ended
+                process.first = process.first or now
             except (OSError, ValueError):  # the kernel is gone: its own report stands
                 self.process = None
 
@@ -147,3 +209,8 @@ def _kernel_figures(usage: Usage, reported: Any) -> None:
         setattr(usage, name, int(value) if name in ("peak_memory_bytes", "refused_syscalls")
                 else float(value))
         usage.source[name] = "kernel"
+    uses = reported.get("secret_uses")
+    if isinstance(uses, dict) and all(isinstance(name, str) and type(count) is int
+                                      and count >= 0 for name, count in uses.items()):
+        usage.secret_uses = dict(uses)
+        usage.source["secret_uses"] = "kernel"  # noqa: S105 (a figure's name, not a password)

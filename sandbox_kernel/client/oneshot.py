@@ -6,32 +6,43 @@ the same Collector within the same caller limits: an Execution reads the same wh
 ran it. The caller's safety never depends on the kernel: every record is bounded before it is
 read, and at `timeout + grace` the process is killed through the pidfd it handed over (its
 own, so a recycled pid is never hit) and the run says so.
+
+The messages are framed as a Jupyter Session frames them (delimiter, signature, header, parent
+header, metadata, content), but neither end of this connection signs or needs a Session: the
+request is framed and the answers are read here, without jupyter_client, whose deserialize
+turns every date of a message into a datetime with dateutil (four-fifths of its cost, and
+nothing here reads a date).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
 import signal
 import socket
 import time
+import uuid
 from typing import Any
-
-import zmq
-from jupyter_client.session import Session
 
 from .. import jsonwire
 from ..kernel import oneshot_wire as wire
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from ..resultcheck import checked_elsewhere
 from .collect import Callback, Collector, exit_description
 from .execution import ErrorInfo, Execution, error_from
 from .meter import Meter, open_process
-from .receive import CallerLimits, unpack_frames
+from .receive import SMALL_PART, CallerLimits
 
 GRACE_SECONDS = 2.0
+# Bytes taken off the connection per event-loop turn: a flood of small messages (40,000
+# one-byte prints) is ~220 of them per turn, a few ms, so other requests are answered between.
+READ_STEP = 1 << 16
 ONE_SHOT_TIMEOUT = "ExecutionTimeout"
-_SESSION = Session(key=b"")  # one private connection per run: nothing to sign against
+DELIMITER = b"<IDS|MSG>"  # ends a Jupyter message's routing identities
+PROTOCOL_VERSION = "5.3"
+_SESSION_ID = uuid.uuid4().hex  # the header's session: this caller process
 
 __all__ = ["OneShotUnavailable", "run"]
 
@@ -39,17 +50,49 @@ __all__ = ["OneShotUnavailable", "run"]
 def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: str = "main",
             timeout_source: str = "Sandbox.run(timeout=)") -> dict[str, Any]:
     """The execute_request a ZMQ client would send for this run (client/sandbox.py's)."""
-    msg = _SESSION.msg("execute_request", {
-        "code": code, "silent": False, "store_history": inputs is None,
-        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+    header = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request",
+              "username": "sandbox-kernel", "session": _SESSION_ID,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "version": PROTOCOL_VERSION}
     meta: dict[str, Any] = {}
     if inputs is not None:
         meta.update(entrypoint=entrypoint, inputs=inputs)
     if timeout is not None:
         meta.update(timeout=timeout, timeout_source=timeout_source)
-    if meta:
-        msg["metadata"]["sandbox"] = meta
-    return msg  # type: ignore[no-any-return]
+    return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
+            "parent_header": {}, "metadata": {"sandbox": meta} if meta else {},
+            "content": {"code": code, "silent": False, "store_history": inputs is None,
+                        "user_expressions": {}, "allow_stdin": False,
+                        "stop_on_error": True}}
+
+
+def serialize(msg: dict[str, Any]) -> list[bytes]:
+    """The message's frames, as Session.serialize makes them with no key (no signature)."""
+    return [DELIMITER, b"", *(jsonwire.dumps(msg[part]) for part in
+                              ("header", "parent_header", "metadata", "content"))]
+
+
+def message(frames: list[memoryview], msg_id: str) -> dict[str, Any] | None:
+    """The message in a record's frames if it answers msg_id (content still packed), else
+    None; receive.unpack_frames's contract (small parts bounded before they are parsed, other
+    requests' and malformed messages dropped), without a Session."""
+    try:
+        parts = frames[[bytes(frame) for frame in frames[:8]].index(DELIMITER) + 1:]
+    except ValueError:  # not a Jupyter message at all
+        return None
+    if len(parts) < 5 or any(len(part) > SMALL_PART for part in parts[1:4]):
+        return None
+    try:
+        header, parent, metadata = (jsonwire.loads(part) for part in parts[1:4])
+    except ValueError:
+        return None
+    if not (isinstance(header, dict) and isinstance(header.get("msg_type"), str)
+            and isinstance(parent, dict) and parent.get("msg_id") == msg_id):
+        return None
+    content = parts[4]
+    return {"header": header, "msg_id": header.get("msg_id"), "msg_type": header["msg_type"],
+            "parent_header": parent, "metadata": metadata, "content": content,
+            "buffers": parts[5:], "content_size": len(content)}
 
 
 async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
@@ -62,9 +105,9 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
     limits = limits or CallerLimits()
     loop = asyncio.get_running_loop()
     msg = request(code, inputs, timeout, entrypoint, timeout_source)
-    payload = wire.pack_frames(_SESSION.serialize(msg))
+    payload = wire.pack_frames(serialize(msg))
     collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
-                          _SESSION, raw_result)
+                          None, raw_result)
     run = await _taken(loop, pool, collector, limits)
     try:
         if not run.pid:  # the server's answer (a broken pool), or its socket closed
@@ -163,12 +206,12 @@ class _Run:
     async def read(self, loop: asyncio.AbstractEventLoop) -> None:
         """Records until `done` or the connection's end."""
         while not self.done:
-            data = await loop.sock_recv(self.conn, 1 << 20)
+            data = await loop.sock_recv(self.conn, READ_STEP)
             if not data:
                 return
             try:
                 for kind, payload in self.records.feed(data):
-                    self._take(kind, payload)
+                    await self._take(kind, payload)
             except wire.WireError as exc:  # larger than the caller takes, or malformed
                 self.kill()
                 self.lost = f"the one-shot kernel sent a message the caller refuses: {exc}"
@@ -196,13 +239,12 @@ class _Run:
                 self.pid = int(payload)
                 self.meter = Meter(open_process(self.pid))
             else:
-                self._take(kind, payload)
+                await self._take(kind, payload)
 
-    def _take(self, kind: int, payload: bytes) -> None:
+    async def _take(self, kind: int, payload: bytes) -> None:
         if kind == wire.MESSAGE:
             self.messages += 1
-            frames = [zmq.Frame(frame) for frame in wire.unpack_frames(payload)]
-            msg = unpack_frames(_SESSION, frames, self.collector.msg_id)
+            msg = message(wire.unpack_frames(payload), self.collector.msg_id)
             if msg is None:
                 return
             if msg["header"]["msg_type"] == "execute_reply":
@@ -211,6 +253,8 @@ class _Run:
                     content, (bytes, memoryview)) else content
                 self.reply = msg
             else:
+                if self.collector.checks_elsewhere(msg):
+                    msg["checked"] = await checked_elsewhere(msg["content"])
                 self.collector.feed(msg)
                 if self.collector.idle and self.meter is not None and not self.metered:
                     self.meter.stop()  # the host's figures, at idle as a ZMQ run takes them

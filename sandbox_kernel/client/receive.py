@@ -25,7 +25,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils import monitor
 
@@ -235,36 +234,6 @@ class Budget:
         """Whether a result frame is worth parsing to measure it exactly."""
         limit = self.limits.max_result
         return not limit or frame_size <= limit + RESULT_ROOM
-
-
-def raw_result(content: bytes | memoryview) -> tuple[bytes | None, Any]:
-    """An execute_result's (application/json as bytes, text/plain), never building the result.
-
-    The JSON is checked (well-formed UTF-8 JSON, one object) by msgspec, which skips a value
-    without making Python objects of it: a 13 MB result of nested empty lists takes ~70 ms and
-    its own size in memory this way, against seconds and ~30 times its size parsed.
-    Raises ValueError for content that is not such a message.
-    """
-    try:
-        parsed = _RESULT_DECODER.decode(content)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"the kernel's result message is not valid: {exc}") from None
-    data = parsed.data
-    text = data.get("text/plain")
-    raw = data.get("application/json")
-    if raw is not None and not bytes(raw).lstrip(b" \t\r\n").startswith(b"{"):
-        raw = None  # a main() result is an object; anything else is no result
-    return (None if raw is None else bytes(raw),
-            None if text is None else msgspec.json.decode(text))
-
-
-class _ResultContent(msgspec.Struct):
-    """What raw_result reads of an execute_result's content: each data value left unparsed."""
-
-    data: dict[str, msgspec.Raw]
-
-
-_RESULT_DECODER = msgspec.json.Decoder(_ResultContent)
 
 
 def unpack_frames(session: Any, frames: list[Any], msg_id: str) -> dict[str, Any] | None:

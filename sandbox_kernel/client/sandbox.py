@@ -19,12 +19,13 @@ import asyncio
 import functools
 import inspect
 import logging
+import os
 import queue
 import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import zmq
@@ -32,15 +33,29 @@ import zmq.asyncio
 
 from .. import jsonwire
 from ..install import DEFAULT_NAME
+from ..kernel.snapshot import CHUNK_MESSAGE, DEFAULT_MAX_FILES  # names only: nothing unpickles
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from ..policy import SandboxPolicy
+from ..resultcheck import checked_elsewhere
 from . import oneshot
 from .collect import POLL, Call, Callback, Collector, Watchdog
-from .execution import Execution, error_from
+from .execution import Execution, Usage, error_from
 from .inbox import AsyncInbox, Inbox, queued_reply
 from .managers import AsyncSandboxKernelManager, SandboxKernelManager
-from .meter import KernelProcess, Meter, open_process
-from .receive import CallerLimits, oversize_error, shared_context
+from .meter import KernelProcess, Meter, SessionTotal, open_process
+from .receive import SMALL_PART, CallerLimits, oversize_error, shared_context
+from .snapshot import (
+    DEFAULT_MAX_SIZE,
+    FORMAT_VERSION,
+    Snapshot,
+    SnapshotError,
+    check_policy,
+    close_seal,
+    new_key,
+    open_sealed,
+    restore_policy,
+    seal_room,
+)
 from .specs import installed_policy, manager_kwargs
 
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
@@ -58,6 +73,16 @@ _STARTING = ("Kernel died before replying to kernel_info",  # as jupyter_client'
              "Kernel didn't respond in {timeout:g} seconds")
 _WARMING_UP = ("the kernel died while warming up (before any code of the caller ran)",
                "the kernel did not answer a silent `pass` within {timeout:g} s")
+
+# The kernel side of snapshots (kernel/snapshot.py), called with the main() convention.
+_SNAPSHOT_ENTRYPOINT = "__sandbox_snapshot__"
+_SNAPSHOT_CODE = f"from sandbox_kernel.kernel.snapshot import {_SNAPSHOT_ENTRYPOINT}"
+# Payload bytes per message at most (a frame the caller's sockets take: fewer under small
+# --max-output/--max-result), and per call (the messages one call publishes wait in the
+# kernel's IOPub queue, whose high-water mark is far above this many).
+_SNAPSHOT_CHUNK = 16 * 2**20
+_SNAPSHOT_CHUNKS_PER_CALL = 4
+_SNAPSHOT_CALL_TIMEOUT = 600.0  # one step of a snapshot or restore (a 1 GB one takes seconds)
 
 T = TypeVar("T")
 Steps = Generator[Call, Any, T]
@@ -256,12 +281,52 @@ def install_code(packages: Sequence[str], upgrade: bool = False) -> str:
     return "%pip install " + ("-U " if upgrade else "") + shlex.join(packages)
 
 
+class _Payload:
+    """A snapshot's payload as it arrives from the kernel, in order, within its size."""
+
+    def __init__(self, room: bytearray, start: int, size: int) -> None:
+        self.data = memoryview(room)[start:start + size]  # where the payload goes, sealed
+        self.received = 0
+
+    def take(self, offset: Any, buffers: Sequence[Any]) -> None:
+        """Put a chunk message's buffers at offset, if that is where the payload goes on."""
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            if offset != self.received or offset + view.nbytes > self.data.nbytes:
+                return  # out of order or past the end: left out, so the size check refuses it
+            self.data[offset:offset + view.nbytes] = view
+            self.received = offset = offset + view.nbytes
+
+
+class _ChunkCollector(Collector):
+    """A run's collector that also takes the snapshot chunks the kernel publishes on IOPub."""
+
+    def __init__(self, payload: _Payload, *args: Any) -> None:
+        super().__init__(*args)
+        self.payload = payload
+
+    def feed(self, msg: dict[str, Any]) -> None:
+        """Chunks go to the payload; everything else as to any run."""
+        if (msg["header"]["msg_type"] == CHUNK_MESSAGE
+                and msg.get("parent_header", {}).get("msg_id") == self.msg_id):
+            content = msg["content"]
+            if isinstance(content, (bytes, memoryview)):
+                content = jsonwire.loads(content)
+            self.payload.take(content.get("offset") if isinstance(content, dict) else None,
+                              msg.get("buffers", []))
+            return
+        super().feed(msg)
+
+
 class _SandboxCore:
     """What Sandbox and AsyncSandbox are made of: a kernel manager, limits, and the steps."""
 
     manager_class: type = SandboxKernelManager
     _complete: Any  # each class: how a one-shot run is completed
     _off_loop: Any  # each class: how a blocking call is made
+    # How a large result kept as JSON is checked before the collector takes it: None, in
+    # place (a blocking caller waits anyway); an event loop's caller, in a child process.
+    _check_large: Any = None
     lock_class: type = threading.Lock
     context_class: type = zmq.Context
     inbox_class: type = Inbox
@@ -272,14 +337,27 @@ class _SandboxCore:
                  grace: float = GRACE_SECONDS, max_output: int | None = None,
                  max_result: int | None = None, cold_start: bool = False,
                  preload: Sequence[str] = (), timeout_source: str = "Sandbox.run(timeout=)",
-                 one_shot: bool = False, python: str | None = None) -> None:
+                 one_shot: bool = False, python: str | None = None,
+                 secrets: Mapping[str, Mapping[str, Any]] | None = None,
+                 snapshot: Snapshot | bytes | None = None, snapshot_key: bytes | None = None,
+                 snapshot_owner: str | None = None) -> None:
         """kernel_name: an installed kernelspec, or None for this package's own with `policy`,
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
         limit. one_shot: every run gets a kernel of its own that ends with it: with
         kernel_name None (and no cold_start) a one-shot kernel from the fork server's pool of
         this policy (kernel/oneshot.py: no ZMQ, no state between runs; no kernel_info,
         interrupt or install), else a ZMQ kernel whose timeout keeps no state.
-        python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/)."""
+        python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/).
+        secrets: the caller's own, {NAME: {"value": ..., "hosts": [...]}}, with kernel_name
+        None: declared in the policy by name and hosts, their values given to the kernel's
+        companion alone (the package's secrets.py), each host within the policy's network.
+        snapshot: a Snapshot (or its sealed bytes) to restore as soon as the kernel has
+        started (see restore(); snapshot_key and snapshot_owner default to the Snapshot's);
+        the report is then in `restored`."""
+        policy, self._secret_values = _with_secrets(policy, secrets, kernel_name)
+        if snapshot is not None and one_shot:
+            raise ValueError("a one-shot sandbox keeps no state to restore a snapshot into: "
+                             "create the Sandbox without one_shot=True")
         recorded = policy.as_dict() if policy is not None else (
             installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
         # Enforced here on what arrives, whatever the kernel does (see receive.py).
@@ -296,13 +374,27 @@ class _SandboxCore:
         self.timeout_source = timeout_source
         self.one_shot = one_shot
         # cold_start keeps meaning an interpreter of its own, started without the fork server.
+        # Credentials reach a kernel's companion in a vault that one-shot kernels, made
+        # before their request, cannot yet be given: their runs take a ZMQ kernel instead.
         self.one_shot_pool = OneShotPool(
             policy or SandboxPolicy(), 1, python=python or sys.executable, preload=preload) \
-            if one_shot and kernel_name is None and not cold_start else None
+            if one_shot and kernel_name is None and not cold_start \
+            and not (policy is not None and policy.holds_credentials()) else None
         self.client: Any = None
         self._inbox: Any = None
         self._process: KernelProcess | None = None
+        self._total = SessionTotal()
         self._lock = self.lock_class()
+        self._recorded_policy = recorded
+        self._to_restore = (snapshot, snapshot_key, snapshot_owner) if snapshot is not None \
+            else None
+        self.restored: dict[str, Any] | None = None  # what restoring `snapshot` reported
+
+    @property
+    def holds_callers_secrets(self) -> bool:
+        """Whether the caller gave secrets of its own (`secrets=`): their values live only in
+        this process, so no snapshot carries them and a kernel restored from one lacks them."""
+        return bool(self._secret_values)
 
     def _sending_context(self, context: Any) -> Any:
         """The context the manager and client send on (AsyncSandbox: sends never wait)."""
@@ -333,8 +425,18 @@ class _SandboxCore:
         context = self._live_context()  # also the manager's control socket's (shutdown requests)
         if self.manager.context is not context:
             self.manager.context = context
-        yield (_fast_reconnecting(self.manager).start_kernel,)
+        start = _fast_reconnecting(self.manager).start_kernel
+        if self._secret_values:  # the launcher's environment for this kernel, values and all
+            start = functools.partial(start, env={**os.environ, **self._secret_values})
+        yield (start,)
         yield from self._connect_steps()
+        if self._to_restore is not None:
+            snapshot, key, owner = self._to_restore
+            try:
+                self.restored = yield from self._restore_steps(snapshot, key, owner)
+            except Exception:
+                yield from self._close_steps()  # a sandbox that did not start holds no kernel
+                raise
 
     def _connect_steps(self) -> Steps[None]:
         self.client = _fast_reconnecting(
@@ -376,6 +478,7 @@ class _SandboxCore:
         if self.client is not None:
             self._stop_client()
         if self.manager.has_kernel:
+            self._total.retire(self._process)  # before it ends: its last ticks are readable
             # Graceful by default; either way the scratch reaper removes the scratch directory.
             try:
                 yield (functools.partial(self.manager.shutdown_kernel, now=now),)
@@ -386,6 +489,7 @@ class _SandboxCore:
     def _restart_steps(self) -> Steps[None]:
         """Replace the kernel with a fresh one; all state is lost."""
         self._stop_client()
+        self._total.retire(self._process)
         yield (functools.partial(self.manager.restart_kernel, now=True),)
         yield from self._connect_steps()
 
@@ -442,24 +546,44 @@ class _SandboxCore:
 
         raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
         parsed into objects), for a caller that only passes it on (the service)."""
+        return (yield from self._execute_steps(code, inputs, timeout, on_stdout, on_stderr,
+                                               on_display, entrypoint, raw_result))
+
+    def _execute_steps(self, code: str, inputs: dict | None = None,
+                       timeout: float | None = None, on_stdout: Callback = None,
+                       on_stderr: Callback = None, on_display: Callback = None,
+                       entrypoint: str = "main", raw_result: bool = False,
+                       buffers: Sequence[Any] = (), collect: Callable[..., Collector] = Collector
+                       ) -> Steps[Execution]:
+        """run()'s body; buffers: binary frames the request carries; collect: what makes the
+        run's collector (the snapshot's also takes the chunks the kernel publishes)."""
         if self.one_shot_pool is not None and not self.one_shot_pool.path:
             yield from self._start_steps()  # a ZMQ kernel instead if no pool could be had
         if self.one_shot_pool is not None:
-            return (yield (self._complete, oneshot.run(
+            execution = yield (self._complete, oneshot.run(
                 self.one_shot_pool, code, inputs, timeout, on_stdout=on_stdout,
                 on_stderr=on_stderr, on_display=on_display, limits=self.limits,
                 raw_result=raw_result, grace=self.grace, entrypoint=entrypoint,
-                timeout_source=self.timeout_source)))
+                timeout_source=self.timeout_source))
+            self._total.add_run(execution.usage, own_kernel=True)
+            return execution
         watchdog = Watchdog(timeout, self.grace, self.one_shot)
         msg = _execute_request(self.client, code, inputs, timeout, entrypoint,
                                self.timeout_source)
+        if buffers:
+            msg["buffers"] = list(buffers)
         meter = Meter(self._kernel_process())
-        collector, inbox = self._send(msg, on_stdout, on_stderr, on_display, raw_result)
+        collector, inbox = self._send(msg, on_stdout, on_stderr, on_display, raw_result,
+                                      collect)
         lost = None
         while not collector.idle and not lost:
             frames = yield (inbox.receive, POLL)
             if frames is not None:
-                collector.feed_frames(frames)
+                ours = collector.unpack(frames)
+                if ours is not None and self._check_large and collector.checks_elsewhere(ours):
+                    ours["checked"] = yield (self._check_large, ours["content"])
+                if ours is not None:
+                    collector.feed(ours)
                 if not watchdog.due():
                     continue
             meter.sample()
@@ -475,6 +599,7 @@ class _SandboxCore:
             _reply_error(execution, reply)
         execution.usage = meter.finish(execution.duration, collector.budget.output_received,
                                        collector.result_bytes, reply)
+        self._total.add_run(execution.usage, own_kernel=False)
         return execution
 
     def _take_reply(self, msg_id: str) -> Steps[dict[str, Any] | None]:
@@ -498,11 +623,11 @@ class _SandboxCore:
         return None
 
     def _send(self, msg: dict[str, Any], on_stdout: Callback = None, on_stderr: Callback = None,
-              on_display: Callback = None, raw_result: bool = False
-              ) -> tuple[Collector, Any]:
+              on_display: Callback = None, raw_result: bool = False,
+              collect: Callable[..., Collector] = Collector) -> tuple[Collector, Any]:
         """Send an execute request; return what collects its output and the inbox to read."""
-        collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
-                              self.limits, self.client.session, raw_result)
+        collector = collect(msg["header"]["msg_id"], on_stdout, on_stderr, on_display,
+                            self.limits, self.client.session, raw_result)
         inbox = self._current_inbox()  # before the send: nothing of the reply may be missed
         self.client.shell_channel.send(msg)
         return collector, inbox
@@ -519,8 +644,19 @@ class _SandboxCore:
             self._process = open_process(pid)
         return self._process
 
+    def total_usage(self) -> Usage:
+        """What this sandbox's kernels have spent so far in all, billed in an execution or not.
+
+        CPU (read from the host) counts each kernel from its first execution on, including what
+        threads left running spend between executions and after the last one; with one_shot,
+        the sum of the runs. `egress_cpu_seconds` sums what the executions were charged. Ask
+        before close() for the last kernel's ticks after its last execution."""
+        process = self._process if self.one_shot_pool is None else None
+        return self._total.usage(process)
+
     def _forget_process(self) -> None:
         if self._process is not None:
+            self._total.retire(self._process)
             self._process.close()
             self._process = None
 
@@ -546,6 +682,111 @@ class _SandboxCore:
             self._inbox.close()
             self._inbox = None
 
+    # --- snapshots ------------------------------------------------------------------------------
+
+    def _snapshot_policy(self) -> dict[str, Any]:
+        """The network and runtime of this kernel, as the caller knows them (not the kernel)."""
+        spec = self.manager.kernel_spec
+        return restore_policy(self._recorded_policy, spec.argv[0] if spec else sys.executable)
+
+    def _chunk_size(self) -> int:
+        """Payload bytes per message: a frame within what the caller's sockets accept."""
+        largest = self.limits.max_message
+        return _SNAPSHOT_CHUNK if largest < 0 else min(_SNAPSHOT_CHUNK, largest - SMALL_PART)
+
+    def _snapshot_call(self, op: str, timeout: float | None, buffers: Sequence[Any] = (),
+                       collect: Callable[..., Collector] = Collector,
+                       **inputs: Any) -> Steps[dict[str, Any]]:
+        """One step in the kernel (kernel/snapshot.py); SnapshotError with its error if it
+        failed."""
+        execution = yield from self._execute_steps(
+            _SNAPSHOT_CODE, {"op": op, **inputs}, timeout=timeout or _SNAPSHOT_CALL_TIMEOUT,
+            entrypoint=_SNAPSHOT_ENTRYPOINT, buffers=buffers, collect=collect)
+        if execution.error is not None:
+            raise SnapshotError(f"the kernel could not {op} the snapshot: "
+                                f"{execution.error.name}: {execution.error.value}")
+        if not isinstance(execution.result, dict):
+            raise SnapshotError(f"the kernel's answer to {op} is not an object")
+        return execution.result
+
+    def _snapshot_steps(self, key: bytes | None = None, owner: str = "", *,
+                        max_size: int = DEFAULT_MAX_SIZE, max_files: int = DEFAULT_MAX_FILES,
+                        timeout: float | None = None) -> Steps[Snapshot]:
+        """Save this session's user state: a Snapshot (sealed bytes and manifest).
+
+        Made inside the kernel: the user namespace (each name on its own; what cannot be
+        saved, such as a generator or an open file, is in manifest["skipped"] with the
+        reason), the %pip packages by name and version, the scratch files up to max_files
+        bytes, the working directory. Sealed with HMAC-SHA256 under key, bound to owner; with
+        no key a random one is generated and kept on the Snapshot (`snapshot.key`): store it
+        apart from the data, restoring needs it. max_size: refuse a larger snapshot (0: any).
+        The session goes on as it was.
+        """
+        self._needs_a_kernel("snapshot()", "nothing stays after a run")
+        made = yield from self._snapshot_call("take", timeout, max_files=max_files)
+        try:
+            size = made["bytes"]
+            if not isinstance(size, int) or size < 0:
+                raise SnapshotError(f"the kernel's snapshot has no valid size ({size!r})")
+            if max_size and size > max_size:
+                raise SnapshotError(f"the session's state is {size} bytes, over the limit of "
+                                    f"{max_size} bytes (max_size raises it)")
+            manifest = {"version": FORMAT_VERSION, "saved": made.get("saved", []),
+                        "skipped": made.get("skipped", []), "bytes": size,
+                        "policy": self._snapshot_policy(),
+                        "packages": made.get("packages", []), "files": made.get("files", []),
+                        "cwd": made.get("cwd", "."), "serializer": made.get("serializer"),
+                        "python": made.get("python")}
+            room, start = seal_room(manifest, size)  # the payload arrives in its place
+            payload = _Payload(room, start, size)
+            chunk = self._chunk_size()
+            while payload.received < size:
+                asked = min(chunk * _SNAPSHOT_CHUNKS_PER_CALL, size - payload.received)
+                before = payload.received
+                yield from self._snapshot_call(
+                    "read", timeout, collect=functools.partial(_ChunkCollector, payload),
+                    offset=before, size=asked, chunk=chunk)
+                if payload.received != before + asked:
+                    raise SnapshotError(f"the kernel sent {payload.received - before} bytes "
+                                        f"of the snapshot where {asked} were asked for")
+        except Exception:
+            yield from self._snapshot_call("drop", timeout)  # its memory goes back
+            raise
+        yield from self._snapshot_call("drop", timeout)
+        payload.data.release()
+        key = key or new_key()
+        return Snapshot(close_seal(room, key, owner), manifest, key, owner)
+
+    def _restore_steps(self, snapshot: Snapshot | bytes, key: bytes | None = None,
+                       owner: str | None = None, *, max_size: int = DEFAULT_MAX_SIZE,
+                       packages: bool = True, timeout: float | None = None
+                       ) -> Steps[dict[str, Any]]:
+        """Load a snapshot into this (fresh) session; what was restored and what was not.
+
+        The seal is checked first (key and owner default to the Snapshot's): one altered byte,
+        another owner or key, or more than max_size bytes is a SnapshotError, as is a snapshot
+        of another network or runtime than this kernel's. The payload is then loaded inside
+        the kernel only: packages=True installs the snapshot's %pip packages again (through
+        the same policy), then the files, the working directory and the names. The report:
+        restored (names), skipped ([{name, reason}]), packages, files, cwd.
+        """
+        self._needs_a_kernel("restore()", "nothing stays after a run")
+        data = snapshot.data if isinstance(snapshot, Snapshot) else snapshot
+        if isinstance(snapshot, Snapshot):
+            key = key if key is not None else snapshot.key
+            owner = owner if owner is not None else snapshot.owner
+        manifest, payload = open_sealed(data, key or b"", owner or "", max_size)
+        check_policy(manifest.get("policy"), self._snapshot_policy())
+        yield from self._snapshot_call("begin", timeout, size=payload.nbytes)
+        chunk = self._chunk_size()
+        step = chunk * _SNAPSHOT_CHUNKS_PER_CALL
+        for offset in range(0, payload.nbytes, step):
+            piece = payload[offset:offset + step]
+            yield from self._snapshot_call(
+                "write", timeout, offset=offset,
+                buffers=[piece[start:start + chunk] for start in range(0, piece.nbytes, chunk)])
+        return (yield from self._snapshot_call("load", timeout, packages=packages))
+
     start = _Operation(_start_steps)
     close = _Operation(_close_steps)
     restart = _Operation(_restart_steps)
@@ -554,6 +795,8 @@ class _SandboxCore:
     warm_up = _Operation(_warm_up_steps, locked=True)
     run = _Operation(_run_steps, locked=True)
     install = _Operation(_install_steps, locked=True)
+    snapshot = _Operation(_snapshot_steps, locked=True)
+    restore = _Operation(_restore_steps, locked=True)
     _connect = _Operation(_connect_steps)
 
 
@@ -572,6 +815,30 @@ class Sandbox(_SandboxCore):
     _off_loop = staticmethod(lambda call: call())  # a blocking call (asking for the pool)
 
 
+def _with_secrets(policy: SandboxPolicy | None, given: Mapping[str, Mapping[str, Any]] | None,
+                  kernel_name: str | None) -> tuple[SandboxPolicy | None, dict[str, str]]:
+    """The policy with the caller's secrets declared, and their values; unchanged without.
+
+    SecretError (a TraitError) names what is wrong, never a value.
+    """
+    if not given:
+        return policy, {}
+    from ..secrets import SecretError, checked_entries
+
+    if kernel_name is not None:
+        raise SecretError("secrets need kernel_name=None and a policy: an installed "
+                          "kernelspec's policy is its own")
+    entries = checked_entries(dict(given), "secrets")
+    base = policy or SandboxPolicy()
+    values = base.as_dict()
+    values.pop("allow_network", None)  # network says it
+    values["secrets"] = [*base.secrets, *(f"{name}={host}" for name, entry in entries.items()
+                                          for host in entry["hosts"])]
+    declared = SandboxPolicy(**values)
+    declared.declared_secrets()  # each host within the policy's network, else refused now
+    return declared, {name: entry["value"] for name, entry in entries.items()}
+
+
 class AsyncSandbox(_SandboxCore):
     """The asyncio twin of Sandbox: the same methods, awaited."""
 
@@ -583,6 +850,7 @@ class AsyncSandbox(_SandboxCore):
     _driver = staticmethod(_awaiting)
     _complete = staticmethod(lambda run: run)  # awaited by the driver
     _off_loop = staticmethod(asyncio.to_thread)
+    _check_large = staticmethod(checked_elsewhere)
 
     async def __aenter__(self) -> AsyncSandbox:
         await self.start()

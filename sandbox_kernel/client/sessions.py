@@ -41,6 +41,14 @@ class KernelSession:
         """Seconds since its last call ended; 0 while busy."""
         return 0.0 if self.busy else time.monotonic() - self.last_used
 
+    def spent(self) -> dict[str, float | None]:
+        """What its kernel has spent so far in all, between and after executions too (for the
+        faces' session descriptions: a figure a caller can bill; see Sandbox.total_usage)."""
+        total = self.sandbox.total_usage()
+        return {"cpu_user_seconds": total.cpu_user_seconds,
+                "cpu_system_seconds": total.cpu_system_seconds,
+                "egress_cpu_seconds": total.egress_cpu_seconds}
+
 
 class SessionLimit(Exception):
     """A new session would pass a limit: the table's (`per_owner` False) or its owner's."""
@@ -80,8 +88,11 @@ class SessionTable(Generic[S]):
         return session if session is not None and session.owner == owner else None
 
     async def open(self, owner: str, owner_limit: int | None,
-                   make: Callable[[str], Awaitable[S]]) -> S:
-        """A new session, `make(id)` (which starts its kernel); SessionLimit past a limit."""
+                   make: Callable[[str], Awaitable[S]], session_id: str | None = None) -> S:
+        """A new session, `make(id)` (which starts its kernel); SessionLimit past a limit.
+
+        session_id: the id of a session coming back (resumed from a pause), else a new one.
+        """
         # Kernels still starting count too: requests sent at once must not all pass the check.
         starting = self._starting.get(owner, 0)
         if len(self._sessions) + sum(self._starting.values()) >= self.max_sessions:
@@ -90,7 +101,7 @@ class SessionTable(Generic[S]):
             raise SessionLimit(owner_limit, per_owner=True)
         self._starting[owner] = starting + 1
         try:
-            session = await make(secrets.token_hex(self.id_bytes))
+            session = await make(session_id or secrets.token_hex(self.id_bytes))
         finally:
             self._starting[owner] -= 1
         self._sessions[session.id] = session

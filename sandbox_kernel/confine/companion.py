@@ -1,10 +1,11 @@
 """The one-shot kernels' companion: one unconfined process that serves many confined ones.
 
 A ZMQ kernel forks its reaper before it confines itself (reaper.py). A one-shot kernel forks
-nothing: it is one of a pool of processes forked from the fork server, each confined before its
-request arrives. What a reaper holds for its kernel, the companion holds for every one-shot
-process of its server: it is forked from the server (single-threaded, nothing of any request in
-it) the first time the server makes a pool, and never reads a request or its output.
+nothing: it is one of a pool of processes forked from its pool's zygote as children of the fork
+server (launch/forkserver/zygote.py), each confined before its request arrives. What a reaper
+holds for its kernel, the companion holds for every one-shot process of its server: it is
+forked from the server (single-threaded, nothing of any request in it) the first time the
+server makes a pool, and never reads a request or its output.
 
 Each one-shot process registers, before it confines itself, over the server's *registry* (a
 SOCK_SEQPACKET socket its processes share until they close it, before any user code): it hands
@@ -20,8 +21,9 @@ server is gone and every process it serves is too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import select
+import selectors
 import shutil
 import signal
 import socket
@@ -35,6 +37,7 @@ from typing import Any
 from . import audit, handover, scratch
 from .logrelay import LauncherLog
 from .reaper import auditor_for, egress_proxy
+from .rounds import run_round
 
 
 def start(close_in_child: Callable[[], None]) -> tuple[int, int]:
@@ -99,8 +102,7 @@ class Companion:
     def __init__(self, registry: int, server_pid: int) -> None:
         self.registry = socket.socket(fileno=registry)
         self.out = LauncherLog(os.dup(2))  # the server's log
-        self.poller = select.poll()
-        self.handlers: dict[int, Callable[[int], None]] = {}
+        self.selector = selectors.DefaultSelector()
         self.wards: dict[int, Ward] = {}  # by pidfd
         self.loop: asyncio.AbstractEventLoop | None = None  # the egress proxies', once needed
         try:
@@ -112,21 +114,17 @@ class Companion:
             self._watch(self.server, self._server_gone)
 
     def _watch(self, fd: int, handler: Callable[[int], None]) -> None:
-        self.handlers[fd] = handler
-        self.poller.register(fd, select.POLLIN)
+        self.selector.register(fd, selectors.EVENT_READ, handler)
 
     def _unwatch(self, fd: int) -> None:
-        if self.handlers.pop(fd, None) is not None:
-            self.poller.unregister(fd)
+        with contextlib.suppress(KeyError):
+            self.selector.unregister(fd)
 
     def serve(self) -> None:
         """Run until the server is gone and so is every ward."""
         try:
             while self.registry.fileno() >= 0 or self.wards:
-                for fd, events in self.poller.poll(1000 if self.server < 0 else None):
-                    handler = self.handlers.get(fd)
-                    if handler is not None:
-                        handler(events)
+                run_round(self.selector, 1.0 if self.server < 0 else None)
                 if self.server < 0 and os.getppid() == 1:
                     self._server_gone(0)
         finally:
@@ -143,10 +141,10 @@ class Companion:
             os.close(self.server)
             self.server = -1
 
-    def _register(self, events: int) -> None:
+    def _register(self, _: int) -> None:
         received = handover.receive(self.registry)
         if received is None:  # the server closed its end
-            self._server_gone(events)
+            self._server_gone(0)
             return
         request, fds = received
         path, pid = request.get("scratch"), request.get("pid")
@@ -188,7 +186,8 @@ class Companion:
         settings, listener, audit_file = ward.egress
         self._unwatch(listener)
         ward.egress = None
-        proxy = egress_proxy(settings, audit_file, self.out)
+        proxy = egress_proxy(settings, audit_file, self.out,
+                             None if ward.auditor is None else ward.auditor.tally)
         if proxy is None:
             for fd in (listener, audit_file):
                 if fd is not None:
@@ -221,8 +220,11 @@ class Companion:
             os.close(auditor.listener)
             if auditor.audit_file is not None:
                 os.close(auditor.audit_file)
-            if auditor.tally is not None:
-                auditor.tally.map.close()
+            tally = auditor.tally
+            if tally is not None and ward.proxy is not None:  # unmapped in the proxy's thread,
+                ward.proxy.add_done_callback(lambda _: tally.map.close())  # its last writer
+            elif tally is not None:
+                tally.map.close()
         if ward.egress is not None:
             _, listener, audit_file = ward.egress
             self._unwatch(listener)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import reaper, scratch
+from . import reaper, scratch, vault
 from .limits import DEFAULT_MEMORY_LIMIT, parse_size
 
 SCRATCH_VAR = "SANDBOX_KERNEL_SCRATCH"
@@ -180,13 +180,15 @@ def prepare(argv: Sequence[str], current: Mapping[str, str],
     Shared by the re-exec above and the fork server's children (launch/forkserver/server.py).
     The launcher's ready pipe (READY_VAR) is the one inherited descriptor kept: the kernel
     writes to it and closes it once its sockets listen, before any user code runs (kernel/app.py).
+    The launcher's vault (vault.VAULT_VAR) goes to the reaper, unread, and is closed here.
     A one-shot kernel registers with its server's companion instead of forking a reaper:
     companion(scratch_dir) returns the channel; kept: its other descriptors (pool listener...).
     """
     ready = ready_pipe(current)
+    sealed = vault.inherited(current)  # handed on unread to the reaper, closed here below
     scratch_dir = scratch.create()
     # From here on fds 0-2 are no longer the launcher's.
-    keep = reaper.start(scratch_dir, kernel_name(argv)) if companion is None \
+    keep = reaper.start(scratch_dir, kernel_name(argv), sealed) if companion is None \
         else companion(scratch_dir)
     scratch.mount_quota(scratch_dir, *scratch_bounds(argv))
     # Descriptors the launcher let us inherit (open files, sockets) are not for user code.

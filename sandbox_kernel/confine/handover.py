@@ -1,7 +1,8 @@
 """The channel from a kernel to its reaper: requests that carry descriptors, before user code.
 
 A SOCK_SEQPACKET socketpair: one message is one JSON request with the descriptors it hands
-over (the uid lock to hold; the seccomp listener and audit file to serve). The kernel closes
+over (the uid lock to hold; the seccomp listener and audit file to serve), or one asking for
+an answer (the certificate of the kernel's CA, made in the reaper). The kernel closes
 its end before user code runs, which tells the reaper every handover is done.
 """
 
@@ -20,6 +21,13 @@ def hand_over(channel: int, request: dict[str, Any], fds: list[int]) -> None:
     """Kernel side: send the reaper a request and descriptors it keeps from now on."""
     with socket.socket(fileno=os.dup(channel)) as sock:
         socket.send_fds(sock, [json.dumps(request).encode()], fds)
+
+
+def ask(channel: int, request: dict[str, Any], limit: int = 16384) -> bytes:
+    """Kernel side: send the reaper a request and wait for its one answer (b"" if none)."""
+    with socket.socket(fileno=os.dup(channel)) as sock:
+        sock.send(json.dumps(request).encode())
+        return sock.recv(limit)
 
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:

@@ -127,6 +127,29 @@ def hidden_runtimes() -> list[str]:
                               if path and os.path.isdir(path)))
 
 
+# Configuration inside the system and interpreter grants that no kernel needs and operators put
+# credentials in: pip's (an index URL with its token), npm's, Jupyter's config and kernelspecs.
+HIDDEN_SYSTEM = ("/etc/xdg/pip", "/usr/local/etc", "/usr/local/share/jupyter",
+                 "/usr/share/jupyter", "/etc/jupyter")
+HIDDEN_IN_PREFIX = ("pip.conf", os.path.join("etc", "pip.conf"), os.path.join("etc", "jupyter"),
+                    os.path.join("share", "jupyter"))
+
+
+def hidden_configs() -> list[str]:
+    """pip's, npm's and Jupyter's configuration below the grants: never granted to a kernel.
+
+    pip reads its site configuration from /etc/xdg/pip and the interpreter's prefix, and
+    finds it unreadable as if it were absent; Jupyter's config and kernelspecs are read by
+    the launcher, never by the kernel it started.
+    """
+    prefixes = dict.fromkeys((sys.prefix, sys.base_prefix, sys.exec_prefix,
+                              sys.base_exec_prefix))
+    candidates = [*HIDDEN_SYSTEM, *(os.path.join(prefix, name) for prefix in prefixes
+                                    for name in HIDDEN_IN_PREFIX)]
+    return list(dict.fromkeys(os.path.realpath(path) for path in candidates
+                              if os.path.lexists(path)))
+
+
 def around(grants: Iterable[str], hidden: Iterable[str]) -> list[str]:
     """The grants with the hidden directories left out.
 
@@ -166,9 +189,10 @@ def around(grants: Iterable[str], hidden: Iterable[str]) -> list[str]:
 
 def read_only(extra: Iterable[str], *connection_files: str) -> list[str]:
     """Everything granted read-only: system, interpreter (without the runtime stores beside
-    the kernel's own build), this process's /proc, the connection file (a one-shot kernel has
-    none), grants."""
-    granted = [*around([*existing(SYSTEM_READ_ONLY), *interpreter_paths()], hidden_runtimes()),
+    the kernel's own build, nor pip's and Jupyter's configuration), this process's /proc,
+    the connection file (a one-shot kernel has none), grants."""
+    granted = [*around([*existing(SYSTEM_READ_ONLY), *interpreter_paths()],
+                       [*hidden_runtimes(), *hidden_configs()]),
                own_proc_dir(), *map(os.path.realpath, connection_files), *extra]
     return list(dict.fromkeys(granted))
 

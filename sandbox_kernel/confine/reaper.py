@@ -25,16 +25,17 @@ import socket
 import threading
 from typing import Any
 
-from . import audit, handover
+from . import audit, handover, vault
 from .logrelay import LauncherLog, LogRelay
 from .tally import Tally
 
 
-def start(scratch_dir: str, kernel: str = "") -> int:
+def start(scratch_dir: str, kernel: str = "", sealed: int | None = None) -> int:
     """Fork the reaper; give this process a stdio of its own; return the channel's fd.
 
     Call before any confinement, while single-threaded. Afterwards fds 0-2 of this process are
-    /dev/null and the log pipe: nothing of the launcher's stdio is left here.
+    /dev/null and the log pipe: nothing of the launcher's stdio is left here. sealed: the
+    launcher's vault (vault.py), which only the reaper reads; this process closes its copy.
     """
     kernel_pid = os.getpid()
     log_read, log_write = os.pipe()
@@ -42,9 +43,11 @@ def start(scratch_dir: str, kernel: str = "") -> int:
     if os.fork() == 0:
         try:
             ours.close()
-            _run(kernel_pid, kernel, scratch_dir, log_read, theirs.detach())
+            _run(kernel_pid, kernel, scratch_dir, log_read, theirs.detach(), sealed)
         finally:
             os._exit(0)
+    if sealed is not None:
+        os.close(sealed)
     os.close(log_read)
     theirs.close()
     null = os.open(os.devnull, os.O_RDWR)
@@ -59,8 +62,9 @@ def start(scratch_dir: str, kernel: str = "") -> int:
 
 
 def _run(kernel_pid: int, kernel_name: str, scratch_dir: str, log_read: int,
-         channel: int) -> None:
+         channel: int, sealed: int | None = None) -> None:
     os.setsid()  # survive the kernel's process group being killed
+    held = vault.open_vault(sealed) if sealed is not None else {}
     launcher = os.dup(2)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # keep nothing of the launcher's stdio but one stderr
@@ -76,7 +80,7 @@ def _run(kernel_pid: int, kernel_name: str, scratch_dir: str, log_read: int,
     if os.getppid() != kernel_pid:  # the kernel died before we could watch it
         shutil.rmtree(scratch_dir, ignore_errors=True)
         return
-    Reaper(kernel_pid, kernel, launcher, log_read, channel, kernel_name).serve()
+    Reaper(kernel_pid, kernel, launcher, log_read, channel, kernel_name, held).serve()
     shutil.rmtree(scratch_dir, ignore_errors=True)
 
 
@@ -84,8 +88,10 @@ class Reaper:
     """The reaper's event loop: log relay, handovers from the kernel, seccomp notifications."""
 
     def __init__(self, kernel_pid: int, kernel: int, launcher: int, log_read: int,
-                 channel: int, kernel_name: str = "") -> None:
-        self.kernel_pid = kernel_pid
+                 channel: int, kernel_name: str = "",
+                 held: dict[str, Any] | None = None) -> None:
+        self.kernel_pid, self.kernel_name = kernel_pid, kernel_name
+        self.held_secrets = held or {}  # the launcher's vault: for the egress proxy alone
         self.out = LauncherLog(launcher)
         self.relay = LogRelay(self.out, kernel=kernel_name or str(kernel_pid))
         self.kernel, self.log_read, self.channel = kernel, log_read, channel
@@ -94,6 +100,7 @@ class Reaper:
         self.auditor: audit.Auditor | None = None
         self.egress: tuple[dict[str, Any], int, int | None] | None = None  # until a connection
         self.proxy: tuple[Any, threading.Thread] | None = None  # the egress proxy, once serving
+        self.ca: Any = None  # the kernel's CA (egress/ca.py), made here for a kernel with secrets
         self.poller = select.poll()
         for fd in (log_read, channel) + ((kernel,) if kernel >= 0 else ()):
             self.poller.register(fd, select.POLLIN)
@@ -173,9 +180,24 @@ class Reaper:
             self._start_audit(request["audit"], fds)
         elif "egress" in request and fds:
             self._start_egress(request["egress"], fds)
+        elif request.get("ca") and self.ca is None:
+            self._make_ca()
         else:
             for fd in fds:
                 os.close(fd)
+
+    def _make_ca(self) -> None:
+        """Make the kernel's CA here, outside the kernel; answer with its certificate only.
+
+        Only for a kernel this reaper holds secrets for; any other is answered "none".
+        """
+        if not vault.secrets_of(self.held_secrets):
+            self.channel_socket.send(b"none")
+            return
+        from .egress.ca import KernelCA
+
+        self.ca = KernelCA(self.kernel_name)
+        self.channel_socket.send(self.ca.certificate_pem())
 
     def _start_egress(self, settings: dict[str, Any], fds: list[int]) -> None:
         """Serve the egress listener once user code first connects to it.
@@ -193,7 +215,8 @@ class Reaper:
         settings, listener, audit_file = self.egress
         self.poller.unregister(listener)
         self.egress = None
-        proxy = egress_proxy(settings, audit_file, self.out)
+        tally = None if self.auditor is None else self.auditor.tally
+        proxy = egress_proxy(settings, audit_file, self.out, tally, self.held_secrets, self.ca)
         if proxy is None:
             os.close(listener)
             return
@@ -221,21 +244,44 @@ def auditor_for(settings: dict[str, Any], fds: list[int], out: LauncherLog) -> a
                          uid=settings.get("uid"), tally=counted)
 
 
-def egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog) -> Any:
-    """The kernel's egress proxy under its rules; None (said on the log) when they are bad."""
+def egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog,
+                 tally: Tally | None = None, held: dict[str, Any] | None = None,
+                 ca: Any = None) -> Any:
+    """The kernel's egress proxy under its rules; None (said on the log) when they are bad.
+
+    Its CPU for the kernel's connections is added to the kernel's tally (for its usage).
+    settings come from the kernel, so they never carry credentials; held is the launcher's
+    vault (vault.py): the secrets to add, and the upstream proxy's URL with its credentials;
+    ca: the kernel's CA (made here at the kernel's request), which their hosts' TLS ends with.
+    The `upstream_ca` file of the settings is read here, outside the kernel.
+    """
     from .egress.proxy import AuditSink, EgressProxy
     from .egress.rules import EgressRules, Upstream
 
+    held = held or {}
+    secrets = vault.secrets_of(held)
     try:
         rules = EgressRules.parse(settings["mode"], settings["allow_hosts"],
                                   settings["allow_addresses"])
-        upstream = Upstream.parse(settings["upstream_proxy"]) \
-            if settings.get("upstream_proxy") else None
-    except (KeyError, TypeError, ValueError) as exc:
+        url = held.get("upstream_proxy") or settings.get("upstream_proxy")
+        upstream = Upstream.parse(url) if url else None
+        upstream_ca = None
+        if settings.get("upstream_ca"):
+            with open(settings["upstream_ca"], "rb") as file:
+                upstream_ca = file.read()
+        if secrets and ca is None:
+            raise ValueError("the kernel has secrets but asked for no CA to add them with")
+        if tally is not None and secrets:
+            tally.name_secrets([secret.name for secret in secrets])
+        return EgressProxy(rules, str(settings.get("kernel", ""))[:128],
+                           AuditSink(audit_file, out), upstream,
+                           charge=None if tally is None else tally.charge,
+                           count_use=None if tally is None else tally.use,
+                           secrets=secrets, ca=ca,
+                           upstream_ca=upstream_ca)
+    except (KeyError, TypeError, ValueError, OSError) as exc:
         out.write(f"sandbox-kernel: egress proxy not started: {exc}\n".encode())
         return None
-    return EgressProxy(rules, str(settings.get("kernel", ""))[:128], AuditSink(audit_file, out),
-                       upstream)
 
 
 def _serve_egress(proxy: Any, listener: int, out: LauncherLog) -> None:

@@ -159,13 +159,21 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 super().initialize(argv)
                 if self.subapp is not None:
                     return
-                # Switching user only now: ipykernel re-reads its root-only connection file
-                # (unless the network namespace needed the switch first: enter_namespace).
-                if not self.switched:
-                    privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
-                self.init_seccomp()
+                self.finish_confinement()
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
+        self.hand_to_user_code()
+
+    def finish_confinement(self) -> None:
+        """The last layers, once every thread exists: the uid switch, then seccomp."""
+        # Switching user only now: ipykernel re-reads its root-only connection file
+        # (unless the network namespace needed the switch first: enter_namespace).
+        if not self.switched:
+            privileges.switch(self.layers["privileges"], self.layers["scratch"]["path"])
+        self.init_seccomp()
+
+    def hand_to_user_code(self) -> None:
+        """Confined: drop the handovers, set the policy's environment and what explains refusals."""
         self.close_handovers()
         apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network,
@@ -393,9 +401,11 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             # A uid of its own only: the maps need /proc/self, which a shared uid keeps closed.
             if os.geteuid() != 0 or not planned.get("own"):
                 raise
-        # ipykernel re-reads the root-only connection file after this: read it while we can.
-        with open(self.abs_connection_file) as file:
-            self.connection_read_as_root = json.load(file)
+        # ipykernel re-reads the root-only connection file after this: read it while we can
+        # (a one-shot kernel has none: channel_files() is empty).
+        if self.channel_files():
+            with open(self.abs_connection_file) as file:
+                self.connection_read_as_root = json.load(file)
         privileges.switch(planned, self.layers["scratch"]["path"])
         self.switched = True
         return netns.enter()
@@ -416,7 +426,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         settings = {"kernel": self.kernel_id, "mode": policy.network,
                     "allow_hosts": policy.allow_hosts,
                     "allow_addresses": policy.allow_addresses,
-                    "upstream_proxy": policy.upstream_proxy}
+                    "upstream_proxy": policy.upstream_proxy,
+                    "upstream_ca": policy.upstream_ca}
         files = [listener.fileno()]
         if self.audit_file is not None:
             files.append(self.audit_file)
@@ -426,9 +437,25 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             listener.close()
         url = f"http://127.0.0.1:{EGRESS_PORT}"
         os.environ.update(environment.proxy_variables(url))
+        if policy.secrets or policy.secrets_file:
+            self.trust_kernel_ca()
         return {"proxy": url, "allow_hosts": policy.allow_hosts,
                 "allow_addresses": policy.allow_addresses,
                 "upstream_proxy": bool(policy.upstream_proxy)}
+
+    def trust_kernel_ca(self) -> None:
+        """Trust the CA the companion made for this kernel's secrets (egress/trust.py)."""
+        from ..confine.egress.trust import trust_variables
+
+        assert self.reaper_channel is not None
+        certificate = handover.ask(self.reaper_channel, {"ca": True})
+        if certificate != b"none":  # none: the launcher had no value for any secret
+            try:
+                os.environ.update(trust_variables(certificate,
+                                                  self.layers["scratch"]["path"]))
+            except (OSError, ValueError) as exc:
+                raise ConfinementError(f"secrets: cannot trust the kernel's CA: {exc}",
+                                       layer="network") from exc
 
     def init_promises(self) -> None:
         """Refuse to start unless every promise of the policy is kept by some layer here."""

@@ -18,6 +18,11 @@ explained refusals, the deadline, usage). This module holds every difference:
 - the companion: the descriptors a kernel hands its reaper (uid lock, seccomp listener, audit
   file, egress listener) go to the fork server's companion (confine/companion.py) instead.
 - Landlock binds no port at all: there are no listeners to bind.
+- the start: the application, kernel and shell are built and warmed once per pool, in the
+  pool's zygote (launch/forkserver/zygote.py), before any request exists and unconfined, as
+  every kernel's start-up is until init_confinement. Each pooled process is a fork of it that
+  makes its per-process parts (scratch, profile dir, ids, namespace, history, memfds) and
+  applies every layer itself (`confine`: the same functions in the same order), then waits.
 - the request: the process is confined *before* a request exists (a pool keeps it waiting,
   launch/forkserver/server.py); it accepts exactly one connection, closes the listener, reads
   the request itself, runs it, and exits.
@@ -39,21 +44,60 @@ import socket
 import struct
 import sys
 import time
+import uuid
 from typing import Any, NoReturn
 
 import zmq
+from ipykernel.kernelapp import IPKernelApp
+from IPython.paths import get_ipython_dir
+from jupyter_client.session import new_id
 from traitlets import Any as AnyTrait
 from traitlets import Type
 
+from ..confine.errors import ConfinementError
 from . import oneshot_wire as wire
-from .app import SandboxKernelApp
+from .app import SandboxKernelApp, _kept_without_collection
 from .kernel import SandboxKernel
 from .output import BUDGET
+from .usage import SelfUsage
 
 REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its request once connected
 FLUSH_AFTER = 0.05  # seconds between a stream's messages while output keeps coming
 FLUSH_SIZE = 64 * 1024  # characters a stream keeps before sending them
 _PR_SET_PDEATHSIG = 1
+
+
+def _overflow_uid() -> int:
+    """The uid a user namespace shows for a uid it does not map (read before confinement)."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as file:
+            return int(file.read())
+    except (OSError, ValueError):
+        return 65534
+
+
+OVERFLOW_UID = _overflow_uid()
+
+
+def _uid_mapped(uid: int) -> bool:
+    """Whether this process's user namespace maps the (outer) uid."""
+    try:
+        with open("/proc/self/uid_map") as file:
+            ranges = [tuple(map(int, line.split())) for line in file if line.strip()]
+    except (OSError, ValueError):
+        return True  # cannot tell: only the exact uids are taken
+    return any(outside <= uid < outside + count for _, outside, count in ranges)
+
+
+def caller_allowed(peer_uid: int, server_uid: int) -> bool:
+    """Whether a connection from peer_uid may bring this process its request: the server's
+    user (or root). A kernel that made its network namespace inside a user namespace of its
+    own (a container without CAP_SYS_ADMIN: kernel/app.py enter_namespace) maps only its own
+    uid, so SO_PEERCRED shows the server's uid as the overflow uid; that one is taken then,
+    as only the server's user can reach the pool's socket (its owner-only runtime dir)."""
+    if peer_uid in (server_uid, 0):
+        return True
+    return peer_uid == OVERFLOW_UID and not _uid_mapped(server_uid)
 
 
 class Channel:
@@ -109,6 +153,7 @@ class CapturedStream(io.TextIOBase):
         self.pending_size = 0
         self.sent_at = 0.0  # when this stream last sent a message
         self.read_to = 0  # bytes of the memfd already taken
+        self.captured = False  # the fd is this process's memfd (not in the zygote: restart)
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         channel.streams.append(self)
 
@@ -132,6 +177,12 @@ class CapturedStream(io.TextIOBase):
     def set_parent(self, parent: dict[str, Any]) -> None:
         """ipykernel's hook: the request this output answers."""
         self.parent = parent
+
+    def restart(self) -> None:
+        """In a pooled process: nothing kept or read yet of its own fd (a new memfd)."""
+        self.pending, self.pending_size, self.sent_at, self.read_to = [], 0, 0.0, 0
+        self.decoder.reset()
+        self.captured = True
 
     def write(self, string: str) -> int:  # type: ignore[override]
         """Keep what the output budget allows, after what reached the fd meanwhile."""
@@ -162,6 +213,8 @@ class CapturedStream(io.TextIOBase):
 
     def take_fd_output(self) -> None:
         """Add what was written to the fd since the last look (spending the budget)."""
+        if not self.captured:
+            return
         try:
             size = os.fstat(self.fd).st_size
         except OSError:
@@ -188,12 +241,49 @@ class CapturedStream(io.TextIOBase):
             self.channel.sending_output = False
 
 
+class _Discarded(io.TextIOBase):
+    """Where the application's log goes once fd 2 is the user's: nowhere, through no fd (a
+    pooled process closes every descriptor it did not make or keep itself)."""
+
+    def writable(self) -> bool:
+        """Always: everything written is dropped."""
+        return True
+
+    def write(self, text: str) -> int:  # type: ignore[override]
+        """Drop the text."""
+        return len(text)
+
+
 class OneShotKernel(SandboxKernel):
     """SandboxKernel whose shell stream is the one-shot channel (not a ZMQStream)."""
 
     shell_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
     control_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
     debugpy_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
+
+    def renew(self) -> None:
+        """In a pooled process: make again what the zygote built that is per process.
+
+        Its ids (kernel, session; the message count), usage figures (rusage restarts at the
+        fork), and the shell's per-process parts (prebuilt.py's `renew`: IPython and profile
+        dirs, working and home dirs, namespaces, history, display hook, rebound here as
+        IPythonKernel binds it). What the shell's classes, magics and hooks are stays built.
+        """
+        self.ident = str(uuid.uuid4())
+        session = self.session
+        assert session is not None, "the application gives the kernel its session"
+        session.session = new_id()
+        session.pid = os.getpid()  # Session.send refuses to send from "a fork" otherwise
+        session.message_count = 0
+        self.usage = SelfUsage()
+        shell = self.shell
+        shell.renew(self.profile_dir, self.user_module, self.user_ns)  # type: ignore[union-attr]
+        hook = shell.displayhook  # type: ignore[union-attr]
+        hook.session, hook.pub_socket = self.session, self.iopub_socket
+        hook.topic = self._topic("execute_result")
+        session_name = os.environ.get("JPY_SESSION_NAME")
+        if session_name:
+            shell.user_ns["__session__"] = session_name  # type: ignore[union-attr]
 
     def _abort_queues(self, subshell_id: str | None = None) -> None:
         # After an error ipykernel aborts the requests queued behind it: a one-shot has none.
@@ -206,7 +296,50 @@ class OneShotKernelApp(SandboxKernelApp):
     kernel_class = Type(OneShotKernel, klass="ipykernel.kernelbase.Kernel",  # type: ignore
                         help="The kernel class to run.").tag(config=True)
     channel: Channel
-    server_pid = 0  # the fork server: this process dies with it
+    server_pid = 0  # the fork server: this process dies with it while it waits
+    pooled = False  # a pooled process (confine ran), not the zygote
+    built_by = 0  # the pid of the process that built this application: the pool's zygote
+
+    def initialize(self, argv: Any = None) -> None:
+        """In the pool's zygote: the application, the kernel and its shell, built and warmed.
+
+        ipykernel's start-up without SandboxKernelApp's confinement: that is every pooled
+        process's own (`confine`), as the scratch, uid, namespace and filters are. Nothing of
+        any request exists yet; no code but the sandbox's runs here: IPython extensions and
+        the operator's startup code wait for `confine`.
+        """
+        self.launcher_stderr = os.dup(2)  # the server's log, for refuse_to_start
+        self.server_pid, self.built_by = os.getppid(), os.getpid()
+        with _kept_without_collection():  # frozen: no pooled process's collection walks it
+            IPKernelApp.initialize(self, argv)
+            self.warm_up()
+
+    def confine(self) -> None:
+        """In a pooled process forked from the zygote: every layer, per process.
+
+        kernel/app.py's order: init_confinement (scratch, audit, identity, rlimits, network
+        namespace and egress listener, promises, Landlock) while single-threaded, the parts of
+        the kernel that are per process (a profile dir in the scratch, the captured fds, the
+        kernel's renew, IPython extensions and the operator's startup code, all as a kernel
+        makes them after init_confinement), then the uid switch and seccomp, then user code's
+        environment.
+        """
+        self.pooled = True
+        try:
+            with _kept_without_collection():
+                self.ipython_dir = get_ipython_dir()  # the scratch's (IPYTHONDIR)
+                self.profile_dir = None  # the zygote's (in a directory removed since)
+                self.init_profile_dir()
+                self.init_confinement()
+                self.capture_fds()
+                self.kernel.profile_dir = self.profile_dir
+                self.kernel.renew()
+                self.init_extensions()
+                self.init_code()
+                self.finish_confinement()
+        except ConfinementError as exc:  # every layer's failure: the error names the fix
+            self.refuse_to_start(exc.refusal())
+        self.hand_to_user_code()
 
     # --- the transport: no connection file, sockets, heartbeat or poller --------------------------
 
@@ -225,10 +358,9 @@ class OneShotKernelApp(SandboxKernelApp):
         """No parent to poll: the fork server and the caller's pidfd watch this process."""
 
     def init_sockets(self) -> None:
-        """Confine (the single-threaded layers); there are no sockets to bind."""
+        """The channel; there are no sockets to bind (each pooled process confines itself)."""
         self.session.key = b""  # one private connection: nothing to sign against
         self.channel = Channel()
-        self.init_confinement()
         self.iopub_socket = self.channel
         self.iopub_thread = None
         self.stdin_socket = None
@@ -246,19 +378,14 @@ class OneShotKernelApp(SandboxKernelApp):
         """No ports to tell."""
 
     def init_io(self) -> None:
-        """fds 1 and 2 become memfds; sys.stdout and sys.stderr the streams that drain them.
+        """sys.stdout and sys.stderr: the streams that drain fds 1 and 2 (capture_fds).
 
-        The application's log stops here: fd 2 is the user's stderr from now on, and the
-        server's log (kept for a refusal to start) is closed before user code runs.
+        The application's log stops here: fd 2 becomes the user's stderr, and the server's
+        log (kept for a refusal to start) is closed before user code runs.
         """
-        null = open(os.devnull, "w")  # the log's end, for the process's life
         for handler in self.log.handlers:
             if isinstance(handler, logging.StreamHandler):
-                handler.setStream(null)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            memfd = os.memfd_create(f"one-shot {name}")
-            os.dup2(memfd, fd)
-            os.close(memfd)
+                handler.setStream(_Discarded())
         sys.stdout = CapturedStream(self.channel, self.session, "stdout", 1)
         sys.stderr = CapturedStream(self.channel, self.session, "stderr", 2)
         from ipykernel.displayhook import ZMQDisplayHook
@@ -278,11 +405,33 @@ class OneShotKernelApp(SandboxKernelApp):
             user_ns=self.user_ns)
         self.displayhook.get_execution_count = lambda: self.kernel.execution_count
 
+    def init_extensions(self) -> None:
+        """IPython extensions (storemagic, the operator's) load in a pooled process only:
+        their code runs where a kernel's does, after init_confinement, never in the zygote."""
+        if self.pooled:
+            super().init_extensions()
+
+    def init_code(self) -> None:
+        """The operator's startup code, in a pooled process only (never in the zygote)."""
+        if self.pooled:
+            super().init_code()
+
+    def capture_fds(self) -> None:
+        """fds 1 and 2 become memfds of this process, for its streams to drain."""
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            memfd = os.memfd_create(f"one-shot {name}")
+            os.dup2(memfd, fd)
+            os.close(memfd)
+        for stream in self.channel.streams:
+            stream.restart()
+
     def init_seccomp(self) -> None:
-        """Die with the fork server (set after the uid switch, which clears it), then filter.
+        """Die with the fork server while waiting (set after the uid switch, which clears
+        it), then filter.
 
         A pooled process waits for a request its server answers for; with the server gone
-        (retired, stopped) nobody will hand it one.
+        (retired, stopped, killed) nobody will hand it one. A process that took its request no
+        longer needs the server (take_connection).
         """
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 \
@@ -298,9 +447,8 @@ class OneShotKernelApp(SandboxKernelApp):
     # --- the one request ----------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Take the execute path once, silently, before any request: the run's first-time
-        costs are paid while the process waits, and a kernel that cannot run at all (e.g. a
-        memory limit below what an execution needs) ends here, never under a caller's run.
+        """Take the execute path once, silently, in the zygote: the run's first-time costs
+        are paid once per pool, and every pooled process is forked warm.
 
         The warm-up is a client's (`Sandbox.warm_up`): a silent `pass` that leaves no history,
         execution count or last result (kernel.py); nothing is sent, there is no caller yet.
@@ -314,7 +462,6 @@ class OneShotKernelApp(SandboxKernelApp):
 
     def serve_one(self, listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
         """Take exactly one connection, run its request, answer and exit."""
-        self.warm_up()
         conn = self.take_connection(listener, taken, server_uid)
         self.channel.conn = conn
         try:
@@ -353,9 +500,13 @@ class OneShotKernelApp(SandboxKernelApp):
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                     struct.calcsize("3i"))
             _, uid, _ = struct.unpack("3i", creds)
-            if uid in (server_uid, 0):
+            if caller_allowed(uid, server_uid):
                 break
             conn.close()  # another user's connection: never this process's request
+        # The run is the caller's now and outlives the server (its companion serves it on):
+        # one killed mid-run takes with it only the processes still waiting. Killed before
+        # this line, the process hangs up before its pid record, and the caller asks again.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
         listener.close()
         try:
             os.write(taken, b"+")  # the server starts this one's successor now
@@ -393,9 +544,8 @@ class OneShotKernelApp(SandboxKernelApp):
         os._exit(3)
 
 
-def main(argv: list[str], listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
-    """In a pooled process (launch/forkserver/server.py): confine, then serve one request."""
+def build(argv: list[str]) -> OneShotKernelApp:
+    """In a pool's zygote (launch/forkserver/zygote.py): the application, built and warmed."""
     app = OneShotKernelApp.instance()
-    app.server_pid = os.getppid()
     app.initialize(argv)
-    app.serve_one(listener, taken, server_uid)
+    return app

@@ -186,8 +186,8 @@ def pip_arguments(args: argparse.Namespace, target: Path, index: str) -> list[st
                # while checking for conflicts" on installs that worked. A --target install
                # changes nothing of the environment it would check.
                "--no-warn-conflicts"]
-    if index:
-        command += ["--index-url", index]
+    if index:  # ${TOKEN}: a secret's placeholder, which the egress proxy replaces (secrets.py)
+        command += ["--index-url", os.path.expandvars(index)]
     for flag in ("upgrade", "force_reinstall", "no_deps", "pre"):
         if getattr(args, flag):
             command.append("--" + flag.replace("_", "-"))

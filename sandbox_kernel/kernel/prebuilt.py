@@ -164,6 +164,19 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         self.kernel = kernel
         if "IPKernelApp" not in self.config:  # as ZMQInteractiveShell.__init__ (tqdm's probe)
             self.config.IPKernelApp.tqdm = _SERVER_BUILD.tqdm_marker
+        self.renew(profile_dir, user_module, user_ns)
+        for spec in reversed(_SERVER_BUILD.warning_filters):
+            _warning_filters().insert(0, spec)
+        warnings._filters_mutated()  # type: ignore[attr-defined]
+        for handler in _SERVER_BUILD.exit_handlers:  # atexit_operations, as the build did
+            atexit.register(handler)
+
+    def renew(self, profile_dir: Any = None, user_module: Any = None,
+              user_ns: Any = None) -> None:
+        """Make again every part of this shell that is per process: IPython and profile dirs,
+        working and home dirs, compiler, environment, namespaces and sys.modules['__main__'],
+        history, builtins, prompts, display hook (a one-shot kernel forked from the process
+        that built its shell calls this too, kernel/oneshot.py)."""
         server_parts = list(self.configurables)
         server_history, server_hook = self.history_manager, self.displayhook
         self.init_ipython_dir(None)
@@ -185,11 +198,6 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         self.init_displayhook()  # its _, __, ___ go into the new namespace
         made_again = {id(server_history): self.history_manager, id(server_hook): self.displayhook}
         self.configurables = [made_again.get(id(part), part) for part in server_parts]
-        for spec in reversed(_SERVER_BUILD.warning_filters):
-            _warning_filters().insert(0, spec)
-        warnings._filters_mutated()  # type: ignore[attr-defined]
-        for handler in _SERVER_BUILD.exit_handlers:  # atexit_operations, as the build did
-            atexit.register(handler)
 
 
 @dataclass

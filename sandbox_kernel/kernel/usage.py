@@ -4,43 +4,60 @@ A caller next to the kernel reads these figures from /proc, where user code cann
 (client/meter.py); a caller of a remote kernel has only this report. getrusage has no per-call
 peak: ru_maxrss is the process's high-water mark so far, an upper bound for the execution.
 CPU and refusals count from the end of the previous execution (see client/meter.py): what a
-thread left running spent between executions is in the next one's figures.
+thread left running spent between executions is in the next one's figures. The egress proxy's
+CPU for this kernel's connections (spent in its companion, outside the kernel) comes from the
+companion's tally, counted the same way: a step still running when the execution ends is in
+the next execution's figure. So do the requests each secret was added to (`secret_uses`).
 """
 
 from __future__ import annotations
 
 import resource
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..confine.tally import Tally
 
 
+class _Figures(NamedTuple):
+    rusage: Any
+    refused: int
+    egress: float
+    uses: dict[str, int]
+
+
 class SelfUsage:
-    """The kernel's own CPU, peak memory and refused calls around each execution."""
+    """The kernel's own CPU, peak memory and refused calls around each execution, and the
+    egress proxy's CPU for it."""
 
     def __init__(self) -> None:
         self.refusals: Tally | None = None  # set by the application when the reaper counts
-        self.before: tuple[Any, int] | None = None
-        self.reported: tuple[Any, int] | None = None  # the figures the last report ended at
+        self.before: _Figures | None = None
+        self.reported: _Figures | None = None  # the figures the last report ended at
 
     def start(self) -> None:
         """Take the figures an execution starts from: where the last one's report ended."""
-        self.before = self.reported or (resource.getrusage(resource.RUSAGE_SELF),
-                                        self._refused())
+        self.before = self.reported or self._now()
 
     def report(self) -> dict[str, Any]:
         """The execution's figures since start(), JSON-able."""
         if self.before is None:
             return {}
-        (was, refused_before), now = self.before, resource.getrusage(resource.RUSAGE_SELF)
-        refused = self._refused()
-        self.reported = (now, refused)
+        was, now = self.before, self._now()
+        self.reported = now
+        counted = self.refusals is not None
         return {
-            "cpu_user_seconds": round(now.ru_utime - was.ru_utime, 6),
-            "cpu_system_seconds": round(now.ru_stime - was.ru_stime, 6),
-            "peak_memory_bytes": now.ru_maxrss * 1024,
-            "refused_syscalls": None if self.refusals is None else refused - refused_before,
+            "cpu_user_seconds": round(now.rusage.ru_utime - was.rusage.ru_utime, 6),
+            "cpu_system_seconds": round(now.rusage.ru_stime - was.rusage.ru_stime, 6),
+            "peak_memory_bytes": now.rusage.ru_maxrss * 1024,
+            "refused_syscalls": now.refused - was.refused if counted else None,
+            "egress_cpu_seconds": round(now.egress - was.egress, 6) if counted else None,
+            "secret_uses": {name: uses - was.uses.get(name, 0)
+                            for name, uses in now.uses.items()} if now.uses else None,
         }
 
-    def _refused(self) -> int:
-        return 0 if self.refusals is None else self.refusals.value()
+    def _now(self) -> _Figures:
+        tally = self.refusals
+        return _Figures(resource.getrusage(resource.RUSAGE_SELF),
+                        0 if tally is None else tally.value(),
+                        0.0 if tally is None else tally.egress_seconds(),
+                        {} if tally is None else tally.secret_uses())

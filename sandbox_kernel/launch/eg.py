@@ -37,7 +37,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import secrets
 from ..confine.environment import PASSED_THROUGH, SAFE_PATH
+from ..confine.vault import VAULT_VAR
 
 LAUNCHER_VERSION = 1  # the payload format EG's ResponseManager decodes
 PORT_COUNT = 5  # shell, iopub, stdin, heartbeat, control
@@ -402,6 +404,13 @@ def kernel_environment(policy_argv: list[str], environ: dict[str, str] | os._Env
 
 def launch(request: LaunchRequest) -> None:
     """Report the kernel to EG, fork the listener, and become the sandboxed kernel."""
+    # The kernel's secrets come from this launcher's environment (the pod's): sealed for its
+    # reaper, which the kernel forks before its re-exec (confine/vault.py).
+    env = dict(os.environ)
+    try:
+        placeholders, sealed = secrets.seal_for(request.policy_argv, env, request.kernel_id)
+    except secrets.SecretError as exc:
+        raise LaunchError(str(exc)) from None
     low, high = request.port_range
     workdir = tempfile.mkdtemp(prefix="sandbox-kernel-eg-")
     try:
@@ -422,8 +431,12 @@ def launch(request: LaunchRequest) -> None:
         raise
     start_listener(comm, workdir, gateway)
     argv = [sys.executable, "-I", "-m", "sandbox_kernel", "-f", connection_file,
-            *request.policy_argv]
-    os.execve(sys.executable, argv, kernel_environment(request.policy_argv, os.environ))
+            *request.policy_argv, *placeholders]
+    kernel_env = kernel_environment(request.policy_argv, env)
+    if sealed is not None:
+        os.set_inheritable(sealed, True)
+        kernel_env[VAULT_VAR] = str(sealed)
+    os.execve(sys.executable, argv, kernel_env)
 
 
 def main(argv: list[str] | None = None) -> int:

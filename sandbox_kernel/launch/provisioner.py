@@ -5,6 +5,8 @@ JupyterLab, Kernel Gateway, nbclient, papermill and `Sandbox` get fork-served ke
 change on their side. The forked kernel stands in for LocalProvisioner's Popen object, so polling,
 waiting, interrupting (a signal: the kernelspec's interrupt mode), restarting and killing go
 through LocalProvisioner unchanged. When no fork server can be had, the kernel starts cold.
+A kernel's secrets (secrets.py) and the upstream proxy's credentials reach its companion in a
+sealed vault (confine/vault.py) that the kernel passes on unread.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Bool, Float, Int, List, Unicode
 
+from .. import secrets
 from ..confine.environment import READY_VAR
+from ..confine.vault import VAULT_VAR
 from . import forkserver
 
 NAME = "sandbox-fork-provisioner"
@@ -66,9 +70,19 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
         return info
 
     async def _launch(self, cmd: list[str], kwargs: dict[str, Any], ready: int) -> Any:
+        env = dict(kwargs.get("env") or os.environ)
+        cmd, sealed = self._seal_secrets(cmd, env)
+        try:
+            return await self._launch_with(cmd, {**kwargs, "env": env}, ready, sealed)
+        finally:
+            if sealed is not None:  # the kernel (or its request) has its own copy now
+                os.close(sealed)
+
+    async def _launch_with(self, cmd: list[str], kwargs: dict[str, Any], ready: int,
+                           sealed: int | None) -> Any:
         if not self.cold_start:
             try:
-                process = await asyncio.to_thread(self._fork, cmd, kwargs, ready)
+                process = await asyncio.to_thread(self._fork, cmd, kwargs, ready, sealed)
             except forkserver.ForkServerError as exc:
                 _say_once(self.log, f"sandbox-kernel: starting kernels cold: {exc}")
             else:
@@ -77,10 +91,24 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
                 self.fork_served = True
                 return self.connection_info
         self.fork_served = False
-        env = dict(kwargs.get("env") or os.environ)
+        env = kwargs["env"]
         env[READY_VAR] = str(ready)
         pass_fds = (*kwargs.get("pass_fds", ()), ready)
+        if sealed is not None:
+            env[VAULT_VAR] = str(sealed)
+            pass_fds += (sealed,)
         return await super().launch_kernel(cmd, **{**kwargs, "env": env, "pass_fds": pass_fds})
+
+    def _seal_secrets(self, cmd: list[str], env: dict[str, str]) -> tuple[list[str], int | None]:
+        """The kernel's command, with its secrets' placeholders, and its vault (or None).
+
+        The values (from env or the secrets file) go into the vault alone: they are taken out
+        of env, which the kernel (or its request to the fork server) gets; user code finds
+        each placeholder in its environment, set once it is confined (the policy's env). The
+        placeholders are the same for a restarted kernel: its kernel id stays.
+        """
+        placeholders, sealed = secrets.seal_for(cmd, env, str(self.kernel_id))
+        return [*cmd, *placeholders], sealed
 
     async def wait(self) -> int | None:
         """As LocalProvisioner's, but woken by the kernel's end instead of polling every 0.1 s."""
@@ -124,8 +152,8 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             finally:
                 loop.remove_reader(watched)
 
-    def _fork(self, cmd: list[str], kwargs: dict[str, Any],
-              ready: int) -> forkserver.ForkedKernel:
+    def _fork(self, cmd: list[str], kwargs: dict[str, Any], ready: int,
+              sealed: int | None = None) -> forkserver.ForkedKernel:
         argv = _kernel_argv(cmd)
         env = dict(kwargs.get("env") or os.environ)
         # The server kills a kernel whose launcher hangs up: no parent poller needed (it would
@@ -136,7 +164,7 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
             max_age=self.max_age, idle=self.idle)
         stdio = forkserver.stdio_fds(kwargs.get("stdout"), kwargs.get("stderr"))
         try:
-            return client.spawn(argv, env, stdio, kwargs.get("cwd"), ready=ready)
+            return client.spawn(argv, env, stdio, kwargs.get("cwd"), ready=ready, sealed=sealed)
         finally:
             os.close(stdio[0])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -77,6 +78,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     limits.add_argument("--embed-files", type=_size, default=defaults.embed_bytes,
                         metavar="SIZE", help="files a fresh run wrote up to SIZE come back "
                         "in its result")
+    kept = command.add_argument_group("snapshots and pausing")
+    kept.add_argument("--state-dir", metavar="DIR", default=os.environ.get("SANDBOX_STATE_DIR",
+                                                                           ""),
+                      help="directory of sealed snapshots and paused sessions (the server's "
+                      "own MAC key is made in it, 0600); enables the snapshot tools. Env: "
+                      "SANDBOX_STATE_DIR")
+    kept.add_argument("--max-snapshot-size", type=_size, default=defaults.max_snapshot_size,
+                      metavar="SIZE", help="largest snapshot the state dir keeps")
+    kept.add_argument("--session-pause-after", type=float, metavar="S",
+                      default=defaults.session_pause_after,
+                      help="seconds idle before a session is snapshotted into --state-dir and "
+                      "its kernel stopped; the next call naming it resumes it (0: never)")
     command.add_argument("--runtime", metavar="NAME", default="",
                          help="run kernels on this runtime (`sandbox-kernel runtime create`)")
     flags.add_arguments(command)
@@ -86,14 +99,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace) -> McpConfig:
     """The server's settings from its flags."""
+    effective = policy.from_arguments(args)
+    effective.declared_secrets()  # refused now, not at each kernel's start, when unusable
     return McpConfig(
-        policy=policy.from_arguments(args), preload=list(args.preload), runtime=args.runtime,
+        policy=effective, preload=list(args.preload), runtime=args.runtime,
         cold_start=args.cold_start, pool_size=max(0, args.pool_size),
         patience=max(1.0, args.patience), max_timeout=args.max_timeout,
         max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
         max_runs=max(1, args.max_runs), max_runs_per_key=args.max_runs_per_key,
         session_idle_timeout=args.session_idle_timeout, max_text=args.max_text,
-        max_file_bytes=args.max_file, embed_bytes=args.embed_files)
+        max_file_bytes=args.max_file, embed_bytes=args.embed_files,
+        state_dir=args.state_dir, max_snapshot_size=args.max_snapshot_size,
+        session_pause_after=max(0.0, args.session_pause_after))
 
 
 def _sdk_missing() -> str | None:
@@ -123,6 +140,10 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(configs.config(args.print_config), indent=2))
         return 0
     config = config_from(args)
+    if config.session_pause_after and not config.state_dir:
+        print("sandbox-kernel mcp: --session-pause-after needs --state-dir: a paused "
+              "session's snapshot is kept there", file=sys.stderr)
+        return 2
     if args.print_tools:
         from .openai import definitions
 

@@ -30,6 +30,9 @@ class McpConfig:
     # timeout, whether or not anyone collects the run): these bound them.
     max_runs: int = 8  # such kernels at once on this server
     max_runs_per_key: int | None = None  # one key's; None: its fair share of max_runs
+    state_dir: str = ""  # sealed snapshots and paused sessions; "" turns both off
+    max_snapshot_size: int = 1024 * 2**20  # largest snapshot the state dir keeps
+    session_pause_after: float = 0.0  # seconds idle before a session is paused (0: never)
 
     @property
     def default_timeout(self) -> float:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,10 @@ class SessionProblem(Exception):
 
 
 def _with_network(base: SandboxPolicy, network: bool) -> SandboxPolicy:
-    return SandboxPolicy(**{**base.as_dict(), "allow_network": network})
+    values = {**base.as_dict(), "allow_network": network}
+    if not network:  # the operator's secrets are for kernels with the network only
+        values.update(secrets=[], secrets_file="")
+    return SandboxPolicy(**values)
 
 
 class KernelSource:
@@ -64,12 +68,15 @@ class KernelSource:
         """Begin filling the pool of the default kernels (those of the policy as given)."""
         self._pool(self.config.policy.allow_network)
 
-    async def get(self, network: bool) -> AsyncSandbox:
-        """A started kernel of its own for the caller, who closes it."""
-        pool = self._pool(network)
+    async def get(self, network: bool, secrets: Mapping[str, Any] | None = None
+                  ) -> AsyncSandbox:
+        """A started kernel of its own for the caller, who closes it (with the caller's own
+        secrets: started for it, never pooled)."""
+        pool = None if secrets else self._pool(network)
         if pool is not None:
             return await pool.get_soonest()
-        return await start_sandbox(**self.options(network))
+        return await start_sandbox(**self.options(network),
+                                   **({"secrets": secrets} if secrets else {}))
 
     async def close(self) -> None:
         """Close the pools and end the fork server their kernels came from."""
@@ -95,7 +102,7 @@ class Session(KernelSession):
         """What list_sessions shows of it."""
         return {"session": self.id, "network": self.network, "busy": self.busy,
                 "running": self.run_id, "created": self.created,
-                "idle_seconds": round(self.idle_seconds(), 1)}
+                "idle_seconds": round(self.idle_seconds(), 1), "usage": self.spent()}
 
 
 class Sessions(SessionTable[Session]):
@@ -108,11 +115,14 @@ class Sessions(SessionTable[Session]):
         self.config = config
         self.source = source
 
-    async def create(self, owner: str, network: bool, owner_limit: int | None) -> Session:
-        """A new session on a fresh kernel, within the server's and the owner's limits."""
+    async def create(self, owner: str, network: bool, owner_limit: int | None,
+                     secrets: Mapping[str, Any] | None = None) -> Session:
+        """A new session on a fresh kernel, within the server's and the owner's limits;
+        secrets: the caller's own, for its kernel alone (never described back)."""
         async def make(session_id: str) -> Session:
-            return Session(session_id, owner, await self.source.get(network),
-                           self.config.session_idle_timeout, network=network)
+            kernel = await self.source.get(network, **({"secrets": secrets} if secrets else {}))
+            return Session(session_id, owner, kernel, self.config.session_idle_timeout,
+                           network=network)
 
         try:
             return await self.open(owner, owner_limit, make)

@@ -52,6 +52,12 @@ class Usage(BaseModel):
     result_bytes: int = Field(description="Bytes of the result (its JSON, or its text).")
     refused_syscalls: int | None = Field(default=None, description="System calls the sandbox "
                                          "refused during this run.")
+    egress_cpu_seconds: float | None = Field(default=None, description="CPU the egress proxy "
+                                             "spent outside the kernel on this run's "
+                                             "connections.")
+    secret_uses: dict[str, int] | None = Field(default=None, description="Requests each "
+                                               "secret was added to by the egress proxy "
+                                               "during this run, by the secret's name.")
     source: dict[str, str] = Field(description="Who measured each figure: host, sampled, "
                                    "kernel or caller.")
 
@@ -84,6 +90,15 @@ class RunResult(BaseModel):
     duration: float | None = Field(default=None, description="Seconds the run took.")
 
 
+class SessionUsage(BaseModel):
+    """What a session's sandbox has spent from its first run on, billed in a run or not (a
+    thread left running included); None where nobody could measure."""
+
+    cpu_user_seconds: float | None = None
+    cpu_system_seconds: float | None = None
+    egress_cpu_seconds: float | None = None
+
+
 class SessionInfo(BaseModel):
     """A session the caller holds."""
 
@@ -93,12 +108,32 @@ class SessionInfo(BaseModel):
     running: str | None = Field(default=None, description="The id of the run in progress.")
     created: float = Field(description="Unix time it was created.")
     idle_seconds: float
+    usage: SessionUsage = Field(description="What its sandbox has spent so far in all, "
+                                "between runs too.")
+    paused: bool = Field(default=False, description="Saved with its sandbox stopped; the next "
+                         "call naming it resumes it, state restored.")
 
 
 class SessionList(BaseModel):
     """The caller's sessions."""
 
     sessions: list[SessionInfo]
+
+
+class SnapshotInfo(BaseModel):
+    """A snapshot of a session, kept by the server."""
+
+    snapshot: str = Field(description="Its id, for create_session(snapshot=...).")
+    bytes: int
+    saved: list[str] = Field(description="The names saved.")
+    skipped: list[dict[str, Any]] = Field(description="What could not be saved, with why.")
+    session: str = Field(description="The session it was made from.")
+
+
+class SnapshotList(BaseModel):
+    """The caller's snapshots."""
+
+    snapshots: list[SnapshotInfo]
 
 
 class Done(BaseModel):

@@ -12,6 +12,7 @@ from ..service.admission import fair_share
 from .config import McpConfig
 from .kernels import KernelSource, Sessions
 from .runs import Runs
+from .snapshots import Snapshots
 
 LOCAL = "local"  # the owner over stdio: the one client that started the server
 
@@ -25,12 +26,18 @@ class State:
     source: KernelSource = field(init=False)
     sessions: Sessions = field(init=False)
     runs: Runs = field(init=False)
+    snapshots: Snapshots | None = field(default=None, init=False)  # with --state-dir
     _culler: asyncio.Task[None] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.source = KernelSource(self.config)
         self.sessions = Sessions(self.config, self.source)
         self.runs = Runs(self.config, self.source, self.sessions)
+        if self.config.state_dir:
+            from ..service.store import Store
+
+            store = Store(self.config.state_dir, self.config.max_snapshot_size)
+            self.snapshots = Snapshots(store, self.sessions, self.source, self.config.runtime)
 
     def start(self) -> None:
         """Begin filling the pool and culling idle sessions and uncollected runs."""
@@ -38,8 +45,13 @@ class State:
         self._culler = asyncio.ensure_future(self._cull_forever())
 
     async def _cull_forever(self, interval: float = 30.0) -> None:
+        pause_after = self.config.session_pause_after if self.snapshots is not None else 0
+        if pause_after:  # a pause is due within a second or so of its time
+            interval = min(interval, 1.0)
         while True:
             await asyncio.sleep(interval)
+            if pause_after and self.snapshots is not None:
+                await self.snapshots.pause_idle(pause_after)
             await self.sessions.cull()
             self.runs.cull()
 

@@ -7,6 +7,7 @@ failures a model can act on raise ToolError with a message written for it.
 
 
 import base64
+import time
 from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver import MCPServer
@@ -15,6 +16,7 @@ from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 from pydantic import Field
 
 from ..client.sandbox import install_code
+from ..secrets import SecretError
 from . import files, messages, render
 from .kernels import Session, SessionProblem
 from .shapes import (
@@ -26,6 +28,9 @@ from .shapes import (
     RunResult,
     SessionInfo,
     SessionList,
+    SessionUsage,
+    SnapshotInfo,
+    SnapshotList,
 )
 from .state import State
 
@@ -56,8 +61,14 @@ def register(server: MCPServer, state: State) -> None:
     Code = Annotated[str, Field(description="Python source code.", max_length=1_000_000)]
     SessionId = Annotated[str, Field(description="A session id from create_session.")]
 
-    def session_of(session_id: str) -> Session:
-        return _check(lambda: state.sessions.get(state.owner(), session_id))
+    async def session_of(session_id: str) -> Session:
+        owner = state.owner()
+        if state.snapshots is not None and state.sessions.find(owner, session_id) is None:
+            try:  # a paused session comes back on a fresh kernel, its state restored
+                await state.snapshots.resume(owner, session_id, state.owner_limit(owner))
+            except SessionProblem as exc:
+                raise ToolError(str(exc)) from None
+        return _check(lambda: state.sessions.get(owner, session_id))
 
     async def answer(run: Any, wait: float) -> CallToolResult:
         await state.runs.wait(run, wait)
@@ -79,7 +90,7 @@ def register(server: MCPServer, state: State) -> None:
             f"most {config.max_timeout:g}).")] = None,
     ) -> Annotated[CallToolResult, RunResult]:
         limit = _check(lambda: config.timeout(timeout))
-        held = session_of(session) if session is not None else None
+        held = await session_of(session) if session is not None else None
         owner = state.owner()
         run = _check(lambda: state.runs.start(owner, code, inputs, held, limit,
                                               state.run_limit(owner)))
@@ -103,6 +114,14 @@ def register(server: MCPServer, state: State) -> None:
             description="Packages the code will import: those missing are installed (wheels "
             "from the package index, where the network is allowed); the session is refused, "
             "naming them, if any is still missing.")] = None,
+        secrets: Annotated[dict[str, Any] | None, Field(
+            description='Credentials the code may use but never read, {"NAME": {"value": '
+            '"...", "hosts": ["api.example.com"]}}: os.environ[NAME] holds a placeholder that '
+            "the sandbox's proxy replaces with the value in requests to those hosts. Needs "
+            "the network. Never shown back.")] = None,
+        snapshot: Annotated[str | None, Field(
+            description="Start from this snapshot (snapshot_session): its variables, "
+            "imports and files, on the network it was made with.")] = None,
     ) -> SessionInfo:
         """Open a session: a sandbox of its own that keeps variables, imports and files between
         run_python calls until closed (or idle too long)."""
@@ -111,8 +130,12 @@ def register(server: MCPServer, state: State) -> None:
             raise ToolError(messages.NO_NETWORK_SESSION)
         owner = state.owner()
         try:
-            session = await state.sessions.create(owner, wanted, state.owner_limit(owner))
-        except SessionProblem as exc:
+            if snapshot is not None:  # its own network: a restore never changes what it reaches
+                session = await _open_snapshot(state, owner, snapshot, network)
+            else:
+                session = await state.sessions.create(owner, wanted, state.owner_limit(owner),
+                                                      secrets=secrets)
+        except (SessionProblem, SecretError) as exc:  # a SecretError never names a value
             raise ToolError(str(exc)) from None
         missing = await _provide_packages(session, packages or [], config.max_timeout)
         if missing:
@@ -126,19 +149,26 @@ def register(server: MCPServer, state: State) -> None:
 
     async def close_session(session: SessionId) -> Done:
         """Close a session: its sandbox, variables and files are gone."""
-        held = session_of(session)
+        held = await session_of(session)
         await state.sessions.close(held)  # a run in it ends with an error, kept for wait_run
         return Done(ok=True, message=f"session {held.id} is closed")
 
     async def list_sessions() -> SessionList:
-        """Your open sessions."""
-        return SessionList(sessions=[SessionInfo(**s.describe())
-                                     for s in state.sessions.owned_by(state.owner())])
+        """Your open sessions (paused ones too: the next call naming one resumes it)."""
+        owner = state.owner()
+        live = [SessionInfo(**s.describe()) for s in state.sessions.owned_by(owner)]
+        paused = [] if state.snapshots is None else [
+            SessionInfo(session=p.id, network=bool(p.record["network"]), busy=False,
+                        created=p.record["created"], paused=True,
+                        usage=SessionUsage(**p.record.get("usage", {})),
+                        idle_seconds=round(time.time() - p.record["last_used"], 1))
+            for p in state.snapshots.store.paused_of(owner)]
+        return SessionList(sessions=live + paused)
 
     async def restart_session(session: SessionId) -> Done:
         """Restart a session's Python: its variables, imports and files are gone; the session
         id stays."""
-        held = session_of(session)
+        held = await session_of(session)
         if held.busy:
             raise ToolError(f"session {held.id} is busy: interrupt it first")
         async with held.lock:
@@ -156,7 +186,7 @@ def register(server: MCPServer, state: State) -> None:
             raise ToolError("give either session or run")
         owner = state.owner()
         if session is not None:
-            held = session_of(session)
+            held = await session_of(session)
             if held.run_id is None:
                 return Done(ok=False, message=f"session {held.id} is not running anything")
             run = held.run_id
@@ -174,7 +204,7 @@ def register(server: MCPServer, state: State) -> None:
         path: Annotated[str, Field(description="A folder in the working directory.")] = ".",
     ) -> FileList:
         """The files in a session's working directory (hidden ones left out)."""
-        found, more = await _file_op(state, session_of(session),
+        found, more = await _file_op(state, await session_of(session),
                                      lambda sb: files.listing(sb, path))
         return FileList(files=[FileEntry(path=p, size=s, modified=m) for p, s, m in found],
                         truncated=more)
@@ -185,7 +215,7 @@ def register(server: MCPServer, state: State) -> None:
     ) -> Annotated[CallToolResult, FileContent]:
         """Read a file from a session's working directory: text as text, images as images,
         other binary files as base64."""
-        held = session_of(session)
+        held = await session_of(session)
         content = await _file_op(state, held, lambda sb: files.read(
             sb, path, config.max_file_bytes))
         return _file_result(files.relative(path), content, config.max_text)
@@ -199,7 +229,7 @@ def register(server: MCPServer, state: State) -> None:
         encoding: Literal["text", "base64"] = "text",
     ) -> FileWritten:
         """Write a file into a session's working directory, for its code to use."""
-        held = session_of(session)
+        held = await session_of(session)
         try:
             data = base64.b64decode(content, validate=True) if encoding == "base64" \
                 else content.encode("utf-8")
@@ -212,6 +242,8 @@ def register(server: MCPServer, state: State) -> None:
         relative = files.relative(path)
         return FileWritten(path=relative, size=size, uri=render.file_uri(held.id, relative))
 
+    if state.snapshots is not None:
+        _register_snapshots(server, state, SessionId, session_of)
     server.add_tool(run_python, description=RUN_PYTHON.format(
         network=network, patience=config.patience), title="Run Python in a sandbox",
         annotations=ToolAnnotations(destructive_hint=False,
@@ -225,6 +257,61 @@ def register(server: MCPServer, state: State) -> None:
     for tool in reading:
         server.add_tool(tool, annotations=ToolAnnotations(read_only_hint=True,
                                                           open_world_hint=False))
+
+
+async def _open_snapshot(state: State, owner: str, snapshot: str,
+                         network: bool | None) -> Session:
+    """A new session restored from one of the owner's snapshots."""
+    if state.snapshots is None:
+        raise SessionProblem("this server keeps no snapshots (it was started without "
+                             "--state-dir): create the session without snapshot")
+    item = state.snapshots.find(owner, snapshot, payload=True)
+    if network is not None and network != bool(item.record["network"]):
+        raise SessionProblem(f"snapshot {snapshot} was made with the network "
+                             f"{'on' if item.record['network'] else 'off'}: a session opened "
+                             "from it gets the same (omit network)")
+    return await state.snapshots.open(owner, item, state.owner_limit(owner))
+
+
+def _register_snapshots(server: MCPServer, state: State, SessionId: Any,
+                        session_of: Any) -> None:
+    """The snapshot tools, on a server with a state dir."""
+    snapshots = state.snapshots
+    assert snapshots is not None
+
+    async def snapshot_session(session: SessionId) -> SnapshotInfo:
+        """Save a session's variables, imports, installed packages and files as a snapshot;
+        the session goes on as it was. Open it again, as often as you like, with
+        create_session(snapshot=...). What could not be saved (open files, generators,
+        threads...) is listed in skipped, with the reason."""
+        held = await session_of(session)
+        try:
+            item, taken = await snapshots.snapshot(held)
+        except SessionProblem as exc:
+            raise ToolError(str(exc)) from None
+        return SnapshotInfo(snapshot=item.id, bytes=item.size, saved=taken.saved,
+                            skipped=taken.skipped, session=held.id)
+
+    async def list_snapshots() -> SnapshotList:
+        """Your snapshots."""
+        found = snapshots.store.snapshots(state.owner())
+        return SnapshotList(snapshots=[SnapshotInfo(
+            snapshot=s.id, bytes=s.size, saved=s.record["manifest"].get("saved", []),
+            skipped=s.record["manifest"].get("skipped", []), session=s.record["session"])
+            for s in found])
+
+    async def delete_snapshot(
+        snapshot: Annotated[str, Field(description="A snapshot id from snapshot_session.")],
+    ) -> Done:
+        """Delete one of your snapshots (sessions opened from it go on)."""
+        item = _check(lambda: snapshots.find(state.owner(), snapshot))
+        snapshots.store.delete_snapshot(item.owner, item.id)
+        return Done(ok=True, message=f"snapshot {item.id} is deleted")
+
+    for tool in (snapshot_session, delete_snapshot):
+        server.add_tool(tool, annotations=ToolAnnotations(open_world_hint=False))
+    server.add_tool(list_snapshots, annotations=ToolAnnotations(read_only_hint=True,
+                                                                open_world_hint=False))
 
 
 async def _file_op(state: State, session: Session, operation: Any) -> Any:

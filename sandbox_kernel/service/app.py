@@ -23,6 +23,7 @@ from .errors import kernel_unavailable, session_error
 from .kernels import KernelSource, KernelUnavailable
 from .limits import BodyLimit
 from .sessions import SessionError
+from .store import StoreError
 from .validation import invalid_request
 
 
@@ -51,6 +52,7 @@ def create_app(config: ServiceConfig | None = None, policy: SandboxPolicy | None
     # is already sent when they happen, and the dify routes, whose answers are gin's, keep theirs.
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(SessionError, session_error)
+    app.add_exception_handler(StoreError, session_error)
     app.add_exception_handler(KernelUnavailable, kernel_unavailable)
     app.include_router(dify.router)
     app.include_router(native.router)

@@ -17,6 +17,7 @@ from traitlets import Bool, Float, Int, TraitError, Unicode
 from traitlets.config import Configurable
 
 from .. import flags
+from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
 from . import auth
 
 
@@ -122,10 +123,9 @@ class ServiceConfig(Configurable):
     ).tag(config=True, flag="pool-size", env="SANDBOX_POOL_SIZE", metavar="N")
 
     one_shot_pool_size = Int(
-        0, help="One-shot kernels kept confined and waiting per network policy for stateless "
-        "runs (the dify route, the native one-shot execute), each used for exactly one run; "
-        "0 (the default, until one-shot kernels run in the shipped container and pass the "
-        "load suite's faults) runs them on fresh ZMQ kernels from --pool-size's pools.",
+        DEFAULT_ONE_SHOT_POOL, help="One-shot kernels kept confined and waiting per network "
+        "policy for stateless runs (the dify route, the native one-shot execute), each used "
+        "for exactly one run; 0 runs them on fresh ZMQ kernels from --pool-size's pools.",
     ).tag(config=True, flag="one-shot-pool-size", env="SANDBOX_ONE_SHOT_POOL_SIZE", metavar="N")
 
     max_sessions = Int(
@@ -148,6 +148,25 @@ class ServiceConfig(Configurable):
     max_session_idle_timeout = Float(
         3600.0, help="The longest idle timeout a session may ask for.",
     ).tag(config=True, flag="max-session-idle-timeout", env="SANDBOX_MAX_SESSION_IDLE_TIMEOUT",
+          metavar="SECONDS")
+
+    state_dir = Unicode(
+        "", help="Directory of sealed snapshots and paused sessions (the service's own MAC key "
+        "is made in it, 0600); instances sharing it resume each other's paused sessions. "
+        "Empty: snapshots and pausing are off.",
+    ).tag(config=True, flag="state-dir", env="SANDBOX_STATE_DIR", metavar="DIR")
+
+    max_snapshot_size = Int(
+        1024 * 2**20, help="Largest snapshot (sealed bytes) the state dir keeps; a larger one "
+        "is refused with 413 and the session keeps running.",
+    ).tag(config=True, flag="max-snapshot-size", env="SANDBOX_MAX_SNAPSHOT_SIZE",
+          metavar="BYTES")
+
+    session_pause_after = Float(
+        0.0, help="Seconds a session may sit idle before it is snapshotted into --state-dir and "
+        "its kernel stopped; its next request resumes it on a fresh kernel. 0: never (idle "
+        "sessions keep their kernel until --session-idle-timeout).",
+    ).tag(config=True, flag="session-pause-after", env="SANDBOX_SESSION_PAUSE_AFTER",
           metavar="SECONDS")
 
     max_body_bytes = Int(
@@ -252,7 +271,7 @@ def check(config: ServiceConfig) -> None:
     positive = ("max_workers", "max_requests", "worker_timeout", "session_timeout",
                 "max_timeout", "max_sessions",
                 "max_body_bytes", "max_file_bytes", "max_output_total", "head_timeout",
-                "max_idle_connections")
+                "max_idle_connections", "max_snapshot_size")
     for name in positive:
         if getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
@@ -262,9 +281,12 @@ def check(config: ServiceConfig) -> None:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
                              f"got {getattr(config, name)}")
     for name in ("pool_size", "one_shot_pool_size", "kernel_grace", "shutdown_grace",
-                 "session_idle_timeout"):
+                 "session_idle_timeout", "session_pause_after"):
         if getattr(config, name) < 0:
             raise TraitError(f"{name.replace('_', '-')} must not be negative")
+    if config.session_pause_after and not config.state_dir:
+        raise TraitError("session-pause-after needs --state-dir: a paused session's snapshot "
+                         "is kept there")
     if config.session_timeout > config.max_timeout:
         raise TraitError(f"session-timeout {config.session_timeout:g} s is above max-timeout "
                          f"{config.max_timeout:g} s: lower it or raise --max-timeout")

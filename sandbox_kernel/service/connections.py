@@ -7,20 +7,31 @@ open. Here a connection must complete a request's head within `--head-timeout` s
 accepted (nginx's client_header_timeout, against slowloris), or it is closed; and once more
 connections are open and idle than `--max-idle-connections` allows, the oldest of them are closed
 to make room.
+A request uvicorn cannot parse (a head past h11's 16 KiB bound for what it has buffered, say) is
+answered 400 with a JSON message, as every route words its errors (uvicorn's own is plain text),
+and closed. Closing a socket whose peer is still sending resets it, and the reset can destroy
+the 400 before the client reads it. So that close lingers, as nginx's lingering_close does: what
+was written is sent, the write side is shut, and what the client still sends is read and
+dropped, until it closes or `linger` seconds pass.
 Requests themselves are bounded by the service's own admission (`runs.Admission`), not by
 counting sockets, so `limit_concurrency` is not used.
 
 The class extends whichever HTTP protocol uvicorn would pick (h11, or httptools where it is
-installed) through its `connection_made` / `connection_lost` hooks only.
+installed) through its methods `connection_made`, `connection_lost`, `data_received` and
+`send_400_response` only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+UNPARSED = ("the request is not valid HTTP/1.1, or its head (request line and headers) is too "
+            "large: a head past 16 KiB may be refused so; send a smaller one")
 
 
 class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
@@ -28,7 +39,9 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     head_timeout = 10.0  # seconds from accept to a complete request head
     max_idle = 512  # connections kept open that are not in a request
+    linger = 2.0  # seconds a refused request's connection reads and drops what still comes
     _order = itertools.count()
+    _draining = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the request-head deadline and make room among idle connections."""
@@ -41,6 +54,24 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         """Stop the head deadline of a connection that closed."""
         self._head_timer.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request uvicorn cannot parse: a 400 saying so, and a lingering close."""
+        body = json.dumps({"detail": UNPARSED}).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                             % (len(body), body))
+        self._draining = True
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()  # the peer's EOF then closes it (eof_received)
+        self.loop.call_later(self.linger, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes of a request; after a 400, the rest of the refused one, dropped."""
+        if not self._draining:
+            super().data_received(data)
 
     def _idle(self) -> bool:
         """Not inside a request: none has started, or the last one has been answered."""

@@ -18,12 +18,15 @@ from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, upstream_proxy
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
+from .pausing import Pausing
 from .runs import SERVICE_TIMEOUT, OneShots, Runner
 from .sessions import Sessions
+from .store import Store
 
 log = logging.getLogger("sandbox_kernel.service")
 T = TypeVar("T")
 CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
+PAUSE_AT_LEAST = 2.0  # seconds sessions get to pause at a stop whose grace runs went through
 
 
 class Service:
@@ -54,12 +57,16 @@ class Service:
         self.sessions = Sessions(self.kernels, config.max_sessions,
                                  config.max_sessions_per_key
                                  or fair_share(config.max_sessions, len(keys)))
+        # With a state dir: snapshots, and sessions that pause and resume (pausing.py).
+        self.pausing = (Pausing(self.sessions, Store(config.state_dir, config.max_snapshot_size),
+                                config.runtime) if config.state_dir else None)
         self.metrics = Metrics()
         self.metrics.bind(lambda: len(self.kernels.live), lambda: self.kernels.source.ready(),
                           lambda: len(self.sessions), lambda: self.admission.in_flight)
         self.started = False
         self.stopping = False
         self._culler: asyncio.Task[None] | None = None
+        self._pauser: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
     def make_source(self) -> KernelSource:
@@ -122,6 +129,9 @@ class Service:
         self.background(self.prepare_one_shots())  # the fork server starts meanwhile
         self._culler = asyncio.get_running_loop().create_task(
             self.sessions.cull_forever(CULL_INTERVAL))
+        if self.pausing is not None:
+            self.pausing.announce()
+            self._pauser = self.background(self.pausing.maintain(self.config.session_pause_after))
         self.started = True
         log.info(json_line(event="started", version=__version__, port=self.config.port,
                            network=self.config.enable_network, pool_size=self.config.pool_size))
@@ -139,13 +149,18 @@ class Service:
                                   self.runner.stopping.set)
 
     async def stop(self) -> None:
-        """Let in-flight runs finish within the grace period, then shut every kernel down."""
+        """Let in-flight runs finish within the grace period, pause every session (with a state
+        dir) in what is left of it, then shut every kernel down."""
         self.stopping = True
-        if self._culler is not None:
-            self._culler.cancel()
-        deadline = asyncio.get_running_loop().time() + self.config.shutdown_grace
-        while self.admission.in_flight and asyncio.get_running_loop().time() < deadline:
+        for task in (self._culler, self._pauser):
+            if task is not None:
+                task.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.shutdown_grace
+        while self.admission.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.1)
+        if self.pausing is not None:
+            await self.pausing.pause_all(max(deadline - loop.time(), PAUSE_AT_LEAST))
         self.sessions.close()
         await self.kernels.close()
         log.info(json_line(event="stopped"))

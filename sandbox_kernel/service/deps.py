@@ -43,21 +43,27 @@ async def api_key(request: Request, service: ServiceDep,
 Key = Annotated[ApiKey, Depends(api_key)]
 
 
-def session_of(request: Request, service: Service, key: ApiKey, session_id: str) -> Session:
-    """The key's session by that id (SessionError 404 if it has none), noted for the access log.
+async def session_of(request: Request, service: Service, key: ApiKey,
+                     session_id: str) -> Session:
+    """The key's session by that id (SessionError 404 if it has none), noted for the access log;
+    a paused one is resumed first, on a fresh kernel restored from its snapshot.
 
     Routes with a body or a path to check call it after those checks, so a bad request is told
     so before the session is looked up.
     """
+    pausing = service.sessions.pausing
+    if pausing is not None and service.sessions.find(key.id, session_id) is None:
+        await pausing.resume(key, session_id)
     session = service.sessions.get(key, session_id)
     request.state.session_id = session.id
     request.state.kernel_id = session.kernel_id
     return session
 
 
-def owned_session(session_id: str, request: Request, service: ServiceDep, key: Key) -> Session:
-    """The key's session named in the path."""
-    return session_of(request, service, key, session_id)
+async def owned_session(session_id: str, request: Request, service: ServiceDep,
+                        key: Key) -> Session:
+    """The key's session named in the path (resumed if it was paused)."""
+    return await session_of(request, service, key, session_id)
 
 
 OwnedSession = Annotated[Session, Depends(owned_session)]

@@ -11,13 +11,15 @@ from starlette.responses import JSONResponse, Response
 
 from .kernels import KernelUnavailable
 from .sessions import SessionError
+from .store import StoreError
 
 KERNEL_RETRY_AFTER = "5"  # seconds: about what a fresh kernel takes to start on a busy host
 
 
 async def session_error(request: Request, exc: Exception) -> Response:
-    """A session request that cannot be carried out: the status the error carries."""
-    assert isinstance(exc, SessionError)
+    """A session or snapshot request that cannot be carried out: the status the error
+    carries."""
+    assert isinstance(exc, SessionError | StoreError)
     return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ from ..client import AsyncSandbox
 from ..launch.forkserver import ForkServerClient
 from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
+from ..secrets import SecretError
 from .access import json_line
 
 log = logging.getLogger("sandbox_kernel.service")
@@ -32,8 +34,9 @@ class KernelSource(Protocol):
     async def start(self) -> None:
         """Begin filling (may return before any kernel is ready)."""
 
-    async def get(self, network: Network) -> AsyncSandbox:
-        """A started kernel of that network setting; raises RuntimeError if none can start."""
+    async def get(self, network: Network, **extra: Any) -> AsyncSandbox:
+        """A started kernel of that network setting (extra: more AsyncSandbox options, e.g. a
+        snapshot to restore or the caller's own secrets); raises RuntimeError if none can start."""
 
     def ready(self) -> dict[str, int]:
         """Started kernels waiting to be handed out, per policy name ("offline", "network")."""
@@ -58,6 +61,7 @@ class NetworkChoice:
 
 
 Network = bool | NetworkChoice
+Secrets = Mapping[str, Any] | None  # a caller's {NAME: {"value": ..., "hosts": [...]}}
 
 
 def _split(network: Network) -> tuple[bool, tuple[str, ...] | None]:
@@ -95,6 +99,11 @@ def with_network(base: SandboxPolicy, network: bool, upstream_proxy: str = "",
         values["allow_hosts"] = list(hosts)
     if network and upstream_proxy:
         values["upstream_proxy"] = upstream_proxy
+    if not network:  # the operator's secrets are for network kernels only
+        values.update(secrets=[], secrets_file="")
+    elif hosts is not None:  # and for the hosts a request keeps
+        values["secrets"] = [entry for entry in base.secrets
+                             if entry.partition("=")[2].strip() in hosts]
     return SandboxPolicy(**values)
 
 
@@ -156,19 +165,23 @@ class PoolSource:
             record.note(None)
             await sandbox.close(now=True)
 
-    async def get(self, network: Network) -> AsyncSandbox:
-        """A started kernel for that network: a pooled one when there is a pool, else a new one."""
+    async def get(self, network: Network, **extra: Any) -> AsyncSandbox:
+        """A started kernel for that network: a pooled one when there is a pool, else a new one.
+
+        extra: more AsyncSandbox options (a snapshot to restore, the caller's own secrets):
+        such a kernel is started for its caller, never pooled.
+        """
         allowed, hosts = _split(network)
         if allowed not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
-        options = self.options[allowed]
-        pool = self.pools.get(allowed)
+        options = {**self.options[allowed], **extra}
+        pool = None if extra else self.pools.get(allowed)
         if hosts is not None:  # an allowlist of the caller's: started for it, never pooled
             pool = None
             options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
         if pool is not None:
             return await pool.get_soonest()
-        if hosts is not None:  # the caller's allowlist, not the policy, might be what fails
+        if hosts is not None or extra:  # the caller's choice, not the policy, might be what fails
             return await start_sandbox(**options)
         try:
             sandbox = await start_sandbox(**options)
@@ -264,26 +277,29 @@ class Kernels:
         self.live: set[AsyncSandbox] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
-    async def get(self, network: Network) -> AsyncSandbox:
+    async def get(self, network: Network, **extra: Any) -> AsyncSandbox:
         """A fresh kernel, counted as live until `discard`; KernelUnavailable if none comes.
 
         A kernel that fails to start (not one that is slow to) is tried once more: on a loaded
         host a start can fail once; a host that cannot run the policy fails both, fast.
+        SecretError when the caller's secrets cannot be used (it never names a value).
         """
         try:
-            sandbox = await self._get(network)
+            sandbox = await self._get(network, extra)
         except KernelUnavailable as first:
             if first.__cause__ is None:  # it timed out: the caller has waited long enough
                 raise
             log.warning(json_line(event="kernel_start_failed", policy=policy_name(network),
                                   error=str(first), retrying=True))
-            sandbox = await self._get(network)
+            sandbox = await self._get(network, extra)
         self.live.add(sandbox)
         return sandbox
 
-    async def _get(self, network: Network) -> AsyncSandbox:
+    async def _get(self, network: Network, extra: dict[str, Any]) -> AsyncSandbox:
         try:
-            return await asyncio.wait_for(self.source.get(network), self.start_timeout)
+            return await asyncio.wait_for(self.source.get(network, **extra), self.start_timeout)
+        except SecretError:
+            raise
         except asyncio.TimeoutError:
             raise KernelUnavailable(f"no {policy_name(network)} kernel started within "
                                     f"{self.start_timeout:g} s") from None

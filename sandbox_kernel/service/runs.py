@@ -129,10 +129,13 @@ class OneShots:
     """The fork server's pools of one-shot kernels, one per network policy of the service."""
 
     def __init__(self, options: dict[bool, dict[str, Any]], size: int) -> None:
+        # A policy with credentials (secrets.py) runs on ZMQ kernels: their companion gets the
+        # vault, which a one-shot kernel, made before its request, cannot yet be given.
         self.pools = {network: OneShotPool(kwargs["policy"], size,
                                            python=kwargs.get("python") or sys.executable,
                                            preload=tuple(kwargs.get("preload", ())))
-                      for network, kwargs in options.items()}
+                      for network, kwargs in options.items()
+                      if not kwargs["policy"].holds_credentials()}
         self.limits = {network: CallerLimits.from_policy(kwargs["policy"].as_dict())
                        for network, kwargs in options.items()}
         # Per policy name: whether a one-shot kernel of it has run code here, and the latest

@@ -71,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
               "pip install 'sandbox-kernel[server]'", file=sys.stderr)
         return 2
     from .auth import KeyFileError
+    from .kernels import with_network  # the server extra's: imported once it is known here
 
     if getattr(args, "allow_network", None):
         raise TraitError("serve decides network access per request: --enable-network lets a "
                          "request ask for it; drop --allow-network")
     config = service_config.from_arguments(args)
     effective = policy.from_arguments(args)
+    with_network(effective, True).declared_secrets()  # for its network kernels: refused now
     _logging(config.log_level)
     return_large_blocks()
     try:

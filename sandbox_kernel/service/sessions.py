@@ -8,12 +8,26 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..client import AsyncSandbox
 from ..client.sessions import KernelSession, SessionLimit, SessionTable
 from .access import json_line
 from .auth import ApiKey
-from .kernels import Kernels, Network, NetworkChoice, kernel_id, policy_name
+from .kernels import (
+    Kernels,
+    KernelUnavailable,
+    Network,
+    NetworkChoice,
+    Secrets,
+    kernel_id,
+    policy_name,
+)
+from .snapshots import refused_restore
+
+if TYPE_CHECKING:
+    from .pausing import Pausing
+    from .store import Stored
 
 log = logging.getLogger("sandbox_kernel.service")
 
@@ -33,6 +47,7 @@ class Session(KernelSession):
     network: Network
     dead: str | None = None  # why the kernel is gone, told on the next call
     lost_unseen: bool = False  # its kernel was restarted by a call no one heard the end of
+    pausing: bool = False  # being snapshotted to be paused (pausing.py)
 
     @property
     def kernel_id(self) -> str:
@@ -47,7 +62,8 @@ class Session(KernelSession):
                 "policy": policy_name(self.network),
                 "idle_timeout": self.idle_timeout, "created": self.created,
                 "idle_seconds": round(self.idle_seconds(), 3), "busy": self.busy,
-                "alive": self.dead is None, "dead_reason": self.dead}
+                "alive": self.dead is None, "dead_reason": self.dead, "usage": self.spent(),
+                "paused": False}
 
 
 class Sessions(SessionTable[Session]):
@@ -57,23 +73,56 @@ class Sessions(SessionTable[Session]):
         super().__init__(max_sessions)
         self.kernels = kernels
         self.per_key = per_key  # a key's limit unless its entry in the keys file sets one
+        self.pausing: Pausing | None = None  # with --state-dir (pausing.py sets itself)
 
-    async def create(self, key: ApiKey, network: Network, idle_timeout: float) -> Session:
-        """A new session with a fresh kernel; 429 past the key's or the service's limit (a key's
-        own max_sessions, else --max-sessions-per-key, else its fair share)."""
+    async def create(self, key: ApiKey, network: Network, idle_timeout: float,
+                     restore: dict[str, Any] | None = None,
+                     session_id: str | None = None, secrets: Secrets = None) -> Session:
+        """A new session with a fresh kernel (restore: the options restoring a snapshot into
+        it); 429 past the key's or the service's limit (a key's own max_sessions, else
+        --max-sessions-per-key, else its fair share; its paused sessions count too). secrets: the
+        caller's own, for this session's kernel alone (never described back)."""
+        extra = {**(restore or {}), **({"secrets": secrets} if secrets else {})}
         async def make(session_id: str) -> Session:
-            return Session(session_id, key.id, await self.kernels.get(network), idle_timeout,
-                           network=network)
+            try:
+                sandbox = await self.kernels.get(network, **extra)
+            except KernelUnavailable as exc:
+                if restore and refused_restore(exc.__cause__):
+                    raise SessionError(422, f"the snapshot could not be restored: "
+                                       f"{exc.__cause__}") from exc
+                raise
+            return Session(session_id, key.id, sandbox, idle_timeout, network=network)
 
+        limit = self.per_key if key.max_sessions is None else key.max_sessions
+        paused = self._paused_elsewhere(key, session_id)
         try:
-            limit = self.per_key if key.max_sessions is None else key.max_sessions
-            return await self.open(key.id, limit, make)
+            session = await self.open(key.id, limit - paused, make, session_id)
         except SessionLimit as full:
             if full.per_owner:
-                raise SessionError(429, f"API key {key.id!r} may hold {full.limit} sessions "
-                                   "at once; delete one first") from None
+                raise SessionError(429, f"API key {key.id!r} may hold {limit} sessions at once"
+                                   f"{f' ({paused} of them paused)' if paused else ''}; "
+                                   "delete one first") from None
             raise SessionError(429, f"the service holds its limit of {full.limit} sessions; "
                                "delete one or try again later") from None
+        if self.pausing is not None:  # it runs here: another instance sharing the dir is refused
+            self.pausing.store.lease(session.id, key.id)
+        return session
+
+    def _paused_elsewhere(self, key: ApiKey, resuming: str | None) -> int:
+        """The key's paused sessions (not the one resuming, nor those running here): they
+        count against its limit."""
+        if self.pausing is None:
+            return 0
+        return len([p for p in self.pausing.store.paused_of(key.id)
+                    if p.id != resuming and self.find(key.id, p.id) is None])
+
+    async def resume(self, key: ApiKey, item: Stored, pausing: Pausing) -> Session:
+        """A paused session back in the table, same id, on a kernel restored from its pause."""
+        record = item.record
+        session = await self.create(key, pausing.check_restorable(item, None),
+                                    record["idle_timeout"], pausing.restore_extra(item), item.id)
+        session.created = record["created"]
+        return session
 
     def get(self, key: ApiKey, session_id: str) -> Session:
         """The key's session; 404 for another key's, so ids of others cannot be probed."""
@@ -90,6 +139,9 @@ class Sessions(SessionTable[Session]):
         if session.dead is not None:
             raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
                                "delete the session and create a new one")
+        if session.pausing:
+            raise SessionError(409, f"session {session.id} is being paused; send the request "
+                               "again in a moment: it resumes the session")
         if session.lock.locked():
             raise SessionError(409, f"session {session.id} is running another execution; "
                                "wait for it or interrupt it")
@@ -126,11 +178,17 @@ class Sessions(SessionTable[Session]):
             session.dead = why
             self.kernels.discard(session.sandbox)
 
-    def delete(self, session: Session) -> None:
-        """Forget the session and shut its kernel down; a call already holding it gets 410."""
+    def delete(self, session: Session, why: str = "the session was closed",
+               for_good: bool = True) -> None:
+        """Forget the session and shut its kernel down; a call already holding it gets 410.
+
+        for_good: its pause and lease in the state dir go too (False: it was just paused).
+        """
         self.forget(session)
-        session.dead = session.dead or "the session was closed"
+        session.dead = session.dead or why
         self.kernels.discard(session.sandbox)
+        if self.pausing is not None and for_good:
+            self.pausing.drop(session.id)
 
     def cull(self) -> list[str]:
         """Close sessions idle past their timeout (dead ones too, after the same time)."""

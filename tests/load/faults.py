@@ -135,7 +135,8 @@ async def kill_fork_server(result: ScenarioResult, service: Service, http: Http)
     result.goal("kill -9 the fork server mid-load", "no request hangs; later runs work",
                 f"{good}/{len(records)} correct during the load, {len(hung)} hung; next run "
                 f"{after.verdict}", not hung and after.good,
-                f"killed: {names}; " + "; ".join(v.reason for v in records if not v.good)[:600])
+                f"killed: {names}; next run: {after.reason or 'correct'}; "
+                + "; ".join(v.reason for v in records if not v.good)[:600])
 
 
 async def fill_scratch(result: ScenarioResult, service: Service, http: Http) -> None:

@@ -245,9 +245,24 @@ async def settle(sampler: Sampler, baseline: Sample, timeout: float) -> tuple[Sa
         await asyncio.sleep(0.5)
 
 
+def is_ready(url: str | None) -> bool:
+    """Whether the service says it is ready (every policy's kernels, ZMQ and one-shot, have
+    started and answered: its pools exist); True for an instance without a URL."""
+    if url is None:
+        return True
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{url}/ready", timeout=2, trust_env=False).status_code == 200
+    return False
+
+
 async def steady(sampler: Sampler, timeout: float = 60.0, quiet: float = 3.0) -> Sample:
-    """A sample taken once the instance has stopped changing (its pool refilled, nothing in
-    flight) for `quiet` seconds, or after timeout."""
+    """A sample taken once the instance is ready and has stopped changing (its pools refilled,
+    nothing in flight) for `quiet` seconds, or after timeout.
+
+    The baseline is the service's standing processes: itself, its ZMQ kernels' pools
+    (--pool-size per policy, each with its reaper), the fork server, its one-shot pools
+    (--one-shot-pool-size per policy) and their companion. All are bounded by flags; before
+    /ready they are still being made, and a baseline taken then would count them as leaks."""
     started = time.monotonic()
     last = await asyncio.to_thread(sampler.now)
     stable_since = time.monotonic()
@@ -256,7 +271,8 @@ async def steady(sampler: Sampler, timeout: float = 60.0, quiet: float = 3.0) ->
         now = await asyncio.to_thread(sampler.now)
         same = (now.processes, now.kernels, now.scratch_dirs) == (
             last.processes, last.kernels, last.scratch_dirs)
-        if not same or now.metrics.get("sandbox_runs_in_flight", 0):
+        if not same or now.metrics.get("sandbox_runs_in_flight", 0) \
+                or not await asyncio.to_thread(is_ready, sampler.args[3]):
             stable_since = time.monotonic()
         elif time.monotonic() - stable_since >= quiet:
             return now

@@ -108,3 +108,18 @@ def test_the_public_default_key_is_warned_about_loudly(tmp_path):
         srv.stop()
     assert "WARNING: the X-Api-Key of /v1/sandbox/* and the native API's bearer key is " \
            "dify-sandbox's public default" in srv.log.read_text()
+
+
+def test_a_request_refused_unparsed_is_answered_not_reset(guarded):
+    # A head past uvicorn's size bound is refused with a 400 before all of it is read. The
+    # server reads and drops the rest before it closes: closing with bytes unread would reset
+    # the connection, and the reset would destroy the 400 the client has not read yet.
+    request = (b"POST " + RUN.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 300_000
+               + b"\r\nContent-Length: 2\r\n\r\n{}")
+    for _ in range(3):
+        with _silent(guarded.url) as sock:
+            sock.sendall(request)
+            answer = sock.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert "head (request line and headers) is too large" in json.loads(
+            answer.split(b"\r\n\r\n", 1)[1])["detail"]

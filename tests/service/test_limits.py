@@ -162,6 +162,11 @@ def test_graceful_shutdown_leaves_nothing_behind(tmp_path):
     srv.stop()
     worker.join(10)
     assert results and results[0].status_code == 200  # the in-flight run finished
+    # One-shot kernels waiting in their pools die with the fork server (PDEATHSIG), a moment
+    # after it: their exit (a network namespace torn down) is not instant.
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in kernels) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for pid in kernels:
         assert not running(pid), pid
     scratch = Path(f"/tmp/sandbox-kernel-{os.geteuid()}")

@@ -3,6 +3,9 @@ kernel per run."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from .helpers import KEY_A, auth, http, sse_events
@@ -37,3 +40,23 @@ def test_stateless_runs_are_one_shot_kernels(server):
     assert {run["stdout"] for run in seen} == {"CapturedStream"}  # kernel/oneshot.py's
     assert {run["threads"] for run in seen} == {1}  # no ZMQ, IOPub or heartbeat thread
     assert len({run["pid"] for run in seen}) == 3
+
+
+def test_a_one_shot_run_past_its_deadline_is_killed_and_says_so(server):
+    # SIGALRM (the kernel's own deadline) blocked: only the service's kill can end the run.
+    code = ("import os, signal, time\nprint(os.getpid(), flush=True)\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGINT})\n"
+            "time.sleep(60)\n")
+    started = time.monotonic()
+    answer = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A),
+                       json={"code": code, "timeout": 1}, timeout=30).json()
+    assert time.monotonic() - started < 15
+    assert answer["error"]["name"] == "ExecutionTimeout", answer
+    assert "did not stop" in answer["error"]["value"], answer
+    assert answer["state_lost"] is True
+    pid = int(answer["stdout"].split()[0])
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}/status") or "Z (zombie)" in open(
+        f"/proc/{pid}/status").read(), "the one-shot kernel outlived its run"

@@ -12,9 +12,12 @@ from .helpers import DIFY_KEY, KEY_A, RUN, auth, http
 def test_openapi_schema_documents_the_native_api(server):
     schema = http.get(server.url + "/openapi.json").json()
     for path in ("/api/v1/execute", "/api/v1/sessions", "/api/v1/sessions/{session_id}/execute",
-                 "/api/v1/sessions/{session_id}/files/{path}", "/v1/sandbox/run"):
+                 "/api/v1/sessions/{session_id}/files/{path}", "/v1/sandbox/run",
+                 "/api/v1/sessions/{session_id}/snapshots", "/api/v1/snapshots",
+                 "/api/v1/snapshots/{snapshot_id}", "/api/v1/sessions/{session_id}/pause"):
         assert path in schema["paths"], path
-    assert "ExecutionShape" in schema["components"]["schemas"]
+    assert {"ExecutionShape", "SnapshotShape"} <= set(schema["components"]["schemas"])
+    assert "snapshot" in schema["components"]["schemas"]["SessionRequest"]["properties"]
 
 
 def test_the_openapi_schema_is_valid_and_complete(server):

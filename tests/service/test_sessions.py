@@ -194,3 +194,22 @@ def test_an_install_of_something_that_is_no_requirement_is_a_422(server):
                        json={"packages": ["a\x1fb"]})  # \x1f: str.isspace, not the schema's \s
     assert answer.status_code == 422
     assert "not a requirement" in answer.json()["detail"]
+
+
+def test_a_sessions_description_totals_cpu_spent_after_its_last_execution(server, session):
+    # A thread the cell leaves running spends 1 s of CPU with no execution after it: the
+    # session's description is where a caller bills it.
+    spinner = ("import threading, time\ndef spin():\n    start = time.thread_time()\n"
+               "    while time.thread_time() - start < 1.0:\n        for _ in range(10**5): pass\n"
+               "threading.Thread(target=spin).start()\n")
+    answer = http.post(session + "/execute", headers=auth(KEY_B), json={"code": spinner},
+                       timeout=60)
+    assert answer.json()["error"] is None, answer.text
+    deadline = time.monotonic() + 60
+    while True:
+        usage = http.get(session, headers=auth(KEY_B)).json()["usage"]
+        if usage["cpu_user_seconds"] + usage["cpu_system_seconds"] >= 0.98:
+            break
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.3)
+    assert set(usage) == {"cpu_user_seconds", "cpu_system_seconds", "egress_cpu_seconds"}

@@ -28,8 +28,10 @@ import dataclasses
 import json
 import os
 import socket
+import ssl
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -37,8 +39,12 @@ from urllib.parse import urlsplit
 import h11
 
 from ..logrelay import LineSink, TokenBucket, escaped
-from . import tls
+from . import intercept, tls
+from .ca import KernelCA
+from .cputime import metered
+from .intercept import ExchangeError, Secrets
 from .rules import EgressRules, IPAddress, Refusal, Upstream, normal_name, parse_address
+from .secret import Secret
 
 HEAD_LIMIT = 16 * 1024  # bytes of a request head (nginx's default is 8 KiB a line)
 MAX_HEADERS = 100  # header lines of a request head (h11's cost grows with their number)
@@ -74,6 +80,7 @@ class Connection:
     sni: str | None = None
     allowed: bool = False
     reason: str | None = None
+    secret: str | None = None  # the secret added to one request ("egress-secret" records)
     sent: int = 0  # bytes from user code to the destination
     received: int = 0  # bytes from the destination to user code
     started: float = field(default_factory=time.monotonic)
@@ -89,6 +96,8 @@ class Connection:
             entry["sni"] = self.sni[:255]
         if self.reason:
             entry["reason"] = self.reason
+        if self.secret is not None:
+            entry["secret"] = self.secret
         return entry
 
     def summary(self) -> str:
@@ -98,6 +107,8 @@ class Connection:
             return f"egress refused {target}: {self.reason}"
         if self.event == "egress-open":
             return f"egress opened {target} ({self.address})"
+        if self.event == "egress-secret":
+            return f"egress secret {self.secret} added to a request to {target}"
         ended = f" ({self.reason})" if self.reason else ""
         return (f"egress {target} ({self.address}) sent {self.sent} received {self.received} "
                 f"bytes in {time.monotonic() - self.started:.2f} s{ended}")
@@ -117,9 +128,24 @@ class EgressProxy:
     """Serves one kernel's egress listener under its rules."""
 
     def __init__(self, rules: EgressRules, kernel_id: str, record: Recorder,
-                 upstream: Upstream | None = None) -> None:
+                 upstream: Upstream | None = None,
+                 charge: Callable[[float], None] | None = None, *,
+                 count_use: Callable[[str], None] | None = None,
+                 secrets: Sequence[Secret] = (),
+                 ca: KernelCA | None = None, upstream_ca: bytes | None = None) -> None:
+        """secrets: added for their hosts (whose TLS is terminated with ca, made here if not
+        given); upstream_ca: PEM certificates trusted beside the system store upstream."""
         self.rules, self.kernel_id, self.record = rules, kernel_id, record
         self.upstream = upstream
+        self.charge = charge  # takes the CPU each connection's work costs (cputime.py)
+        self.count_use = count_use  # takes each secret's use, for the kernel's usage (tally.py)
+        self.secrets = Secrets(secrets)
+        self.ca = (ca or KernelCA(kernel_id)) if self.secrets else None
+        self.upstream_tls = ssl.create_default_context()
+        self.upstream_tls.set_alpn_protocols(["http/1.1"])
+        if upstream_ca:
+            self.upstream_tls.load_verify_locations(cadata=upstream_ca.decode("ascii"))
+        self.substitutions: Counter[str] = Counter()  # requests each secret was added to
         self.slots = asyncio.Semaphore(MAX_CONNECTIONS)
         self.open: set[asyncio.Task[Any]] = set()  # the connections being served
         self.pace = TokenBucket(CONNECTION_BURST, CONNECTION_RATE)
@@ -139,7 +165,8 @@ class EgressProxy:
             while not self.stopped:
                 await self._paced()
                 conn, _ = await self.loop.sock_accept(listener)
-                self.loop.create_task(self._connected(conn))
+                work = self._connected(conn)
+                self.loop.create_task(work if self.charge is None else metered(work, self.charge))
         finally:
             for task in self.open:
                 task.cancel()
@@ -223,10 +250,15 @@ class EgressProxy:
         if refusal is not None:
             raise Refused(403, refusal)
         if entry.method == "CONNECT":
-            await self._tunnel(reader, writer, entry, rest)
+            if self.secrets.of(entry.host, entry.port):
+                await self._intercept(reader, writer, entry, rest)
+            else:
+                await self._tunnel(reader, writer, entry, rest)
         else:
+            self._check_plain(request, entry)
             far_reader, far_writer = await self._open(entry, tunnel=False)
-            head = _forwarded_head(request, entry, path if self.upstream is None else None)
+            head = _forwarded_head(request, entry, path if self.upstream is None else None,
+                                   None if self.upstream is None else self.upstream.authorization)
             self._opened(entry)
             far_writer.write(head + rest)
             entry.sent += len(head) + len(rest)
@@ -250,6 +282,77 @@ class EgressProxy:
         far_writer.write(rest)
         entry.sent += len(rest)
         await _splice(reader, writer, far_reader, far_writer, entry)
+
+    def _check_plain(self, request: h11.Request, entry: Connection) -> None:
+        """Plain HTTP carries no secret: refused to a secret's host, and with a placeholder."""
+        own = self.secrets.of(entry.host, entry.port)
+        if own:
+            names = ", ".join(secret.name for secret in own)
+            raise Refused(403, Refusal(
+                f"plain HTTP to {entry.host}:{entry.port}, a host of secret {names}: secrets "
+                "are added over HTTPS only", f"use https://{_host_port(entry.host, 443)}"
+                .removesuffix(":443")))
+        try:
+            self.secrets.check(entry.host, entry.port, intercept.readable_forms(
+                request.target, list(request.headers.raw_items())))
+        except ExchangeError as exc:
+            raise Refused(exc.status, str(exc)) from None
+
+    async def _intercept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         entry: Connection, rest: bytes) -> None:
+        """A CONNECT to a secret's host: TLS ends here, each request gets its secrets added."""
+        assert self.ca is not None
+        if rest:
+            raise Refused(400, f"CONNECT {entry.host}:{entry.port}: bytes sent before the "
+                               "proxy answered")
+        raw = await self._open(entry, tunnel=True)  # kept: its writer's __del__ would close it
+        try:
+            far = await intercept.start_tls(raw, self.upstream_tls, entry.host, CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raw[1].close()
+            verify = getattr(exc, "verify_message", None)
+            raise Refused(502, Refusal(
+                f"{entry.host}:{entry.port}: TLS to it failed"
+                + (f": its certificate cannot be verified ({verify})" if verify else
+                   f": {exc!r}"), "give its CA with --upstream-ca FILE if it is a private one"
+            )) from None
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        self._opened(entry)
+        near: intercept.Stream | None = None
+        try:
+            context = self.ca.server_context(entry.host)
+            try:
+                near = await intercept.start_tls((reader, writer), context, None, HEAD_TIMEOUT)
+            except (OSError, asyncio.TimeoutError) as exc:
+                raise Refused(0, f"TLS from user code failed ({exc!r}): the client does not "
+                                 "trust the kernel's CA (SSL_CERT_FILE)") from None
+            exchanges = intercept.Exchanges(self.secrets, entry.host, entry.port,
+                                            lambda secret: self._used(entry, secret),
+                                            MAX_HEADERS, HEAD_LIMIT)
+
+            def counted(sent: int, received: int) -> None:
+                entry.sent += sent
+                entry.received += received
+
+            try:
+                await exchanges.serve(near, far, HEAD_TIMEOUT, counted)
+            except ExchangeError as exc:
+                if exc.status:
+                    await _answer(near[1], exc.status, str(exc))
+                raise Refused(0, str(exc)) from None
+        finally:
+            far[1].close()
+            raw[1].close()
+            if near is not None:
+                near[1].close()
+
+    def _used(self, entry: Connection, secret: Secret) -> None:
+        """A secret added to a request: counted, and recorded (its name, never its value)."""
+        self.substitutions[secret.name] += 1
+        if self.count_use is not None:
+            self.count_use(secret.name)
+        self.record(dataclasses.replace(entry, event="egress-secret", secret=secret.name,
+                                        allowed=True))
 
     async def _checked_hello(self, reader: asyncio.StreamReader, entry: Connection,
                              data: bytes) -> bytes:
@@ -448,13 +551,17 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _forwarded_head(request: h11.Request, entry: Connection, path: str | None) -> bytes:
-    """The request head sent on: origin-form (or absolute for an upstream), one exchange only."""
+def _forwarded_head(request: h11.Request, entry: Connection, path: str | None,
+                    proxy_authorization: str | None = None) -> bytes:
+    """The request head sent on: origin-form (or absolute for an upstream, with the upstream's
+    credentials, as its CONNECTs carry them), one exchange only."""
     target = path.encode() if path is not None else request.target
     lines = [request.method + b" " + target + b" HTTP/1.1",
              b"Host: " + _host_port(entry.host, entry.port).removesuffix(":80").encode()]
     lines += [name + b": " + value for name, value in request.headers
-              if name.lower() not in _HOP_BY_HOP]
+              if name.lower() not in _HOP_BY_HOP]  # the kernel's own Proxy-Authorization too
+    if proxy_authorization:
+        lines.append(b"Proxy-Authorization: " + proxy_authorization.encode())
     lines.append(b"Connection: close")
     return b"\r\n".join(lines) + b"\r\n\r\n"
 

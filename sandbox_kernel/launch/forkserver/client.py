@@ -157,16 +157,19 @@ class ForkServerClient:
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str],
               stdio: Sequence[int], cwd: str | os.PathLike[str] | None = None,
-              ready: int | None = None) -> ForkedKernel:
+              ready: int | None = None, sealed: int | None = None) -> ForkedKernel:
         """A new kernel running `python -m sandbox_kernel argv`, with stdio as its fds, started
         in cwd (this process's working directory by default). Of env, only what a kernel may
         inherit is sent (request_env). ready: the write end of a pipe the kernel writes a line
-        to, and closes, once its sockets listen."""
-        request = {"argv": list(argv), "env": request_env(argv, env),
-                   "cwd": os.path.abspath(cwd or ".")}
+        to, and closes, once its sockets listen. sealed: the kernel's vault (confine/vault.py),
+        a descriptor the server's child hands on to the kernel's reaper unread."""
+        request: dict[str, Any] = {"argv": list(argv), "env": request_env(argv, env),
+                                   "cwd": os.path.abspath(cwd or "."),
+                                   "ready": ready is not None, "vault": sealed is not None}
+        fds = [*stdio, *([] if ready is None else [ready]), *([] if sealed is None else [sealed])]
         conn = self.connect()
         try:
-            socket.send_fds(conn, [frame(request)], [*stdio, *([] if ready is None else [ready])])
+            socket.send_fds(conn, [frame(request)], fds)
             conn.settimeout(self.start_timeout)
             reply, fds = receive(conn)
             conn.settimeout(None)

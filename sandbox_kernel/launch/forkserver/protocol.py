@@ -139,7 +139,9 @@ def _read_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
 
 def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One framed message and the descriptors that came with its first bytes."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
+    # At most stdio, a ready pipe and a vault (a kernel's request): more are cut off, and the
+    # request is refused for not bringing what it says.
+    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 5)
     if not data:
         raise ConnectionError("the peer hung up")
     data = _read_exactly(sock, _HEADER.size, data)

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...confine.rounds import run_round
+from ...confine.vault import VAULT_VAR
 from .protocol import (
     DEFAULT_IDLE,
     DEFAULT_MAX_AGE,
@@ -50,6 +52,7 @@ from .protocol import (
     split_names,
     thread_count,
 )
+from .zygote import FORK
 
 # Imported by a kernel only once it runs (ipykernel's lazy imports, recorded from a started
 # kernel's sys.modules); importing them in the server makes them free in every child.
@@ -107,6 +110,10 @@ class _Pool:
     waiting: dict[int, tuple[int, int]] = field(default_factory=dict)  # pid -> (pidfd, taken)
     failures: int = 0
     broken: str = ""
+    control: socket.socket | None = None  # to the pool's zygote (zygote.py), once forked
+    asked: list[int] = field(default_factory=list)  # taken pipes of forks asked, unanswered
+    zygote: int = 0  # its pid
+    zygote_pidfd: int = -1
 
 
 def pool_path(directory: str, key: str, argv: list[str], env: dict[str, str], cwd: str) -> str:
@@ -215,8 +222,7 @@ class Server:
                     and time.monotonic() - self.last_active > self.idle:
                 self.close_pools()
                 return
-            for key, _ in self.selector.select(timeout=1.0):
-                key.data(key.fileobj)
+            run_round(self.selector, 1.0)
 
     def stop_listening(self) -> None:
         """Unlink the socket so that the next client starts a fresh server."""
@@ -245,7 +251,8 @@ class Server:
         self.unlink_pools()
         for pool in self.pools.values():
             for pid in list(pool.waiting):
-                self.end_waiting(pool, pid, kill=True)
+                self.end_waiting(pool, pid)
+            self.end_zygote(pool)
             if pool.broken:
                 self.selector.unregister(pool.listener)
             pool.listener.close()
@@ -296,67 +303,174 @@ class Server:
 
                 _, self.companion = companion.start(self.close_in_child)
             pool = self.pools[path] = _Pool(path, _listen(path), argv, env, cwd, size)
+            self.start_zygote(pool)
         pool.size = max(pool.size, size)
         self.refill(pool)
         return pool
 
     def refill(self, pool: _Pool) -> None:
         """Fork waiting processes until the pool has its size (off any request's path)."""
-        while not pool.broken and len(pool.waiting) < pool.size and not self.retiring:
+        while (not pool.broken and len(pool.waiting) + len(pool.asked) < pool.size
+               and not self.retiring):
             self.fork_one_shot(pool)
 
-    def fork_one_shot(self, pool: _Pool) -> None:
-        """Fork one process for the pool; it tells `taken` once it has its request."""
-        taken_read, taken_write = os.pipe()
+    def start_zygote(self, pool: _Pool) -> None:
+        """Fork the pool's zygote: it builds the kernel once, then forks the pool's processes."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
+            self.become_zygote(pool, ours, theirs)
+        theirs.close()
+        pool.control, pool.zygote, pool.zygote_pidfd = ours, pid, os.pidfd_open(pid)
+        self.selector.register(pool.zygote_pidfd, selectors.EVENT_READ,
+                               lambda _: self.zygote_ended(pool))
+        # Its answers are read as they come: the server never waits for the zygote's build.
+        self.selector.register(ours, selectors.EVENT_READ, lambda _: self.zygote_answered(pool))
+
+    def become_zygote(self, pool: _Pool, ours: socket.socket, theirs: socket.socket) -> None:
+        """In the child: the pool's zygote, with the pool's listener and the companion's
+        registry for the processes it forks, and none of the server's other descriptors."""
+        try:
+            ours.close()
+            os.setsid()
+            os.chdir(pool.cwd)
+            listener = pool.listener.dup()
+            assert self.companion is not None
+            registry = os.dup(self.companion)
+            self.close_in_child()
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)  # fd 2 stays the server's log: a refusal to start is told there
+            os.close(null)
+            from . import zygote
+
+            zygote.serve(theirs, listener, registry, pool.argv, pool.env, os.getuid())
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+
+    def zygote_ended(self, pool: _Pool) -> None:
+        """The pool's zygote is gone (it could not build the kernel): the pool is broken."""
+        code = self.reap_zygote(pool)
+        self.break_pool(pool, f"the one-shot kernels' zygote ended (exit code {code}) before "
+                              "the pool was retired; the fork server's log says why")
+
+    def reap_zygote(self, pool: _Pool) -> int | None:
+        """Forget the zygote's pidfd and reap it (once); its exit code."""
+        if pool.zygote_pidfd < 0:
+            return None
+        self.selector.unregister(pool.zygote_pidfd)
+        _, status = os.waitpid(pool.zygote, 0)
+        os.close(pool.zygote_pidfd)
+        pool.zygote_pidfd = -1
+        return os.waitstatus_to_exitcode(status)
+
+    def end_zygote(self, pool: _Pool) -> None:
+        """Retire the pool's zygote: its control socket closed, killed (it holds no request)."""
+        self.forget_asked(pool)
+        if pool.control is not None:
+            self.selector.unregister(pool.control)
+            pool.control.close()
+            pool.control = None
+        if pool.zygote_pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pool.zygote_pidfd, signal.SIGKILL)
+            self.reap_zygote(pool)
+
+    def fork_one_shot(self, pool: _Pool) -> None:
+        """Ask the zygote to fork one process for the pool (answered in zygote_answered); the
+        process tells `taken` once it has its request."""
+        taken_read, taken_write = os.pipe()
+        os.set_blocking(taken_read, False)  # read when the pidfd speaks too (one_shot_taken)
+        try:
+            if pool.control is None:
+                raise OSError("the pool has no zygote")
+            socket.send_fds(pool.control, [FORK], [taken_write])
+        except OSError as exc:
             os.close(taken_read)
-            self.become_one_shot(pool, taken_write)
-        os.close(taken_write)
+            self.break_pool(pool, f"the one-shot kernels' zygote cannot be asked for a "
+                                  f"process ({exc}); the fork server's log says why")
+            return
+        finally:
+            os.close(taken_write)
+        pool.asked.append(taken_read)
         self.one_shots += 1
+
+    def zygote_answered(self, pool: _Pool) -> None:
+        """The zygote forked the process asked first (its pid), or could not (why)."""
+        assert pool.control is not None
+        try:
+            answer = pool.control.recv(256)
+        except OSError as exc:
+            answer = f"error: {exc}".encode()
+        if not answer.isdigit() or not pool.asked:
+            self.forget_asked(pool)
+            self.selector.unregister(pool.control)  # nothing more will come that is of use
+            pool.control.close()
+            pool.control = None
+            self.break_pool(pool, "the one-shot kernels' zygote forked no process ("
+                            f"{answer.decode(errors='replace') or 'it ended'}); the fork "
+                            "server's log says why")
+            return
+        self.waiting_for_request(pool, int(answer), pool.asked.pop(0))
+
+    def forget_asked(self, pool: _Pool) -> None:
+        """Close the taken pipes of forks the zygote never answered."""
+        for taken in pool.asked:
+            os.close(taken)
+        pool.asked = []
+
+    def waiting_for_request(self, pool: _Pool, pid: int, taken_read: int) -> None:
+        """A process of the pool exists (the server's child: zygote.py forks it with
+        CLONE_PARENT): watch it and its taken pipe, whichever speaks first."""
         pidfd = os.pidfd_open(pid)
         pool.waiting[pid] = (pidfd, taken_read)
-        self.selector.register(pidfd, selectors.EVENT_READ,
-                               lambda _: self.one_shot_ended(pool, pid))
-        self.selector.register(taken_read, selectors.EVENT_READ,
-                               lambda _: self.one_shot_taken(pool, pid))
+        for fd in (pidfd, taken_read):
+            self.selector.register(fd, selectors.EVENT_READ,
+                                   lambda _: self.one_shot_taken(pool, pid))
 
     def one_shot_taken(self, pool: _Pool, pid: int) -> None:
-        """A pooled process took its request: it is the caller's now; a successor starts."""
-        if pid not in pool.waiting:  # its end was handled first, in the same round
-            return
+        """A pooled process took its request: it is the caller's now; a successor starts.
+
+        Or it ended without one (it could not confine itself): its pipe closed unwritten. Its
+        pidfd can speak first, in the same round, for a process that took its request and
+        ended at once; the pipe tells, so such a run never counts as a failure (three in a
+        row break the pool). Called once: the other fd's event is stale then (rounds.py)."""
         pidfd, taken = pool.waiting.pop(pid)
         self.selector.unregister(taken)
-        took = os.read(taken, 1) == b"+"
+        try:
+            took = os.read(taken, 1) == b"+"
+        except BlockingIOError:  # ended, and a copy of the pipe outlives it: nothing taken
+            took = False
         os.close(taken)
         self.last_active = time.monotonic()
+        self.busy[pid] = pidfd  # reaped, its exit code kept, once its pidfd says it ended
+        self.selector.modify(pidfd, selectors.EVENT_READ, lambda _: self.reap_busy(pid))
         if took:
             pool.failures = 0
-            self.busy[pid] = pidfd
-            self.selector.modify(pidfd, selectors.EVENT_READ, lambda _: self.reap_busy(pid))
-        else:  # it ended before taking one (the pidfd will say so too)
-            self.selector.modify(pidfd, selectors.EVENT_READ, lambda _: self.reap_busy(pid))
-            self.busy[pid] = pidfd
+        else:
             self.pool_failed(pool, pid)
-        self.refill(pool)
-
-    def one_shot_ended(self, pool: _Pool, pid: int) -> None:
-        """A pooled process ended before it took a request (it could not confine itself)."""
-        if pid not in pool.waiting:  # taken (or found dead) first, in the same round
-            return
-        self.end_waiting(pool, pid, kill=False)
-        self.pool_failed(pool, pid)
         self.refill(pool)
 
     def pool_failed(self, pool: _Pool, pid: int) -> None:
         """Count a pooled process that never took a request; three in a row break the pool."""
         pool.failures += 1
-        if pool.failures >= POOL_FAILURES and not pool.broken:
-            pool.broken = (f"{POOL_FAILURES} one-shot kernels in a row ended before taking a "
-                           f"request (the last: pid {pid}); the fork server's log says why")
-            # Callers waiting in the backlog learn why; the server reads nothing they sent.
-            self.selector.register(pool.listener, selectors.EVENT_READ,
-                                   lambda _: self.refuse_broken(pool))
+        if pool.failures >= POOL_FAILURES:
+            self.break_pool(pool, f"{POOL_FAILURES} one-shot kernels in a row ended before "
+                                  f"taking a request (the last: pid {pid}); the fork server's "
+                                  "log says why")
+
+    def break_pool(self, pool: _Pool, reason: str) -> None:
+        """No more processes for this pool; its callers are told why (once broken, it stays)."""
+        if pool.broken:
+            return
+        pool.broken = reason
+        # Callers waiting in the backlog learn why; the server reads nothing they sent.
+        self.selector.register(pool.listener, selectors.EVENT_READ,
+                               lambda _: self.refuse_broken(pool))
 
     def refuse_broken(self, pool: _Pool) -> None:
         """Tell a caller of a broken pool why no process takes its request, and hang up."""
@@ -366,15 +480,14 @@ class Server:
 
             conn.sendall(oneshot_wire.record(oneshot_wire.REFUSED, pool.broken.encode()))
 
-    def end_waiting(self, pool: _Pool, pid: int, kill: bool) -> None:
-        """Forget a waiting process (killed first when asked: it ran nothing) and reap it."""
+    def end_waiting(self, pool: _Pool, pid: int) -> None:
+        """Kill a waiting process (it ran nothing), forget and reap it."""
         pidfd, taken = pool.waiting.pop(pid)
         self.selector.unregister(pidfd)
         self.selector.unregister(taken)
         os.close(taken)
-        if kill:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(pidfd)
 
@@ -400,51 +513,6 @@ class Server:
         if pid not in self.exits:
             return {"error": f"no exit code known for process {pid!r}"}
         return {"exit": self.exits[pid]}
-
-    def become_one_shot(self, pool: _Pool, taken: int) -> None:
-        """In the child: what a kernel does after its re-exec, with the companion for a
-        reaper; then wait, confined, for exactly one request on the pool's socket."""
-        code = 1
-        try:
-            os.setsid()
-            os.chdir(pool.cwd)
-            listener = pool.listener.dup()
-            assert self.companion is not None
-            registry = os.dup(self.companion)  # closed with the rest once registered
-            self.close_in_child()
-            null = os.open(os.devnull, os.O_RDWR)
-            os.dup2(null, 0)
-            os.dup2(null, 1)  # fd 2 stays the server's log until the kernel is confined
-            os.close(null)
-            from sandbox_kernel.confine import companion
-            from sandbox_kernel.confine.environment import prepare
-            from sandbox_kernel.kernel import oneshot
-            from sandbox_kernel.launch import fontcache
-
-            env = dict(pool.env)
-            kernel_env = prepare(pool.argv, env,
-                                 companion=lambda scratch: companion.register(registry,
-                                                                              scratch),
-                                 kept=(listener.fileno(), taken))
-            fontcache.copy_into(os.environ.get("MPLCONFIGDIR", ""),
-                                kernel_env.get("MPLCONFIGDIR", ""))
-            os.environ.clear()
-            os.environ.update(kernel_env)
-            _forget_environment()
-            _reseed()
-            sys.argv = [main_module(), *pool.argv]
-            code = 0
-            oneshot.main(list(pool.argv), listener, taken, os.getuid())
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        finally:
-            os._exit(code)
 
     def accept(self, listener: Any) -> None:
         """A client: check who it is, and fork the child that reads its request."""
@@ -526,18 +594,28 @@ class Server:
 
     @staticmethod
     def read_request(conn: socket.socket) -> tuple[list[str], dict[str, str], list[int], str]:
-        """argv, env, stdio and cwd of a request; ValueError when it is not well formed."""
+        """argv, env, descriptors and cwd of a request; ValueError when it is not well formed.
+
+        The descriptors: stdio, then the ready pipe and the vault where the request says it
+        brings them (a request from before the vault names no "ready": a fourth is the pipe).
+        """
         conn.settimeout(REQUEST_TIMEOUT)
         request, fds = receive(conn)
         argv, env, cwd = request.get("argv"), request.get("env"), request.get("cwd") or "/"
-        if (len(fds) not in (3, 4) or not isinstance(argv, list) or not isinstance(env, dict)
+        extra = (int(request.get("ready", len(fds) == 4) is True)
+                 + int(request.get("vault") is True))
+        if (len(fds) != 3 + extra or not isinstance(argv, list) or not isinstance(env, dict)
                 or not isinstance(cwd, str)
                 or not all(isinstance(arg, str) for arg in argv)
                 or not all(isinstance(value, str) for value in env.values())):
             for fd in fds:
                 os.close(fd)
             raise ValueError("a request is {argv: [str], env: {str: str}, cwd: str} with "
-                             "three descriptors (stdio) and, optionally, a ready pipe")
+                             "three descriptors (stdio) and, optionally, a ready pipe and a "
+                             "vault")
+        env.pop(VAULT_VAR, None)  # only the descriptor this request brought is the vault
+        if request.get("vault") is True:
+            env[VAULT_VAR] = str(fds.pop())
         return argv, env, fds, cwd
 
     def reap(self, pid: int) -> None:
@@ -626,6 +704,12 @@ class Server:
         self.children = {}  # closed once: become_kernel calls this again
         for pool in self.pools.values():
             pool.listener.close()
+            if pool.control is not None:
+                pool.control.close()
+            if pool.zygote_pidfd >= 0:
+                os.close(pool.zygote_pidfd)
+            for taken in pool.asked:
+                os.close(taken)
             for pidfd, taken in pool.waiting.values():
                 os.close(pidfd)
                 os.close(taken)

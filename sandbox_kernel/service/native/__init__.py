@@ -6,10 +6,10 @@ Routes take what they need as typed dependencies (`..deps`); `SessionError` and
 
 from fastapi import APIRouter
 
-from . import execute, files, sessions
+from . import execute, files, sessions, snapshots
 
 router = APIRouter(prefix="/api/v1", tags=["native"])
-for _resource in (execute, sessions, files):
+for _resource in (execute, sessions, snapshots, files):
     router.include_router(_resource.router)
 
 __all__ = ["router"]

@@ -143,7 +143,7 @@ def _stop_when_abandoned(service: Service, sandbox: AsyncSandbox) -> Callable[[A
 async def execute_in_session(session_id: str, body: ExecuteRequest, request: Request,
                              key: Key, service: ServiceDep) -> Response:
     """Run code in a session's kernel, which keeps variables and files between runs."""
-    session = session_of(request, service, key, session_id)
+    session = await session_of(request, service, key, session_id)
     timeout = run_timeout(service, body.timeout, in_session=True)
     sandbox = await service.sessions.acquire(session)
     abandon = _stop_when_abandoned(service, sandbox)

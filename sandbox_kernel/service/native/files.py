@@ -48,7 +48,7 @@ def scratch_path(path: str) -> str:
 
 async def _file_op(request: Request, service: Service, key: ApiKey, session_id: str,
                    inputs: dict) -> dict:
-    session = session_of(request, service, key, session_id)
+    session = await session_of(request, service, key, session_id)
     timeout = min(service.config.max_timeout, FILE_TIMEOUT)
     try:
         async with service.sessions.using(session) as sandbox:

@@ -84,6 +84,17 @@ class SessionRequest(BaseModel):
     idle_timeout: float | None = Field(
         None, gt=0, description="Seconds idle before the session is closed (default: "
         "--session-idle-timeout; at most --max-session-idle-timeout).")
+    # Checked by the service (secrets.checked_entries), not by the schema: a schema error
+    # would quote the input, the value with it.
+    secrets: dict[str, Any] | None = Field(
+        None, description='Credentials the session\'s code may use but never read, {"NAME": '
+        '{"value": "...", "hosts": ["api.example.com"]}}: os.environ[NAME] holds a '
+        "placeholder, the egress proxy adds the value for those hosts (which the session's "
+        "network must reach). Never returned.")
+    snapshot: str | None = Field(
+        None, max_length=64, description="The id of one of this key's snapshots to start "
+        "from (needs --state-dir): the new session has its variables and files, on the "
+        "snapshot's network (asking for another is refused with 409).")
 
 
 class ErrorShape(BaseModel):
@@ -108,6 +119,16 @@ class ExecutionShape(BaseModel):
     state_lost: bool = Field(description="The kernel had to be restarted: variables are gone.")
 
 
+class SessionUsage(BaseModel):
+    """What the session's kernel has spent so far in all, from its first execution on: CPU its
+    threads spend between executions and after the last one included (null: not measured)."""
+
+    cpu_user_seconds: float | None
+    cpu_system_seconds: float | None
+    egress_cpu_seconds: float | None = Field(
+        description="CPU the egress proxy spent outside the kernel on its connections.")
+
+
 class SessionShape(BaseModel):
     """A session the caller holds."""
 
@@ -122,6 +143,30 @@ class SessionShape(BaseModel):
     busy: bool
     alive: bool
     dead_reason: str | None
+    usage: SessionUsage
+    paused: bool = Field(False, description="Snapshotted with its kernel stopped; the next "
+                         "request resumes it on a fresh kernel.")
+    snapshot_bytes: int | None = Field(None, description="A paused session's snapshot size.")
+
+
+class SnapshotShape(BaseModel):
+    """A snapshot of a session's user state, kept sealed in the service's state dir."""
+
+    id: str
+    bytes: int = Field(description="Size of the sealed snapshot.")
+    saved: list[str] = Field(description="The names saved.")
+    skipped: Any = Field(description="The names not saved, each with the reason.")
+    session: str = Field(description="The session it was taken from.")
+    policy: str
+    saved_at: float
+
+
+class PausedShape(BaseModel):
+    """A session just paused."""
+
+    id: str
+    paused: bool
+    bytes: int = Field(description="Size of the sealed snapshot it is kept as.")
 
 
 class FileShape(BaseModel):

@@ -1,0 +1,142 @@
+"""Snapshots of a session's user state, as the caller holds them: sealed bytes and a manifest.
+
+A snapshot is made inside the sandboxed kernel (kernel/snapshot.py) and is the tenant's own
+untrusted data: this side never unpickles it. It only seals what the kernel sent, with a MAC
+bound to its owner, and opens a sealed snapshot again (checking the MAC and the size) before
+sending it into a fresh sandboxed kernel, which loads it there.
+
+The sealed form: SEAL_MAGIC, the manifest's length (8 bytes, big-endian), the manifest (JSON),
+the payload, and HMAC-SHA256 (32 bytes) keyed with the caller's key over the owner (its length
+first) and every byte before the MAC. A byte altered anywhere, another owner or another key
+fails the check; the comparison takes constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+SEAL_MAGIC = b"SKSEAL1\n"
+FORMAT_VERSION = 1
+_LENGTH = 8
+_MAC = hashlib.sha256().digest_size
+DEFAULT_MAX_SIZE = 2**31  # bytes a snapshot may have unless the caller allows more
+KEY_BYTES = 32
+
+
+class SnapshotError(Exception):
+    """A snapshot could not be made, opened or restored; the message says why and what to do."""
+
+
+@dataclass
+class Snapshot:
+    """A sealed snapshot (`data`, the bytes to store) and its manifest (what it holds).
+
+    manifest: version, saved (names), skipped ([{name, reason}]: what could not be kept),
+    bytes (the payload's size), policy (network and runtime a restore must match), packages
+    ([{name, version}]), files ([{path, size}]), cwd. `key` and `owner` are what it was sealed
+    with: a caller of Sandbox.snapshot() that gave no key finds the generated one here, and
+    must keep it (restoring needs it) as secret as the data is valuable.
+    """
+
+    data: bytes
+    manifest: dict[str, Any]
+    key: bytes = field(default=b"", repr=False)
+    owner: str = ""
+
+
+def new_key() -> bytes:
+    """A random key to seal snapshots with."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _mac(key: bytes, owner: str, *pieces: bytes | bytearray | memoryview) -> bytes:
+    if not key:
+        raise SnapshotError("a snapshot needs a key to be sealed or opened: give the key it "
+                            "was made with (Snapshot.key, or the one you passed)")
+    owned = owner.encode()
+    mac = hmac.new(key, len(owned).to_bytes(_LENGTH, "big") + owned, hashlib.sha256)
+    for piece in pieces:
+        mac.update(piece)
+    return mac.digest()
+
+
+def seal(payload: bytes | bytearray | memoryview, manifest: dict[str, Any], key: bytes,
+         owner: str) -> bytes:
+    """The sealed bytes of a payload and its manifest, bound to owner by a MAC with key."""
+    view = memoryview(payload).cast("B")
+    room, start = seal_room(manifest, view.nbytes)
+    room[start:start + view.nbytes] = view
+    return close_seal(room, key, owner)
+
+
+def seal_room(manifest: dict[str, Any], size: int) -> tuple[bytearray, int]:
+    """A buffer for a sealed snapshot of a size-byte payload, the manifest written, and where
+    the payload goes in it (so a payload arriving in pieces is copied only once)."""
+    head = json.dumps(manifest, separators=(",", ":")).encode()
+    prefix = SEAL_MAGIC + len(head).to_bytes(_LENGTH, "big") + head
+    room = bytearray(len(prefix) + size + _MAC)
+    room[:len(prefix)] = prefix
+    return room, len(prefix)
+
+
+def close_seal(room: bytearray, key: bytes, owner: str) -> bytes:
+    """The sealed bytes of a seal_room() whose payload is in place: its MAC written last."""
+    with memoryview(room) as view:
+        room[-_MAC:] = _mac(key, owner, view[:-_MAC])
+    return bytes(room)
+
+
+def open_sealed(data: bytes | bytearray | memoryview, key: bytes, owner: str,
+                max_size: int = DEFAULT_MAX_SIZE) -> tuple[dict[str, Any], memoryview]:
+    """The manifest and payload of sealed data, or SnapshotError if it was altered, belongs to
+    another owner or key, or is over max_size bytes (0: no limit). The payload is a view."""
+    view = memoryview(data).cast("B")
+    if max_size and view.nbytes > max_size:
+        raise SnapshotError(f"the snapshot is {view.nbytes} bytes, over the limit of "
+                            f"{max_size} bytes (max_size raises it)")
+    start = len(SEAL_MAGIC) + _LENGTH
+    if view.nbytes < start + _MAC:
+        raise SnapshotError("not a sealed sandbox-kernel snapshot: it is cut short")
+    body, mac = view[:-_MAC], view[-_MAC:]
+    if not hmac.compare_digest(_mac(key, owner, body), mac):
+        raise SnapshotError("the snapshot's seal does not match: it was altered, or it was "
+                            "made for another owner or with another key; it is refused")
+    if view[:len(SEAL_MAGIC)] != SEAL_MAGIC:
+        raise SnapshotError("not a sealed sandbox-kernel snapshot (its first bytes are wrong)")
+    length = int.from_bytes(view[len(SEAL_MAGIC):start], "big")
+    if length > body.nbytes - start:
+        raise SnapshotError("the snapshot's manifest is cut short")
+    try:
+        manifest = json.loads(bytes(body[start:start + length]))
+    except ValueError as exc:
+        raise SnapshotError(f"the snapshot's manifest is unreadable: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("version") != FORMAT_VERSION:
+        raise SnapshotError(f"the snapshot's format is not version {FORMAT_VERSION}, the one "
+                            "this sandbox-kernel reads")
+    return manifest, body[start + length:]
+
+
+def restore_policy(policy: dict[str, Any], runtime: str) -> dict[str, Any]:
+    """What a restore must match of the policy a kernel runs under: its network and runtime."""
+    network = "on" if policy.get("allow_network") else policy.get("network", "off")
+    return {"network": network,
+            "allow_hosts": sorted(policy.get("allow_hosts") or []) if network == "hosts" else [],
+            "allow_addresses": sorted(policy.get("allow_addresses") or []),
+            "runtime": runtime}
+
+
+def check_policy(saved: Any, current: dict[str, Any]) -> None:
+    """Refuse (SnapshotError) to restore a snapshot into a kernel of another network/runtime."""
+    if not isinstance(saved, dict):
+        raise SnapshotError("the snapshot names no policy; it is refused")
+    for name, value in current.items():
+        if saved.get(name) != value:
+            raise SnapshotError(
+                f"the snapshot was made on {name} {saved.get(name)!r} and this kernel runs on "
+                f"{value!r}: restore it into a kernel of the same {name} (a restore never "
+                "changes what the session's code may reach or run on)")

@@ -1,0 +1,498 @@
+"""Snapshots, pausing and resuming (`--state-dir`): the store's files, then the service's routes
+on real kernels, a restart, and two instances behind a load balancer."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sandbox_kernel.service.store import Store, StoreError
+
+OWNER, OTHER = "team-a", "team-b"
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(tmp_path / "state", max_size=4096)
+
+
+# --- the store: bytes, MACs, owners, leases (no kernel needed) ---
+
+def test_key_is_made_once_and_private(tmp_path, store):
+    key_file = tmp_path / "state" / "key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert Store(tmp_path / "state", 4096).key == store.key == key_file.read_bytes()
+
+
+def test_a_snapshot_is_its_owners_only(store):
+    item = store.save_snapshot(OWNER, b"sealed bytes", {"network": {"mode": "off"}})
+    assert store.snapshot(OWNER, item.id, payload=True).payload == b"sealed bytes"
+    assert store.snapshot(OWNER, item.id).size == len(b"sealed bytes")  # record only
+    assert [s.id for s in store.snapshots(OWNER)] == [item.id]
+    assert store.snapshots(OTHER) == []
+    for attempt in (lambda: store.snapshot(OTHER, item.id),
+                    lambda: store.delete_snapshot(OTHER, item.id)):
+        with pytest.raises(StoreError) as refused:
+            attempt()
+        assert refused.value.status == 404
+    store.delete_snapshot(OWNER, item.id)
+    assert store.snapshots(OWNER) == []
+
+
+@pytest.mark.parametrize("where", ["record mac", "whole mac", "record", "payload"])
+def test_one_altered_byte_is_refused(store, where):
+    item = store.save_snapshot(OWNER, b"x" * 100, {"network": {"mode": "off"}})
+    path = store.root / "snapshots" / item.id
+    data = bytearray(path.read_bytes())
+    offset = {"record mac": 3, "whole mac": 40, "record": 70, "payload": len(data) - 5}[where]
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError) as refused:
+        store.snapshot(OWNER, item.id, payload=True)  # as a restore reads it
+    if where.endswith("record mac") or where == "record":
+        assert refused.value.status == 404  # as unknown: its record names no one
+        assert store.snapshots(OWNER) == []  # a listing, which reads only the record
+    else:
+        assert refused.value.status == 422 and "altered" in str(refused.value)
+        assert [s.id for s in store.snapshots(OWNER)] == [item.id]  # listed, to delete
+
+
+def test_an_owner_rewritten_in_the_record_is_refused(store):
+    """A tenant who could write the volume still cannot make another's snapshot theirs."""
+    item = store.save_snapshot(OTHER, b"payload", {"network": {"mode": "off"}})
+    path = store.root / "snapshots" / item.id
+    path.write_bytes(path.read_bytes().replace(OTHER.encode(), OWNER.encode()))
+    with pytest.raises(StoreError):
+        store.snapshot(OWNER, item.id)
+
+
+def test_a_file_copied_to_another_id_or_kind_is_refused(store):
+    item = store.save_snapshot(OWNER, b"payload", {"network": {"mode": "off"}})
+    other_id = "ab" * 16
+    data = (store.root / "snapshots" / item.id).read_bytes()
+    (store.root / "snapshots" / other_id).write_bytes(data)
+    (store.root / "paused" / other_id).write_bytes(data)
+    with pytest.raises(StoreError):
+        store.snapshot(OWNER, other_id)
+    assert store.paused(OWNER, other_id) is None
+    assert store.all_paused() == []
+
+
+def test_ids_that_are_not_the_services_name_no_file(store):
+    for bad in ("../key", "key", "..", "ABC", ""):
+        with pytest.raises(StoreError):
+            store.snapshot(OWNER, bad)
+
+
+def test_too_large_is_413_with_the_flag(store):
+    with pytest.raises(StoreError) as refused:
+        store.save_snapshot(OWNER, b"x" * 4097, {})
+    assert refused.value.status == 413
+    assert "--max-snapshot-size" in str(refused.value)
+    assert list((store.root / "snapshots").iterdir()) == []
+
+
+HOLD = """
+import sys, time
+from sandbox_kernel.service.store import Store
+Store(sys.argv[1], 4096).lease(sys.argv[2], "team-a")
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_lease_held_by_another_process_is_refused_until_it_dies(store):
+    session_id = "cd" * 16
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(store.root), session_id],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StoreError) as refused:
+            store.lease(session_id, OWNER)
+        assert refused.value.status == 409
+        assert "another instance" in str(refused.value)
+        assert store.held_elsewhere(OWNER, session_id)
+        assert not store.held_elsewhere(OTHER, session_id)  # no hint to another owner
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not store.held_elsewhere(OWNER, session_id)
+    store.lease(session_id, OWNER)  # the lock went with the process
+    store.release(session_id)
+
+
+def test_paused_sessions_are_listed_with_their_expiry(store):
+    store.save_paused(OWNER, "ef" * 16, b"payload", {"expires": 123.0})
+    assert store.all_paused() == [("ef" * 16, 123.0)]
+    assert store.paused(OTHER, "ef" * 16) is None
+    store.drop_paused("ef" * 16)
+    assert store.all_paused() == []
+
+
+def test_pause_after_needs_a_state_dir():
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "serve",
+                           "--session-pause-after", "5"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "SANDBOX_STATE_DIR": ""})
+    assert done.returncode != 0
+    assert "session-pause-after needs --state-dir" in done.stderr
+
+
+
+# --- the service: snapshots, forks, pauses and restarts on real kernels ---
+
+httpx = pytest.importorskip("httpx")
+from .helpers import KEY_A, KEY_B, Server, auth, free_port, http  # noqa: E402
+
+STATE = """
+import numpy as np
+import pandas as pd
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+def adder(n):
+    return lambda value: value + n
+
+frame = pd.DataFrame({"a": [1, 2, 3]})
+array = np.arange(5)
+point = Point(7)
+add3 = adder(3)
+counting = (i for i in range(3))
+handle = open("notes.txt", "w")
+handle.write("kept in the scratch")
+handle.flush()
+"""
+CHECK = ("def main():\n"
+         "    return {'frame': int(frame['a'].sum()), 'array': array.tolist(),\n"
+         "            'point': point.x, 'add3': add3(1), 'file': open('notes.txt').read(),\n"
+         "            'cls': type(point).__name__}\n")
+EXPECTED = {"frame": 6, "array": [0, 1, 2, 3, 4], "point": 7, "add3": 4,
+            "file": "kept in the scratch", "cls": "Point"}
+
+
+def sessions_url(srv) -> str:
+    return srv.url + "/api/v1/sessions"
+
+
+def create(url, key=KEY_B, **body):
+    answer = http.post(url, headers=auth(key), json=body, timeout=120)
+    assert answer.status_code == 201, answer.text
+    return answer.json()
+
+
+def execute(session_url, code, key=KEY_B, **body):
+    answer = http.post(f"{session_url}/execute", headers=auth(key), timeout=120,
+                       json={"code": code, **body})
+    return answer
+
+
+def result_of(session_url, code, key=KEY_B):
+    answer = execute(session_url, code, key, inputs={})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["error"] is None, answer.json()["error"]
+    return answer.json()["result"]
+
+
+@pytest.fixture(scope="module")
+def state_server(tmp_path_factory, keys_file):
+    state = tmp_path_factory.mktemp("state")
+    srv = Server(tmp_path_factory.mktemp("serve-state"), "--api-keys-file", str(keys_file),
+                 "--pool-size", "0", "--state-dir", str(state),
+                 "--session-pause-after", "3")
+    srv.state = state
+    yield srv
+    srv.stop()
+
+
+def test_snapshot_then_two_forks_diverge_and_others_cannot_touch_it(state_server):
+    url = sessions_url(state_server)
+    source = f"{url}/{create(url)['id']}"
+    assert execute(source, STATE).json()["error"] is None
+    taken = http.post(f"{source}/snapshots", headers=auth(KEY_B), timeout=120)
+    assert taken.status_code == 201, taken.text
+    snap = taken.json()
+    assert snap["bytes"] > 0 and {"frame", "array", "point", "add3", "Point"} <= set(snap["saved"])
+    skipped = {entry["name"]: entry["reason"] for entry in snap["skipped"]}
+    assert {"counting", "handle"} <= set(skipped), snap["skipped"]
+    http.delete(source, headers=auth(KEY_B))
+
+    # Another key: not listed, not restorable, not deletable (all alike: "no such snapshot").
+    assert http.get(state_server.url + "/api/v1/snapshots", headers=auth(KEY_A)).json() == []
+    assert http.post(url, headers=auth(KEY_A), json={"snapshot": snap["id"]}).status_code == 404
+    assert http.delete(f"{state_server.url}/api/v1/snapshots/{snap['id']}",
+                       headers=auth(KEY_A)).status_code == 404
+    # Another network than the snapshot's is refused.
+    other = http.post(url, headers=auth(KEY_B), json={"snapshot": snap["id"], "network": True})
+    assert other.status_code == 409 and "network" in other.json()["detail"]
+
+    forks = [f"{url}/{create(url, snapshot=snap['id'])['id']}" for _ in range(2)]
+    try:
+        for fork in forks:
+            assert result_of(fork, CHECK) == EXPECTED
+        result_of(forks[0], "def main():\n    point.x = 100\n    return {}\n")
+        assert result_of(forks[1], "def main():\n    return {'x': point.x}\n") == {"x": 7}
+        assert result_of(forks[0], "def main():\n    return {'x': point.x}\n") == {"x": 100}
+    finally:
+        for fork in forks:
+            http.delete(fork, headers=auth(KEY_B))
+    listed = http.get(state_server.url + "/api/v1/snapshots", headers=auth(KEY_B)).json()
+    assert [s["id"] for s in listed] == [snap["id"]]
+    assert http.delete(f"{state_server.url}/api/v1/snapshots/{snap['id']}",
+                       headers=auth(KEY_B)).status_code == 204
+    assert http.get(state_server.url + "/api/v1/snapshots", headers=auth(KEY_B)).json() == []
+
+
+def test_an_idle_session_pauses_and_resumes_on_its_next_request(state_server):
+    url = sessions_url(state_server)
+    session = f"{url}/{create(url)['id']}"
+    try:
+        assert execute(session, "x = 41").json()["error"] is None
+        deadline = time.monotonic() + 30
+        while not (state := http.get(session, headers=auth(KEY_B)).json())["paused"]:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        assert state["alive"] and state["snapshot_bytes"] > 0
+        assert http.post(f"{session}/interrupt", headers=auth(KEY_B)).status_code == 204
+        assert http.get(session, headers=auth(KEY_B)).json()["paused"]  # not resumed by it
+        # The other key cannot see, resume or delete it.
+        assert http.get(session, headers=auth(KEY_A)).status_code == 404
+        assert execute(session, "x", key=KEY_A).status_code == 404
+        assert http.delete(session, headers=auth(KEY_A)).status_code == 404
+        assert result_of(session, "def main():\n    return {'x': x + 1}\n") == {"x": 42}
+        assert http.get(session, headers=auth(KEY_B)).json()["paused"] is False
+    finally:
+        http.delete(session, headers=auth(KEY_B))
+    assert http.get(session, headers=auth(KEY_B)).status_code == 404
+
+
+def test_a_session_holding_the_callers_secrets_is_never_paused(state_server):
+    """Their values are never written to disk, so a resumed session would lack them: neither
+    a pause request nor --session-pause-after pauses it, and it keeps its secret."""
+    url = sessions_url(state_server)
+    value = "sk-test-" + os.urandom(16).hex()
+    made = create(url, network=True,
+                  secrets={"MY_KEY": {"value": value, "hosts": ["api.example.com"]}})
+    session = f"{url}/{made['id']}"
+    try:
+        refused = http.post(f"{session}/pause", headers=auth(KEY_B), timeout=60)
+        assert refused.status_code == 409, refused.text
+        assert "never written to disk: it cannot be paused" in refused.text
+        assert value not in refused.text
+        time.sleep(5)  # past --session-pause-after 3: the idle pause passes it by
+        state = http.get(session, headers=auth(KEY_B)).json()
+        assert state["paused"] is False and state["alive"], state
+        shown = execute(session, "__import__('os').environ['MY_KEY']").json()
+        assert shown["error"] is None and shown["text"].startswith("'sk-sandbox-MY_KEY-"), shown
+    finally:
+        http.delete(session, headers=auth(KEY_B))
+
+
+def test_sigterm_pauses_every_session_and_a_restart_resumes_it(tmp_path, keys_file):
+    state = tmp_path / "state"
+    first = Server(tmp_path, "--api-keys-file", str(keys_file), "--pool-size", "0",
+                   "--state-dir", str(state))
+    url = sessions_url(first)
+    session_id = create(url)["id"]
+    assert execute(f"{url}/{session_id}", "kept = {'n': 5}").json()["error"] is None
+    first.stop()
+    assert '"event":"session_paused"' in first.log.read_text()
+    again = Server(tmp_path, "--api-keys-file", str(keys_file), "--pool-size", "0",
+                   "--state-dir", str(state))
+    try:
+        assert session_id in again.log.read_text().split('"event":"paused_sessions"')[1]
+        url = sessions_url(again)
+        listed = http.get(url, headers=auth(KEY_B)).json()
+        assert [(s["id"], s["paused"]) for s in listed] == [(session_id, True)]
+        assert result_of(f"{url}/{session_id}", "def main():\n    return kept\n") == {"n": 5}
+        http.delete(f"{url}/{session_id}", headers=auth(KEY_B))
+    finally:
+        again.stop()
+
+
+def test_a_snapshot_altered_by_one_byte_is_refused(state_server):
+    url = sessions_url(state_server)
+    source = f"{url}/{create(url)['id']}"
+    try:
+        assert execute(source, "y = 1").json()["error"] is None
+        snap = http.post(f"{source}/snapshots", headers=auth(KEY_B), timeout=120).json()
+    finally:
+        http.delete(source, headers=auth(KEY_B))
+    path = state_server.state / "snapshots" / snap["id"]
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 1
+    path.write_bytes(bytes(data))
+    refused = http.post(url, headers=auth(KEY_B), json={"snapshot": snap["id"]})
+    assert refused.status_code == 422 and "altered" in refused.json()["detail"], refused.text
+    assert http.get(state_server.url + "/ready").status_code == 200
+    assert http.delete(f"{state_server.url}/api/v1/snapshots/{snap['id']}",
+                       headers=auth(KEY_B)).status_code == 204
+
+
+HAPROXY = """
+global
+    nbthread 1
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 120s
+    timeout server 120s
+    http-reuse never
+frontend front
+    bind 127.0.0.1:{port}
+    default_backend services
+backend services
+    balance roundrobin
+    http-response set-header X-Served-By %s
+    server a 127.0.0.1:{a}
+    server b 127.0.0.1:{b}
+"""
+
+
+def test_two_instances_behind_haproxy_share_paused_sessions_never_one_at_once(
+        tmp_path, keys_file):
+    haproxy = "/usr/sbin/haproxy"
+    if not os.path.exists(haproxy):
+        pytest.skip("Debian's haproxy is not installed (.ci/run installs it)")
+    state = tmp_path / "state"
+    flags = ("--api-keys-file", str(keys_file), "--pool-size", "0", "--state-dir", str(state))
+    a, b = Server(tmp_path, *flags), Server(tmp_path, *flags)
+    port = free_port()
+    config = tmp_path / "haproxy.cfg"
+    config.write_text(HAPROXY.format(port=port, a=a.port, b=b.port))
+    balancer = subprocess.Popen([haproxy, "-f", str(config), "-db"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
+                          headers=auth(KEY_B))
+    try:
+        for _ in range(100):
+            try:
+                client.get("/ready")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+
+        def send(method, path, **body):
+            answer = client.request(method, path, **body)
+            return answer, answer.headers.get("X-Served-By")
+
+        created, first = send("POST", "/api/v1/sessions", json={})
+        assert created.status_code == 201, created.text
+        path = f"/api/v1/sessions/{created.json()['id']}"
+        # Round robin: this one reaches the other instance, which must not run it too.
+        both, second = send("POST", f"{path}/execute", json={"code": "z = 9"})
+        assert second != first
+        assert both.status_code == 409 and "another instance" in both.json()["detail"]
+        done, on = send("POST", f"{path}/execute", json={"code": "z = 9"})
+        assert on == first and done.json()["error"] is None
+        # Pausing lets the other instance resume it, with its state.
+        _, on = send("GET", "/ready")
+        paused, on = send("POST", f"{path}/pause")
+        assert on == first and paused.status_code == 200 and paused.json()["paused"]
+        resumed, on = send("POST", f"{path}/execute", json={"code": "def main():\n    "
+                                                                     "return {'z': z}\n",
+                                                            "inputs": {}})
+        assert on == second and resumed.status_code == 200, resumed.text
+        assert resumed.json()["result"] == {"z": 9}
+        # Now the first instance is the other one: refused there.
+        elsewhere, on = send("POST", f"{path}/execute", json={"code": "z"})
+        assert on == first and elsewhere.status_code == 409, elsewhere.text
+        deleted, on = send("DELETE", path)
+        assert on == second and deleted.status_code == 204
+    finally:
+        client.close()
+        balancer.terminate()
+        balancer.wait(timeout=10)
+        a.stop()
+        b.stop()
+
+
+EVIL = """
+class Evil:
+    def __reduce__(self):
+        import os
+        return (os.system, ("touch {marker}",))
+
+evil = Evil()
+kept = 5
+"""
+
+
+def test_a_hostile_reduce_runs_only_inside_the_sandbox_and_the_service_is_unharmed(
+        state_server, tmp_path):
+    marker = tmp_path / "pwned"
+    url = sessions_url(state_server)
+    source = f"{url}/{create(url)['id']}"
+    try:
+        assert execute(source, EVIL.format(marker=marker)).json()["error"] is None
+        taken = http.post(f"{source}/snapshots", headers=auth(KEY_B), timeout=120)
+        assert taken.status_code == 201, taken.text
+        assert not marker.exists()  # saving pickled it in the kernel; nothing ran here
+    finally:
+        http.delete(source, headers=auth(KEY_B))
+    fork = f"{url}/{create(url, snapshot=taken.json()['id'])['id']}"
+    try:
+        # Loaded in the fresh sandboxed kernel, where os.system is refused: the name is not
+        # restored, the rest is, and nothing ran on the host.
+        assert result_of(fork, "def main():\n    return {'kept': kept, 'evil': "
+                               "'evil' in globals()}\n") == {"kept": 5, "evil": False}
+        assert not marker.exists()
+    finally:
+        http.delete(fork, headers=auth(KEY_B))
+        http.delete(f"{state_server.url}/api/v1/snapshots/{taken.json()['id']}",
+                    headers=auth(KEY_B))
+    assert http.get(state_server.url + "/ready").status_code == 200
+
+
+CLAIM_10_GB = """
+import sandbox_kernel.kernel.snapshot as snapshot
+real = snapshot.__sandbox_snapshot__
+
+def claims_ten_gigabytes(op, **inputs):
+    answer = real(op, **inputs)
+    return {**answer, "bytes": 10 * 2**30} if op == "take" else answer
+
+snapshot.__sandbox_snapshot__ = claims_ten_gigabytes
+"""
+
+
+def test_a_kernel_claiming_a_10_gb_snapshot_is_refused_with_413_and_keeps_running(
+        state_server):
+    url = sessions_url(state_server)
+    session = f"{url}/{create(url)['id']}"
+    try:
+        assert execute(session, CLAIM_10_GB + "\nstill = 'here'").json()["error"] is None
+        refused = http.post(f"{session}/snapshots", headers=auth(KEY_B), timeout=120)
+        assert refused.status_code == 413, refused.text
+        assert "--max-snapshot-size" in refused.json()["detail"]
+        assert result_of(session, "def main():\n    return {'still': still}\n") == \
+            {"still": "here"}
+        assert http.get(state_server.url + "/api/v1/snapshots",
+                        headers=auth(KEY_B)).json() == []
+    finally:
+        http.delete(session, headers=auth(KEY_B))
+    assert http.get(state_server.url + "/ready").status_code == 200
+
+
+def test_paused_sessions_count_against_the_keys_limit_and_expire_with_its_idle_timeout(
+        state_server):
+    url = sessions_url(state_server)
+    first = f"{url}/{create(url, key=KEY_A, idle_timeout=4)['id']}"  # team-a holds 2 at most
+    second = f"{url}/{create(url, key=KEY_A)['id']}"
+    try:
+        assert http.post(f"{first}/pause", headers=auth(KEY_A), timeout=120).status_code == 200
+        full = http.post(url, headers=auth(KEY_A), json={})
+        assert full.status_code == 429 and "1 of them paused" in full.json()["detail"]
+        time.sleep(4.5)  # past the paused session's idle timeout, counted from its last use
+        assert http.get(first, headers=auth(KEY_A)).status_code == 404
+        assert execute(first, "1", key=KEY_A).status_code == 404
+        third = create(url, key=KEY_A)  # its place is free again
+        http.delete(f"{url}/{third['id']}", headers=auth(KEY_A))
+    finally:
+        for session in (first, second):
+            http.delete(session, headers=auth(KEY_A))
