@@ -83,6 +83,10 @@ CORPUS = {
                        None),
     "magics": ("%env SANDBOX_X=1\nimport os\nprint(os.environ['SANDBOX_X'])\n"
                "r = %who_ls\nprint(r)", None),
+    "history and storemagic": (
+        "print(len(In), len(Out), len(_dh), str(_dh[0]) == __import__('os').getcwd())\n"
+        "print('store' in get_ipython().magics_manager.magics['line'], In[1][:12])",
+        None),
     "stdin": ("input('name? ')", None),
     "system exit": ("import sys\nsys.exit(3)", None),
 }

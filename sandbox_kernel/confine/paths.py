@@ -191,10 +191,25 @@ def read_only(extra: Iterable[str], *connection_files: str) -> list[str]:
     """Everything granted read-only: system, interpreter (without the runtime stores beside
     the kernel's own build, nor pip's and Jupyter's configuration), this process's /proc,
     the connection file (a one-shot kernel has none), grants."""
-    granted = [*around([*existing(SYSTEM_READ_ONLY), *interpreter_paths()],
-                       [*hidden_runtimes(), *hidden_configs()]),
-               own_proc_dir(), *map(os.path.realpath, connection_files), *extra]
+    granted = [*system_read_only(), own_proc_dir(), *map(os.path.realpath, connection_files),
+               *extra]
     return list(dict.fromkeys(granted))
+
+
+def system_read_only() -> list[str]:
+    """The system's and the interpreter's read-only grants, the hidden directories left out.
+
+    Worked out once per import path and runtime store, as interpreter_paths is: a pool's
+    zygote works it out for every one-shot kernel it forks (it lists directories: ~1 ms).
+    """
+    return list(_system_read_only(tuple(sys.path), os.environ.get(RUNTIMES_VAR, "")))
+
+
+@functools.cache
+def _system_read_only(search_path: tuple[str, ...], runtimes: str) -> tuple[str, ...]:
+    # Keyed by what its inputs read: sys.path (interpreter_paths) and $SANDBOX_KERNEL_RUNTIMES.
+    return tuple(around([*existing(SYSTEM_READ_ONLY), *interpreter_paths()],
+                        [*hidden_runtimes(), *hidden_configs()]))
 
 
 def read_write(extra: Iterable[str], scratch_dir: str) -> list[str]:

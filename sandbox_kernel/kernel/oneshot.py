@@ -54,6 +54,7 @@ from jupyter_client.session import new_id
 from traitlets import Any as AnyTrait
 from traitlets import Type
 
+from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
 from . import oneshot_wire as wire
 from .app import SandboxKernelApp, _kept_without_collection
@@ -277,7 +278,11 @@ class OneShotKernel(SandboxKernel):
         session.message_count = 0
         self.usage = SelfUsage()
         shell = self.shell
-        shell.renew(self.profile_dir, self.user_module, self.user_ns)  # type: ignore[union-attr]
+        # The zygote's history in memory holds nothing (its warm-up stores none): a new session
+        # on it, not a new database (3 ms). One in a file is never shared with a fork.
+        in_memory = shell.history_manager.hist_file == ":memory:"  # type: ignore[union-attr]
+        shell.renew(self.profile_dir, self.user_module, self.user_ns,  # type: ignore[union-attr]
+                    history="reset" if in_memory else "new")
         hook = shell.displayhook  # type: ignore[union-attr]
         hook.session, hook.pub_socket = self.session, self.iopub_socket
         hook.topic = self._topic("execute_result")
@@ -313,6 +318,7 @@ class OneShotKernelApp(SandboxKernelApp):
         with _kept_without_collection():  # frozen: no pooled process's collection walks it
             IPKernelApp.initialize(self, argv)
             self.warm_up()
+            self.warm_grants()
 
     def confine(self) -> None:
         """In a pooled process forked from the zygote: every layer, per process.
@@ -406,10 +412,14 @@ class OneShotKernelApp(SandboxKernelApp):
         self.displayhook.get_execution_count = lambda: self.kernel.execution_count
 
     def init_extensions(self) -> None:
-        """IPython extensions (storemagic, the operator's) load in a pooled process only:
-        their code runs where a kernel's does, after init_confinement, never in the zygote."""
+        """The operator's IPython extensions load in a pooled process only: their code runs
+        where a kernel's does, after init_confinement, never in the zygote. IPython's own
+        (storemagic) loads in the zygote, once; a pooled process finds it loaded."""
         if self.pooled:
             super().init_extensions()
+            return
+        for name in self.default_extensions:
+            self.shell.extension_manager.load_extension(name)  # type: ignore[union-attr]
 
     def init_code(self) -> None:
         """The operator's startup code, in a pooled process only (never in the zygote)."""
@@ -459,6 +469,19 @@ class OneShotKernelApp(SandboxKernelApp):
         msg["metadata"]["sandbox"] = {"warm_up": True}
         asyncio.run(self.kernel.dispatch_shell(
             [zmq.Frame(frame) for frame in self.session.serialize(msg)]))
+
+    def warm_grants(self) -> None:
+        """Work out in the zygote, once, what every pooled process's confinement works out
+        alike from the host's paths (cached for the processes it forks, as a fork server
+        caches them for its kernels): the interpreter's paths its uid must reach, the
+        system's read-only grants, their real paths. The grants are still checked, and each
+        layer applied, in each process."""
+        privileges.interpreter_needs()
+        try:
+            read_only = paths.read_only(paths.check_grants(self.policy.read_paths))
+        except (OSError, ValueError):
+            return  # a grant that is missing refuses each process's start, as without this
+        denials.FileAccess.granted(read_only, paths.read_write((), ""), "", "")
 
     def serve_one(self, listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
         """Take exactly one connection, run its request, answer and exit."""

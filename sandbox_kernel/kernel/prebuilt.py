@@ -172,11 +172,15 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
             atexit.register(handler)
 
     def renew(self, profile_dir: Any = None, user_module: Any = None,
-              user_ns: Any = None) -> None:
+              user_ns: Any = None, history: str = "new") -> None:
         """Make again every part of this shell that is per process: IPython and profile dirs,
         working and home dirs, compiler, environment, namespaces and sys.modules['__main__'],
         history, builtins, prompts, display hook (a one-shot kernel forked from the process
-        that built its shell calls this too, kernel/oneshot.py)."""
+        that built its shell calls this too, kernel/oneshot.py).
+
+        history "new": a manager of its own; "reset": the one this shell has, cleared and on a
+        new session (a one-shot kernel's: in memory, made by its zygote, which stores nothing).
+        """
         server_parts = list(self.configurables)
         server_history, server_hook = self.history_manager, self.displayhook
         self.init_ipython_dir(None)
@@ -186,7 +190,10 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         self.init_create_namespaces(user_module, user_ns)
         self.save_sys_module_state()
         self.init_sys_modules()
-        self.init_history()
+        if history == "reset":
+            self.history_manager.reset(new_session=True)  # type: ignore[union-attr]
+        else:
+            self.init_history()
         self.init_encoding()
         self.init_pushd_popd_magic()  # home and directory stack
         self.init_user_ns()
