@@ -25,6 +25,7 @@ from sandbox_kernel.install import install  # noqa: E402
 from sandbox_kernel.policy import SandboxPolicy  # noqa: E402
 
 from . import eg_venv  # noqa: E402
+from .ci_tools import unavailable  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,7 @@ def eg_python():
     try:
         return eg_venv.ensure()
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"Enterprise Gateway could not be installed in its own venv: {exc}")
+        unavailable(f"Enterprise Gateway could not be installed in its own venv: {exc}")
 
 
 @pytest.fixture(scope="session")

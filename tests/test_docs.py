@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .ci_tools import unavailable
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
         *sorted((ROOT / "deploy").rglob("*.md"))]
@@ -98,7 +100,7 @@ def test_every_runnable_doc_has_blocks():
 @pytest.mark.timeout(SETUP_TIMEOUT + 60)
 def test_the_readme_setup_and_main_job_on_the_system_python(tmp_path):
     if DEBIAN_PYTHON.exists() and not has_venv(DEBIAN_PYTHON):
-        pytest.skip("Debian's /usr/bin/python3 lacks venv: `apt-get install python3-venv` "
+        unavailable("Debian's /usr/bin/python3 lacks venv: `apt-get install python3-venv` "
                     "(the README's requirements say so)")
     python = python_for_newcomers()
     setup, lab = runnable_blocks(ROOT / "README.md")

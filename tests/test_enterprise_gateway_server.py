@@ -24,7 +24,6 @@ from websockets.sync.client import connect
 from sandbox_kernel.install import install
 from sandbox_kernel.policy import SandboxPolicy
 
-from . import eg_venv
 from .test_enterprise_gateway_launcher import alive, wait_until
 
 TOKEN = "eg-test-token"
@@ -37,12 +36,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
+def gateway(tmp_path_factory, eg_python):
     """EG on 127.0.0.1 serving only our distributed kernelspec from a temporary data dir."""
-    try:
-        eg_python = eg_venv.ensure()
-    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"Enterprise Gateway could not be installed in its own venv: {exc}")
     root = tmp_path_factory.mktemp("eg-server")
     path = Path(install(SandboxPolicy(timeout=60), name="sandbox_distributed",
                         prefix=str(root / "prefix"), enterprise_gateway="distributed"))

@@ -23,15 +23,14 @@ import pytest
 from sandbox_kernel.install import install
 from sandbox_kernel.policy import SandboxPolicy
 
+from .ci_tools import unavailable
+
 CHROMIUM = "/usr/bin/chromium"  # Debian's; playwright's own browser download cannot work here
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "jupyterlab"
 STEP = 30_000  # ms any one step may take in the browser (a kernel start on a loaded host)
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the [test] extra")
 sync_api.expect.set_options(timeout=STEP)
-if not os.access(CHROMIUM, os.X_OK):
-    pytest.skip(f"{CHROMIUM} is missing: .ci/run installs Debian's chromium with apt-get",
-                allow_module_level=True)
 
 CELLS = [
     "print('hello from the sandbox')",
@@ -120,6 +119,8 @@ def wait_for_server(base: str, token: str, server: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def page(lab):
     """A headless chromium page, logged in to the server."""
+    if not os.access(CHROMIUM, os.X_OK):
+        unavailable(f"{CHROMIUM} is missing: `apt-get install chromium`")
     base, token = lab
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as playwright:

@@ -373,7 +373,6 @@ class FileAccess:
                    tuple(real), scratch, launch_dir, tuple(hidden))
 
 
-
 def _under(path: str, roots: Iterable[str]) -> bool:
     return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 

@@ -146,6 +146,7 @@ def test_pause_after_needs_a_state_dir():
 # --- the service: snapshots, forks, pauses and restarts on real kernels ---
 
 httpx = pytest.importorskip("httpx")
+from ..ci_tools import unavailable  # noqa: E402
 from .helpers import KEY_A, KEY_B, Server, auth, free_port, http  # noqa: E402
 
 STATE = """
@@ -358,7 +359,7 @@ def test_two_instances_behind_haproxy_share_paused_sessions_never_one_at_once(
         tmp_path, keys_file):
     haproxy = "/usr/sbin/haproxy"
     if not os.path.exists(haproxy):
-        pytest.skip("Debian's haproxy is not installed (.ci/run installs it)")
+        unavailable("Debian's haproxy is not installed: `apt-get install haproxy`")
     state = tmp_path / "state"
     flags = ("--api-keys-file", str(keys_file), "--pool-size", "0", "--state-dir", str(state))
     a, b = Server(tmp_path, *flags), Server(tmp_path, *flags)
