@@ -2,8 +2,8 @@
 
 `sandbox-kernel mcp` runs as a subprocess (as Claude Desktop or an IDE starts it); each round
 trip is one tools/call of run_python with a small main() call, from the client's send to its
-parsed answer. A fresh call gets a kernel of its own from the server's warm pool (closed after
-the call); a session call runs in the kernel of one session. Both beside `Sandbox.run`.
+parsed answer. A fresh call runs on a one-shot kernel of its own (confined before the call,
+gone after it); a session call runs in the kernel of one session. Both beside `Sandbox.run`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ ROWS = (  # (row id, what it measures), in table order
     ("pandas.process", "9. Code node importing pandas, process per request"),
     ("pandas.rate.fork", "9. pandas code node requests/s, 2 at a time, fork-served"),
     ("pandas.rate.process", "9. pandas code node requests/s, 2 at a time, process per request"),
-    ("mcp.fresh", "10. MCP `run_python` round trip over stdio, fresh kernel (pool of 2)"),
+    ("mcp.fresh", "10. MCP `run_python` round trip over stdio, on a one-shot kernel"),
     ("mcp.session", "10. MCP `run_python` round trip over stdio, in a session (cf. `main.small`)"),
     *runtime_import.ROWS,
     *payload.ROWS,

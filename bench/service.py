@@ -6,7 +6,9 @@ built from its source in `../shared/anchors/dify-sandbox/` (its own start.sh and
 saying so, when that folder is absent). Every request is the one Dify sends: its wrapping of
 `def main() -> dict: return {"a": 1}` (base64 inputs, `<<RESULT>>` markers), counted only if its
 stdout is exactly the marked JSON. Our native API's one-shot execute (`POST /api/v1/execute`,
-the same `main()` with inputs) is measured beside it.
+the same `main()` with inputs) is measured beside it, and so is the MCP server's `run_python`
+without a session (`sandbox-kernel mcp --http`, tests/mcp_clients.py starts it; each client
+opens its MCP session once, then sends tools/call requests, the same `main()` with inputs).
 
 Phases are interleaved, target by target, round after round, so load from elsewhere on the
 machine falls on all of them alike: N sequential requests (p50, p90), then C clients for S
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import functools
 import http.client
 import json
@@ -30,18 +33,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.stats import publish
 from sandbox_kernel.launch.forkserver.zygote import NAME as ZYGOTE_NAME
 from tests.load.service import Service, Settings, free_port
+from tests.mcp_clients import FLAGS as MCP_FLAGS
+from tests.mcp_clients import HttpServer
 
 ANCHOR = Path(os.environ.get("SANDBOX_BENCH_DIFY_SANDBOX",
                              Path(__file__).resolve().parents[2] / "shared/anchors/dify-sandbox"))
 RESULTS = Path(__file__).parent / "results" / "service.md"
 KEY = "bench-service-key"
+MCP_KEY = "bench-mcp-key-0123456789abcdef"
+MCP_ACCEPT = "application/json, text/event-stream"  # a Streamable HTTP client's
 TICK = os.sysconf("SC_CLK_TCK")
 
 USER_CODE = 'def main() -> dict:\n    return {"a": 1}\n'
@@ -61,12 +68,14 @@ def dify_wrapped(code: str, inputs: dict) -> str:
 
 @dataclass(frozen=True)
 class Route:
-    """One way to ask for a run, and how to tell that it worked."""
+    """One way to ask for a run, and how to tell that it worked; `opening`, for a protocol
+    with sessions, opens one on a client's connection and gives the headers naming it."""
 
     path: str
     headers: dict[str, str]
     body: bytes
     check: Callable[[dict], bool]
+    opening: Callable[[http.client.HTTPConnection, dict[str, str]], dict[str, str]] | None = None
 
 
 def dify_route(key: str) -> Route:
@@ -86,22 +95,63 @@ def native_route(key: str) -> Route:
                  lambda reply: reply.get("result") == {"a": 1} and reply.get("error") is None)
 
 
+def mcp_route(key: str) -> Route:
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "run_python", "arguments": {"code": USER_CODE, "inputs": {}}}}
+    return Route("/mcp", {"Authorization": f"Bearer {key}", "Content-Type": "application/json",
+                          "Accept": MCP_ACCEPT}, json.dumps(call).encode(),
+                 lambda reply: not reply["result"].get("isError")
+                 and reply["result"]["structuredContent"]["result"] == {"a": 1},
+                 opening=open_mcp_session)
+
+
+def open_mcp_session(connection: http.client.HTTPConnection,
+                     headers: dict[str, str]) -> dict[str, str]:
+    """initialize, then notifications/initialized: the headers of the session they opened."""
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "initialize",
+             "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                        "clientInfo": {"name": "bench.service", "version": "1"}}}
+    connection.request("POST", "/mcp", body=json.dumps(hello).encode(), headers=headers)
+    response = connection.getresponse()
+    answer = reply_of(response.read())
+    session = {"mcp-session-id": response.getheader("mcp-session-id") or "",
+               "mcp-protocol-version": answer["result"]["protocolVersion"]}
+    ready = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    connection.request("POST", "/mcp", body=json.dumps(ready).encode(),
+                       headers={**headers, **session})
+    connection.getresponse().read()
+    return session
+
+
+def reply_of(data: bytes) -> dict:
+    """A JSON answer, or the last message of a server-sent event stream (Streamable HTTP)."""
+    if data.lstrip().startswith(b"{"):
+        return json.loads(data)
+    events = [line[5:] for line in data.splitlines() if line.startswith(b"data:")]
+    return json.loads(events[-1])
+
+
 class Client:
     """One keep-alive HTTP connection that sends one route's request."""
 
     def __init__(self, port: int, route: Route) -> None:
         self.route = route
         self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.headers = route.headers if route.opening is None else {
+            **route.headers, **route.opening(self.connection, route.headers)}
 
     def request(self) -> tuple[float, bool]:
         """Seconds the request took, and whether its answer was right."""
         started = time.perf_counter()
         self.connection.request("POST", self.route.path, body=self.route.body,
-                                headers=self.route.headers)
+                                headers=self.headers)
         response = self.connection.getresponse()
         data = response.read()
         elapsed = time.perf_counter() - started
-        good = response.status == 200 and self.route.check(json.loads(data))
+        try:
+            good = response.status == 200 and self.route.check(reply_of(data))
+        except (ValueError, KeyError, IndexError, TypeError):  # not the answer asked for
+            good = False
         return elapsed, good
 
 
@@ -316,11 +366,13 @@ def run(args: argparse.Namespace) -> str:
         anchor = start_anchor()
     settings = Settings(max_workers=4, max_requests=50, worker_timeout=5.0,
                         pool_size=args.pool_size, extra=args.serve_flag or [])
-    with Service(settings) as ours:
+    with Service(settings) as ours, mcp_server(args.mcp_flag or []) as mcp:
         targets = [Target("sandbox-kernel dify route", ours.port, dify_route(ours.api_key),
                           ours.pid, tree=True),
                    Target("sandbox-kernel native execute", ours.port,
-                          native_route(ours.api_key), ours.pid, tree=True)]
+                          native_route(ours.api_key), ours.pid, tree=True),
+                   Target("sandbox-kernel MCP run_python", mcp.port, mcp_route(MCP_KEY),
+                          mcp.process.pid, tree=True)]
         if isinstance(anchor, tuple):
             targets.insert(0, Target("dify-sandbox", anchor[0], dify_route(args.anchor_key),
                                      anchor[1]))
@@ -340,6 +392,28 @@ def run(args: argparse.Namespace) -> str:
     return report(args, totals, anchor, (load_before, load_after))
 
 
+@contextlib.contextmanager
+def mcp_server(flags: list[str]) -> Iterator[HttpServer]:
+    """`sandbox-kernel mcp --http` on 127.0.0.1 with one key, in a private runtime dir (its
+    own fork server, not the service's), stopped after."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-mcp-"))
+    keys = folder / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"id": "bench", "key": MCP_KEY}]}))
+    runtime = os.environ.get("JUPYTER_RUNTIME_DIR")
+    os.environ["JUPYTER_RUNTIME_DIR"] = str(folder / "runtime")
+    try:
+        server = HttpServer(folder, keys, *flags)
+    finally:
+        if runtime is None:
+            os.environ.pop("JUPYTER_RUNTIME_DIR")
+        else:
+            os.environ["JUPYTER_RUNTIME_DIR"] = runtime
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def report(args: argparse.Namespace, totals: dict[str, Totals], anchor: object,
            load: tuple[float, float]) -> str:
     lines = [
@@ -353,6 +427,9 @@ def report(args: argparse.Namespace, totals: dict[str, Totals], anchor: object,
         f"then {args.clients} clients for {args.seconds:g} s per target",
         f"- Our service: `sandbox-kernel serve` with MAX_WORKERS 4, WORKER_TIMEOUT 5, "
         f"pool size {args.pool_size} {' '.join(args.serve_flag or [])}",
+        f"- Our MCP server: `sandbox-kernel mcp --http` with tests/mcp_clients.py's flags "
+        f"{' '.join([*MCP_FLAGS, *(args.mcp_flag or [])])}; the network off, as for the "
+        "native execute (the dify route's is on, as Dify sends it)",
     ]
     if not isinstance(anchor, tuple):
         lines.append(f"- {anchor}")
@@ -400,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-size", type=int, default=1,
                         help="our --pool-size (the service's default: 1)")
     parser.add_argument("--serve-flag", action="append", help="one more flag for serve")
+    parser.add_argument("--mcp-flag", action="append", help="one more flag for mcp")
     parser.add_argument("--no-anchor", action="store_true", help="measure only our service")
     parser.add_argument("--anchor", metavar="PORT:PID",
                         help="a dify-sandbox already running (its start.sh), instead of one "
