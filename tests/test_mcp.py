@@ -188,6 +188,64 @@ def test_a_fresh_runs_small_files_come_back_embedded(mcp):
         {"path": "report.csv", "size": 8, "uri": None, "embedded": True}]
 
 
+WRITES_AND_NAMES_ITS_KERNEL = (
+    "open('small.txt', 'w').write('kept')\n"
+    "open('large.bin', 'wb').write(b'x' * 300_000)\n"  # above --embed-files' 256 KiB
+    "type(get_ipython().kernel).__name__")
+
+
+def _kept_files(answer) -> tuple[list, list]:
+    embedded = [(block.resource.uri, block.resource.text) for block in answer.content
+                if block.type == "resource"]
+    listed = sorted((f["path"], f["size"], f["embedded"])
+                    for f in answer.structured_content["files"])
+    return embedded, listed
+
+
+def test_a_run_without_a_session_is_a_one_shot_kernel_that_sends_its_files(mcp):
+    answer = mcp.tool("run_python", {"code": WRITES_AND_NAMES_ITS_KERNEL})
+    assert answer.structured_content["value"] == "'OneShotKernel'"
+    embedded, listed = _kept_files(answer)
+    assert [text for _, text in embedded] == ["kept"]
+    assert listed == [("large.bin", 300_000, False), ("small.txt", 4, True)]
+
+
+def test_with_no_one_shot_pool_a_run_takes_a_zmq_kernel_and_keeps_its_files(tmp_path,
+                                                                            keys_file):
+    server = HttpServer(tmp_path, keys_file, "--one-shot-pool-size", "0")
+    client = server.client(KEY_A)
+    try:
+        answer = client.tool("run_python", {"code": WRITES_AND_NAMES_ITS_KERNEL})
+        assert answer.structured_content["value"] == "'SandboxKernel'"
+        embedded, listed = _kept_files(answer)
+        assert [text for _, text in embedded] == ["kept"]
+        assert listed == [("large.bin", 300_000, False), ("small.txt", 4, True)]
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_one_shot_kernels_lies_about_its_files_stay_within_the_callers_bounds(mcp):
+    # User code runs in the process that sends its files afterwards, so it can make that
+    # answer anything: here 5,001 files, one outside the scratch, and files never listed.
+    # The caller keeps the first 50 listed, embeds only listed ones, and the run stands.
+    code = ("import sys\n"
+            "listed = [[f'f{i}.txt', 2, 0.0] for i in range(5000)]\n"
+            "listed.append(['../../etc/passwd', 2, 0.0])\n"
+            "embedded = {name: {'data': 'aGk='} for name in "
+            "[*(f'f{i}.txt' for i in range(100)), '../../etc/passwd', 'unlisted.txt']}\n"
+            "answer = {'files': listed, 'more': False, 'embedded': embedded}\n"
+            "sys.modules['sandbox_kernel.kernel.oneshot']._file_op = "
+            "lambda: lambda *args, **kwargs: answer\n"
+            "'done'")
+    answer = mcp.tool("run_python", {"code": code})
+    data = answer.structured_content
+    assert data["status"] == "ok" and data["value"] == "'done'"
+    assert [f["path"] for f in data["files"]] == [f"f{i}.txt" for i in range(50)]
+    embedded = {block.resource.text for block in answer.content if block.type == "resource"}
+    assert embedded == {"hi"} and all(f["embedded"] for f in data["files"])
+
+
 def test_huge_output_is_capped_with_a_marker_for_a_model(mcp):
     answer = mcp.tool("run_python", {"code": "print('y' * 5_000_000)\nprint('end')"})
     data = answer.structured_content
@@ -329,6 +387,19 @@ def test_a_long_run_returns_early_and_can_be_interrupted(mcp, session):
     assert not rest["stdout"].startswith("0\n")  # only what the first answer did not carry
     after = mcp.tool("run_python", {"session": session, "code": "kept"})
     assert after.structured_content["value"] == "'yes'"
+
+
+def test_a_long_run_without_a_session_returns_early_and_can_be_interrupted(mcp):
+    code = ("open('partial.txt', 'w').write('so far')\n"
+            "import time\nfor i in range(1000):\n    print(i, flush=True)\n    time.sleep(0.02)\n")
+    first = mcp.tool("run_python", {"code": code})  # --patience 3
+    data = first.structured_content
+    assert data["status"] == "running" and data["stdout"].startswith("0\n1\n")
+    assert mcp.tool("interrupt", {"run": data["run"]}).structured_content["ok"]
+    rest = mcp.tool("wait_run", {"run": data["run"]}).structured_content
+    assert rest["status"] == "error" and rest["error"]["name"] == "KeyboardInterrupt"
+    assert rest["state"] == "fresh"
+    assert rest["files"] == [{"path": "partial.txt", "size": 6, "uri": None, "embedded": True}]
 
 
 def test_a_timeout_says_the_session_state_survived(mcp, session):

@@ -1,13 +1,15 @@
 """The file operations that run inside a kernel, sent there as source text.
 
 `files.py` reads this file and defines it in the kernel once, then calls its entry point
-`__sandbox_files__` with the `main()` convention; no caller imports it. Inside the kernel it
-reaches only what the kernel's own code could, under its Landlock rules. Its error texts reach
+`__sandbox_files__` with the `main()` convention; a one-shot kernel, whose scratch ends with
+it, defines it from this file too and calls it after the run when its caller asks to keep the
+files the run wrote (kernel/oneshot.py). No caller imports it. Inside the kernel it reaches
+only what the kernel's own code could, under its Landlock rules. Its error texts reach
 the service's callers as they are (the MCP server words them again for a model).
 """
 
 
-def __sandbox_files__(op, path=".", data=None, limit=0, since=0.0):
+def __sandbox_files__(op, path=".", data=None, limit=0, since=0.0, embed=0, budget=0):
     import base64
     import os
     home = os.path.realpath(os.path.expanduser("~"))
@@ -36,6 +38,17 @@ def __sandbox_files__(op, path=".", data=None, limit=0, since=0.0):
                     break
                 found.append([os.path.relpath(full, home), info.st_size, info.st_mtime])
         return {"files": found, "more": more}
+    if op == "keep":  # the listing, and the files up to `embed` bytes read, `budget` in all
+        listed = __sandbox_files__("list", path, limit=limit, since=since)
+        listed["embedded"] = {}
+        for name, size, _ in listed["files"]:
+            if size <= embed and size <= budget:
+                try:
+                    listed["embedded"][name] = __sandbox_files__("read", name, limit=embed)
+                except (OSError, ValueError):  # gone or grown since it was listed
+                    continue
+                budget -= size
+        return listed
     size = os.path.getsize(target)
     if size > limit:
         raise ValueError(f"{path} is {size} bytes, above the {limit}-byte limit")

@@ -33,7 +33,7 @@ from ..resultcheck import checked_elsewhere
 from .collect import Callback, Collector, exit_description
 from .execution import ErrorInfo, Execution, error_from
 from .meter import Meter, open_process
-from .receive import SMALL_PART, CallerLimits
+from .receive import MESSAGE_ROOM, SMALL_PART, CallerLimits
 
 GRACE_SECONDS = 2.0
 # Bytes taken off the connection per event-loop turn: a flood of small messages (40,000
@@ -44,12 +44,14 @@ DELIMITER = b"<IDS|MSG>"  # ends a Jupyter message's routing identities
 PROTOCOL_VERSION = "5.3"
 _SESSION_ID = uuid.uuid4().hex  # the header's session: this caller process
 
-__all__ = ["OneShotUnavailable", "run"]
+__all__ = ["OneShotUnavailable", "RunHandle", "run"]
 
 
 def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: str = "main",
-            timeout_source: str = "Sandbox.run(timeout=)") -> dict[str, Any]:
-    """The execute_request a ZMQ client would send for this run (client/sandbox.py's)."""
+            timeout_source: str = "Sandbox.run(timeout=)",
+            keep_files: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The execute_request a ZMQ client would send for this run (client/sandbox.py's); with
+    keep_files (files_in_kernel.py's "keep" inputs), the process sends the files it wrote."""
     header = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request",
               "username": "sandbox-kernel", "session": _SESSION_ID,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -59,6 +61,8 @@ def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: s
         meta.update(entrypoint=entrypoint, inputs=inputs)
     if timeout is not None:
         meta.update(timeout=timeout, timeout_source=timeout_source)
+    if keep_files is not None:
+        meta.update(keep_files=keep_files)
     return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
             "parent_header": {}, "metadata": {"sandbox": meta} if meta else {},
             "content": {"code": code, "silent": False, "store_history": inputs is None,
@@ -95,20 +99,52 @@ def message(frames: list[memoryview], msg_id: str) -> dict[str, Any] | None:
             "buffers": parts[5:], "content_size": len(content)}
 
 
+class RunHandle:
+    """What the caller of a one-shot run holds while it goes.
+
+    interrupt(): SIGINT to the process through its pidfd (as a kernelspec's interrupt_mode
+    "signal" interrupts a ZMQ kernel: KeyboardInterrupt in the code). keep_files: inputs of
+    files_in_kernel.py's "keep" operation, which the process runs after the code (its scratch
+    ends with it); `kept` is then its answer as sent, for the caller to check.
+    """
+
+    def __init__(self, keep_files: dict[str, Any] | None = None) -> None:
+        self.keep_files = keep_files
+        self.kept: Any = None
+        self._run: _Run | None = None
+
+    def interrupt(self) -> bool:
+        """Interrupt the run's code; False when it has no process (yet, or any more)."""
+        run = self._run
+        if run is None or run.pidfd < 0 or run.done:
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(run.pidfd, signal.SIGINT)
+        return True
+
+    def files_room(self) -> int:
+        """Bytes the files' record may take: their budget in base64 and JSON, the listing."""
+        budget = (self.keep_files or {}).get("budget", 0)
+        return 2 * budget + MESSAGE_ROOM if isinstance(budget, int) else MESSAGE_ROOM
+
+
 async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
               timeout: float | None = None, *, on_stdout: Callback = None,
               on_stderr: Callback = None, on_display: Callback = None,
               limits: CallerLimits | None = None, raw_result: bool = False,
               grace: float = GRACE_SECONDS, entrypoint: str = "main",
-              timeout_source: str = "Sandbox.run(timeout=)") -> Execution:
-    """Run code on a fresh one-shot kernel of the pool; OneShotUnavailable if none answers."""
+              timeout_source: str = "Sandbox.run(timeout=)",
+              handle: RunHandle | None = None) -> Execution:
+    """Run code on a fresh one-shot kernel of the pool; OneShotUnavailable if none answers.
+    handle: to interrupt the run, or keep the files it wrote (RunHandle)."""
     limits = limits or CallerLimits()
+    handle = handle or RunHandle()
     loop = asyncio.get_running_loop()
-    msg = request(code, inputs, timeout, entrypoint, timeout_source)
+    msg = request(code, inputs, timeout, entrypoint, timeout_source, handle.keep_files)
     payload = wire.pack_frames(serialize(msg))
     collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
                           None, raw_result)
-    run = await _taken(loop, pool, collector, limits)
+    run = await _taken(loop, pool, collector, limits, handle)
     try:
         if not run.pid:  # the server's answer (a broken pool), or its socket closed
             reason = run.refused or "the pool's socket closed before a kernel took the request"
@@ -135,11 +171,12 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
             run.lost = f"the kernel process died ({exit_description(exit_code)})"
     finally:
         run.close()
+    handle.kept = run.kept
     return run.finish(time.monotonic() - started)
 
 
 async def _taken(loop: asyncio.AbstractEventLoop, pool: OneShotPool, collector: Collector,
-                 limits: CallerLimits) -> _Run:
+                 limits: CallerLimits, handle: RunHandle) -> _Run:
     """A connection a process of the pool took (it sent its pid), the request not sent yet.
 
     The request goes only to a process that took the connection and said who it is: nothing
@@ -149,7 +186,7 @@ async def _taken(loop: asyncio.AbstractEventLoop, pool: OneShotPool, collector: 
     for attempt in range(2):
         conn = await loop.run_in_executor(None, pool.connect) if not pool.path \
             else await _connect(loop, pool)
-        run = _Run(conn, collector, limits)
+        run = handle._run = _Run(conn, collector, limits, handle)
         try:
             await asyncio.wait_for(run.take_pidfd(loop), pool.server.start_timeout)
         except asyncio.TimeoutError:
@@ -188,11 +225,15 @@ def _set_once(future: asyncio.Future[None]) -> None:
 class _Run:
     """One run's reading side: records to the collector, the pidfd, the end."""
 
-    def __init__(self, conn: socket.socket, collector: Collector, limits: CallerLimits) -> None:
+    def __init__(self, conn: socket.socket, collector: Collector, limits: CallerLimits,
+                 handle: RunHandle) -> None:
         conn.setblocking(False)
         self.conn, self.collector = conn, collector
         room = limits.max_message
+        if room >= 0 and handle.keep_files is not None:
+            room = max(room, handle.files_room())
         self.records = wire.Records(0 if room < 0 else room + 4096)
+        self.kept: Any = None  # the files the run wrote, as the process sent them
         self.pidfd = -1
         self.pid = 0
         self.meter: Meter | None = None
@@ -259,6 +300,9 @@ class _Run:
                 if self.collector.idle and self.meter is not None and not self.metered:
                     self.meter.stop()  # the host's figures, at idle as a ZMQ run takes them
                     self.metered = True
+        elif kind == wire.FILES:
+            with contextlib.suppress(ValueError):  # not JSON: as if none were sent
+                self.kept = jsonwire.loads(payload)
         elif kind == wire.REFUSED:
             self.refused = payload.decode("utf-8", "replace")
             self.done = True

@@ -27,8 +27,9 @@ explained refusals, the deadline, usage). This module holds every difference:
   launch/forkserver/server.py); it accepts exactly one connection, closes the listener, reads
   the request itself, runs it, and exits.
 
-A one-shot kernel has no stdin (input() raises), no comms (widgets), no interrupts over a
-control channel and no second execution: callers that need those start a ZMQ kernel.
+A one-shot kernel has no stdin (input() raises), no comms (widgets), no control channel (its
+caller interrupts it with SIGINT, as a kernelspec's interrupt_mode "signal" does) and no second
+execution: callers that need those start a ZMQ kernel.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import codecs
 import ctypes
+import functools
 import io
+import json
 import logging
 import os
 import signal
@@ -45,6 +48,7 @@ import struct
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any, NoReturn
 
 import zmq
@@ -62,6 +66,7 @@ from .kernel import SandboxKernel
 from .output import BUDGET
 from .usage import SelfUsage
 
+KEEP_INPUTS = ("path", "limit", "since", "embed", "budget")  # of a keep_files request
 REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its request once connected
 FLUSH_AFTER = 0.05  # seconds between a stream's messages while output keeps coming
 FLUSH_SIZE = 64 * 1024  # characters a stream keeps before sending them
@@ -319,6 +324,7 @@ class OneShotKernelApp(SandboxKernelApp):
             IPKernelApp.initialize(self, argv)
             self.warm_up()
             self.warm_grants()
+            _file_op()  # made here: a checkout's own files need not be granted to a process
 
     def confine(self) -> None:
         """In a pooled process forked from the zygote: every layer, per process.
@@ -506,6 +512,7 @@ class OneShotKernelApp(SandboxKernelApp):
             asyncio.run(self.kernel.dispatch_shell(frames))
             for stream in self.channel.streams:
                 stream.flush()
+            self.send_written_files(frames)
             self.channel.write(wire.DONE, b"")
             # Until the caller hangs up (it kills this process then): it reads the host's
             # figures of the run from /proc meanwhile, as it does for a ZMQ kernel.
@@ -514,6 +521,25 @@ class OneShotKernelApp(SandboxKernelApp):
         except OSError:
             pass  # the caller left: nobody to answer
         os._exit(0)
+
+    def send_written_files(self, frames: list[zmq.Frame]) -> None:
+        """The files the run wrote, if the request asked to keep them: this scratch ends with
+        the process, where a ZMQ kernel's caller asks for them in further runs. Listed and
+        read by the code those runs send (client/files_in_kernel.py), in this process, after
+        the run: what user code could reach, and no more trusted than its output."""
+        try:  # the request's parts: signature, header, parent header, metadata, content
+            _, parts = self.session.feed_identities(frames, copy=False)
+            asked = json.loads(parts[3].bytes)["sandbox"]["keep_files"]
+        except (IndexError, KeyError, TypeError, ValueError):
+            return
+        if not isinstance(asked, dict):
+            return
+        inputs = {key: asked[key] for key in KEEP_INPUTS if key in asked}
+        try:
+            kept = _file_op()("keep", **inputs)
+        except Exception as exc:  # the caller is told; the run stands
+            kept = {"error": f"{type(exc).__name__}: {exc}"}
+        self.channel.write(wire.FILES, json.dumps(kept).encode())
 
     def take_connection(self, listener: socket.socket, taken: int,
                         server_uid: int) -> socket.socket:
@@ -565,6 +591,16 @@ class OneShotKernelApp(SandboxKernelApp):
         os.write(self.launcher_stderr, f"sandbox-kernel: refusing to start: "
                                        f"{reason}\n".encode())
         os._exit(3)
+
+
+@functools.cache
+def _file_op() -> Any:
+    """The file operations' function, defined from its source text as a ZMQ kernel gets it
+    (importing it would import the client package it lives in, ZMQ client and all)."""
+    source = Path(__file__).parent.parent / "client" / "files_in_kernel.py"
+    namespace: dict[str, Any] = {}
+    exec(compile(source.read_text(encoding="utf-8"), str(source), "exec"), namespace)  # noqa: S102
+    return namespace["__sandbox_files__"]
 
 
 def build(argv: list[str]) -> OneShotKernelApp:

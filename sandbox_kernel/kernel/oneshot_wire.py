@@ -3,8 +3,9 @@
 One unix stream connection carries a one-shot run: the caller's request (an `execute_request`
 as the frames Session.serialize makes), then the process's records: its pid (with a pidfd, so
 the caller can kill exactly this process), every Jupyter message it sends (the same frames a
-ZMQ kernel puts on IOPub and shell), and `done`. A length prefix frames each record: no
-delimiter scanning, and a reader refuses a record larger than it takes before reading it.
+ZMQ kernel puts on IOPub and shell), the files the run wrote if the request asked, and `done`.
+A length prefix frames each record: no delimiter scanning, and a reader refuses a record larger
+than it takes before reading it.
 
 Imported by the one-shot process (kernel/oneshot.py) and by its callers (launch/oneshot.py):
 it imports nothing heavy.
@@ -22,6 +23,7 @@ REQUEST = ord("r")  # caller -> process: the execute_request's frames
 PID = ord("p")  # process -> caller: its pid (ASCII), with its pidfd
 MESSAGE = ord("m")  # process -> caller: one Jupyter message's frames
 REFUSED = ord("e")  # process -> caller: why it cannot run the request (UTF-8 text)
+FILES = ord("f")  # process -> caller: the files the run wrote, if asked (JSON), before done
 DONE = ord("d")  # process -> caller: the reply was the last message; it exits now
 
 MAX_REQUEST = 256 * 2**20  # the largest request a one-shot process reads

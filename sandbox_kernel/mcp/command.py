@@ -51,7 +51,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     limits = command.add_argument_group("agents' limits")
     defaults = McpConfig()
     limits.add_argument("--pool-size", type=int, default=defaults.pool_size, metavar="N",
-                        help="started kernels kept ready for calls (0: start on demand)")
+                        help="started ZMQ kernels kept ready for sessions (and for runs "
+                        "without one when they take a ZMQ kernel; 0: start on demand)")
+    limits.add_argument("--one-shot-pool-size", type=int, default=defaults.one_shot_pool_size,
+                        metavar="N", help="one-shot kernels kept confined and waiting per "
+                        "network setting for runs without a session, each used once (0: those "
+                        "take a ZMQ kernel each)")
     limits.add_argument("--patience", type=float, default=defaults.patience, metavar="S",
                         help="seconds a call waits for its run before answering with the "
                         "output so far and a run id for wait_run")
@@ -104,6 +109,7 @@ def config_from(args: argparse.Namespace) -> McpConfig:
     return McpConfig(
         policy=effective, preload=list(args.preload), runtime=args.runtime,
         cold_start=args.cold_start, pool_size=max(0, args.pool_size),
+        one_shot_pool_size=max(0, args.one_shot_pool_size),
         patience=max(1.0, args.patience), max_timeout=args.max_timeout,
         max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
         max_runs=max(1, args.max_runs), max_runs_per_key=args.max_runs_per_key,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
 from ..policy import SandboxPolicy
 
 DEFAULT_TIMEOUT = 60.0  # seconds a run may take when neither the call nor --timeout says
@@ -18,6 +19,9 @@ class McpConfig:
     runtime: str = ""  # an operator-built runtime kernels run on (`sandbox-kernel runtime`)
     cold_start: bool = False
     pool_size: int = 1  # started kernels kept ready per network setting
+    # one-shot kernels kept confined and waiting per network setting, for runs without a
+    # session (0: those take a ZMQ kernel from the pool above)
+    one_shot_pool_size: int = DEFAULT_ONE_SHOT_POOL
     patience: float = 20.0  # seconds a call waits for its run before answering with a handle
     max_timeout: float = 600.0  # the largest timeout a call may ask for
     max_text: int = 20_000  # characters of stdout and of stderr a result carries

@@ -15,6 +15,7 @@ from ..client import AsyncSandbox
 from ..client.files import file_op
 
 LIST_LIMIT = 1000  # entries list_files returns at most
+EMBED_TOTAL = 4  # files a fresh run wrote come back embedded up to this many times embed_bytes
 HELPER_TIMEOUT = 30.0
 
 
@@ -60,8 +61,13 @@ async def write(sandbox: AsyncSandbox, path: str, content: bytes) -> int:
 
 async def read(sandbox: AsyncSandbox, path: str, limit: int) -> bytes:
     """The bytes of path in the scratch, at most limit of them (FileError above it)."""
-    result = await _call(sandbox, {"op": "read", "path": relative(path), "limit": limit})
-    data = result.get("data")
+    return _content(await _call(sandbox, {"op": "read", "path": relative(path),
+                                          "limit": limit}), path, limit)
+
+
+def _content(result: Any, path: str, limit: int) -> bytes:
+    """The bytes of a read's answer, checked (at most limit of them)."""
+    data = result.get("data") if isinstance(result, dict) else None
     if not isinstance(data, str) or len(data) > 4 * (limit // 3 + 1):
         raise FileError(f"{path} is larger than this server returns ({limit:,} bytes): read "
                         "the part you need with run_python")
@@ -75,8 +81,13 @@ async def listing(sandbox: AsyncSandbox, path: str = ".", since: float = 0.0,
                   limit: int = LIST_LIMIT) -> tuple[list[tuple[str, int, float]], bool]:
     """Files under path (hidden ones skipped) changed since `since`; and whether more exist."""
     folder = "." if path in ("", ".") else relative(path)
-    result = await _call(sandbox, {"op": "list", "path": folder, "limit": limit,
-                                   "since": since})
+    return _listed(await _call(sandbox, {"op": "list", "path": folder, "limit": limit,
+                                         "since": since}), limit)
+
+
+def _listed(result: dict[str, Any], limit: int) -> tuple[list[tuple[str, int, float]], bool]:
+    """A listing's answer, checked: (path, size, modified) of each file, and whether more
+    exist."""
     found = result.get("files")
     if not isinstance(found, list):
         raise FileError("the sandbox did not answer the file listing")
@@ -84,3 +95,35 @@ async def listing(sandbox: AsyncSandbox, path: str = ".", since: float = 0.0,
              if isinstance(entry, list) and len(entry) == 3
              and isinstance(entry[1], int) and isinstance(entry[2], (int, float))]
     return files, bool(result.get("more")) or len(found) > limit
+
+
+def keep_request(since: float, limit: int, embed: int) -> dict[str, Any]:
+    """The inputs of the operation that lists the files a run wrote (changed since `since`,
+    at most `limit`) and reads those up to `embed` bytes, EMBED_TOTAL times that in all."""
+    return {"op": "keep", "path": ".", "limit": limit, "since": since, "embed": embed,
+            "budget": EMBED_TOTAL * embed}
+
+
+def kept(result: Any, limit: int, embed: int
+         ) -> tuple[list[tuple[str, int, float]], dict[str, bytes]]:
+    """The files a keep operation listed and the bytes of those it read, checked: no file
+    above `embed` bytes, none beyond the budget, none it did not list."""
+    if isinstance(result, dict) and isinstance(result.get("error"), str):
+        raise FileError(result["error"][:500])  # the kernel's own, as a run's would be
+    if not isinstance(result, dict) or not isinstance(result.get("embedded"), dict):
+        raise FileError("the sandbox did not answer which files the run wrote")
+    written, _ = _listed(result, limit)
+    sizes = {path: size for path, size, _ in written}
+    embedded, budget = {}, EMBED_TOTAL * embed
+    for path, answer in result["embedded"].items():
+        if path in sizes and sizes[path] <= min(embed, budget):
+            embedded[path] = _content(answer, path, embed)
+            budget -= len(embedded[path])
+    return written, embedded
+
+
+async def keep(sandbox: AsyncSandbox, since: float, limit: int, embed: int
+               ) -> tuple[list[tuple[str, int, float]], dict[str, bytes]]:
+    """The files a run in this kernel wrote, and the small ones' bytes (a fresh kernel's
+    scratch ends with it)."""
+    return kept(await _call(sandbox, keep_request(since, limit, embed)), limit, embed)

@@ -1,8 +1,11 @@
-"""Kernels for the MCP server: fresh ones from warm pools, and sessions that keep one.
+"""Kernels for the MCP server: fresh ones for each call, and sessions that keep one.
 
-A call without a session gets a kernel no one used (launch/pool.py keeps some started), closed
-after the call. A session holds one kernel for one owner (the API key over HTTP, the one client
-over stdio); another owner's session ids are unknown to it, so ids cannot be probed.
+A call without a session runs on a one-shot kernel (kernel/oneshot.py: a process of the fork
+server's pool for its network setting, confined before the call and gone after it); with
+--one-shot-pool-size 0, --cold-start or credentials in the policy, on a ZMQ kernel no one used
+(launch/pool.py keeps some started), closed after the call. A session holds one kernel for one
+owner (the API key over HTTP, the one client over stdio); another owner's session ids are
+unknown to it, so ids cannot be probed.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..client import AsyncSandbox
+from ..client import AsyncSandbox, CallerLimits
 from ..client.sessions import KernelSession, SessionLimit, SessionTable
 from ..launch.forkserver import ForkServerClient
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
+from ..service.runs import OneShots
 from .config import McpConfig
 
 log = logging.getLogger("sandbox_kernel.mcp")
@@ -42,6 +47,8 @@ class KernelSource:
     def __init__(self, config: McpConfig) -> None:
         self.config = config
         self.pools: dict[bool, KernelPool] = {}
+        self.one_shots: OneShots | None = None
+        self._asking: dict[bool, asyncio.Future[bool]] = {}
         self.python, self.preload = sys.executable, list(config.preload)
         if config.runtime:  # its current build, its own modules preloaded too
             from ..runtimes import find
@@ -49,6 +56,9 @@ class KernelSource:
             record = find(config.runtime)
             self.python = str(record.python())
             self.preload = list(dict.fromkeys([*record.preload, *config.preload]))
+        if config.one_shot_pool_size > 0 and not config.cold_start:
+            self.one_shots = OneShots({network: self.options(network) for network in (False, True)},
+                                      config.one_shot_pool_size)
 
     def options(self, network: bool) -> dict[str, Any]:
         """The AsyncSandbox options of a kernel with network on or off."""
@@ -65,8 +75,36 @@ class KernelSource:
         return self.pools[network]
 
     def start(self) -> None:
-        """Begin filling the pool of the default kernels (those of the policy as given)."""
+        """Begin filling the pools of the default kernels (those of the policy as given)."""
         self._pool(self.config.policy.allow_network)
+        if self.one_shots is not None:  # asked for now, so that the first run finds it full
+            self._asking[self.config.policy.allow_network] = asyncio.ensure_future(
+                self._ask_one_shot(self.one_shots, self.config.policy.allow_network))
+
+    async def one_shot(self, network: bool) -> tuple[OneShotPool, CallerLimits] | None:
+        """The pool of one-shot kernels for runs without a session, and what their caller
+        accepts; None when those runs take a ZMQ kernel (no pool, or it could not be had)."""
+        if self.one_shots is None or network not in self.one_shots.pools:
+            return None
+        if network not in self._asking:
+            self._asking[network] = asyncio.ensure_future(
+                self._ask_one_shot(self.one_shots, network))
+        if not await asyncio.shield(self._asking[network]):
+            return None
+        return self.one_shots.pools[network], self.one_shots.limits[network]
+
+    @staticmethod
+    async def _ask_one_shot(one_shots: OneShots, network: bool) -> bool:
+        """Ask the fork server for the pool, once: one that cannot be had is not asked for
+        again, the log says why, and the runs take ZMQ kernels."""
+        pool = one_shots.pools[network]
+        try:
+            pool.path = await asyncio.to_thread(pool.ask)
+            return True
+        except OneShotUnavailable as exc:
+            log.warning("no one-shot kernels with the network %s (%s): runs without a session "
+                        "take a ZMQ kernel each", "on" if network else "off", exc)
+            return False
 
     async def get(self, network: bool, secrets: Mapping[str, Any] | None = None
                   ) -> AsyncSandbox:
@@ -80,8 +118,10 @@ class KernelSource:
 
     async def close(self) -> None:
         """Close the pools and end the fork server their kernels came from."""
+        for asking in self._asking.values():
+            asking.cancel()
         await asyncio.gather(*(pool.close() for pool in self.pools.values()),
-                             return_exceptions=True)
+                             *self._asking.values(), return_exceptions=True)
         if not self.config.cold_start:
             ForkServerClient(python=self.python, preload=tuple(self.preload)).stop_server()
 

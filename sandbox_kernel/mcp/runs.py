@@ -17,14 +17,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client import AsyncSandbox, ErrorInfo, Execution
+from ..client import AsyncSandbox, CallerLimits, ErrorInfo, Execution, oneshot
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from . import files
 from .config import McpConfig
 from .kernels import KernelSource, Session, SessionProblem, Sessions
 
 log = logging.getLogger("sandbox_kernel.mcp")
 KEEP_FINISHED = 600.0  # seconds a finished run waits to be collected
-EMBED_TOTAL = 4  # files a fresh run wrote come back embedded up to this many times embed_bytes
+WRITTEN_LIMIT = 50  # files a run wrote that its result lists at most
 
 
 @dataclass(eq=False)
@@ -44,6 +45,7 @@ class Run:
     written: list[tuple[str, int, float]] = field(default_factory=list)
     embedded: dict[str, bytes] = field(default_factory=dict)  # a fresh kernel's files, kept
     sandbox: AsyncSandbox | None = None
+    one_shot: oneshot.RunHandle | None = None  # a run without a session on a one-shot kernel
     task: asyncio.Task[None] | None = None
     finished_at: float | None = None
 
@@ -134,8 +136,10 @@ class Runs:
             self.forget(run)
 
     async def interrupt(self, run: Run) -> None:
-        """Interrupt the run's code (its kernel stays)."""
-        if run.sandbox is not None and not run.done:
+        """Interrupt the run's code (a session's kernel stays)."""
+        if run.one_shot is not None:
+            run.one_shot.interrupt()
+        elif run.sandbox is not None and not run.done:
             await run.sandbox.interrupt()
 
     def _callbacks(self, run: Run) -> dict[str, Any]:
@@ -175,6 +179,41 @@ class Runs:
                 session.run_id, session.last_used = None, time.monotonic()
 
     async def _fresh(self, run: Run, code: str, inputs: dict | None) -> None:
+        """A run without a session: on a one-shot kernel, else on a ZMQ kernel of its own."""
+        try:
+            one_shot = await self.source.one_shot(self.config.policy.allow_network)
+            ran = one_shot is not None and await self._on_one_shot(run, *one_shot, code, inputs)
+        except BaseException:
+            self._fresh_ended(run.owner)
+            raise
+        if ran:
+            self._fresh_ended(run.owner)  # its process ended with the run
+        else:
+            await self._on_zmq_kernel(run, code, inputs)
+
+    async def _on_one_shot(self, run: Run, pool: OneShotPool, limits: CallerLimits, code: str,
+                           inputs: dict | None) -> bool:
+        """The run on a one-shot kernel, which sends the files it wrote before it ends; False
+        when none took it (nothing ran: a ZMQ kernel runs it instead)."""
+        run.one_shot = oneshot.RunHandle(files.keep_request(run.started, WRITTEN_LIMIT,
+                                                            self.config.embed_bytes))
+        try:
+            run.execution = await oneshot.run(pool, code, inputs, run.timeout, limits=limits,
+                                              handle=run.one_shot, **self._callbacks(run))
+        except OneShotUnavailable as exc:
+            log.warning("run %s: no one-shot kernel took it (%s): a ZMQ kernel runs it", run.id,
+                        exc)
+            run.one_shot = None
+            return False
+        if not run.execution.state_lost:
+            try:
+                run.written, run.embedded = files.kept(run.one_shot.kept, WRITTEN_LIMIT,
+                                                       self.config.embed_bytes)
+            except files.FileError as exc:
+                log.info("run %s: could not keep its files: %s", run.id, exc)
+        return True
+
+    async def _on_zmq_kernel(self, run: Run, code: str, inputs: dict | None) -> None:
         try:
             sandbox = run.sandbox = await self.source.get(self.config.policy.allow_network)
         except BaseException:
@@ -184,8 +223,7 @@ class Runs:
             run.execution = await sandbox.run(code, inputs, timeout=run.timeout,
                                               **self._callbacks(run))
             if not run.execution.state_lost:
-                await self._find_written(run, sandbox)
-                await self._keep_small_files(run, sandbox)
+                await self._keep_files(run, sandbox)
         finally:  # the answer need not wait for the kernel's end
             closing = asyncio.ensure_future(_close_quietly(sandbox))
             self._closing.add(closing)
@@ -195,22 +233,19 @@ class Runs:
     async def _find_written(self, run: Run, sandbox: AsyncSandbox) -> None:
         """The files the run wrote or changed (not worth failing the run over)."""
         try:
-            run.written, _ = await files.listing(sandbox, ".", since=run.started, limit=50)
+            run.written, _ = await files.listing(sandbox, ".", since=run.started,
+                                                 limit=WRITTEN_LIMIT)
         except Exception as exc:
             log.info("run %s: could not list its files: %s", run.id, exc)
 
-    async def _keep_small_files(self, run: Run, sandbox: AsyncSandbox) -> None:
-        """A fresh kernel's scratch ends with it: keep the small files it wrote."""
-        budget = EMBED_TOTAL * self.config.embed_bytes
-        for path, size, _ in run.written:
-            if size > self.config.embed_bytes or size > budget:
-                continue
-            try:
-                run.embedded[path] = await files.read(sandbox, path, self.config.embed_bytes)
-            except Exception as exc:
-                log.info("run %s: could not read %s: %s", run.id, path, exc)
-                continue
-            budget -= size
+    async def _keep_files(self, run: Run, sandbox: AsyncSandbox) -> None:
+        """A fresh kernel's scratch ends with it: list the files the run wrote and keep the
+        small ones (not worth failing the run over)."""
+        try:
+            run.written, run.embedded = await files.keep(sandbox, run.started, WRITTEN_LIMIT,
+                                                         self.config.embed_bytes)
+        except Exception as exc:
+            log.info("run %s: could not keep its files: %s", run.id, exc)
 
     async def close(self) -> None:
         """Cancel the runs in progress."""
