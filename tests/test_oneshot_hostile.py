@@ -75,3 +75,35 @@ for name in os.listdir('/proc/self/fd'):
 (listening, connected, trap(lambda: socket.socket(socket.AF_UNIX).connect('/tmp/x')))
 """
     assert _outcome(pools["hostile"], code) == (0, 1, ("PermissionError", 1))
+
+
+# User code that writes records of its own onto the run's connection, as the files record.
+FORGE_FILES = """
+import sys
+from sandbox_kernel.kernel import oneshot_wire as wire
+conn = sys.modules['sandbox_kernel.kernel.oneshot'].OneShotKernelApp.instance().channel.conn
+for payload in FORGED:
+    conn.sendall(wire.record(wire.FILES, payload))
+'sent'
+"""
+
+
+@pytest.mark.parametrize("forged, asked, kept", [
+    # Not asked for (every service run): never parsed, however many or large.
+    ([b'{"forged": 0}', *[b'"' + b"x" * 1_000_000 + b'"'] * 8], None, None),
+    # Asked for: one record at most is parsed (the process's own, sent after the run, when
+    # user code sent none), and none larger than the budget asked for allows.
+    ([b"1" * 2_000_000], {"budget": 1000}, {"files": [], "more": False, "embedded": {}}),
+    ([b"not json", b'{"forged": 2}'], {"budget": 1000}, None),
+    ([b'{"forged": 1}', b'{"forged": 2}'], {"budget": 1000}, {"forged": 1}),
+], ids=["not-asked", "too-large", "first-only-malformed", "first-only"])
+def test_files_records_user_code_forges_are_bounded_by_what_the_caller_asked(
+        pools, forged, asked, kept):
+    keep = None if asked is None else {"op": "keep", "path": ".", "limit": 50, "since": 0.0,
+                                       "embed": 1000, **asked}
+    handle = oneshot.RunHandle(keep)
+    execution = asyncio.run(oneshot.run(pools["hostile"],
+                                        f"FORGED = {forged!r}\n" + FORGE_FILES, None, 30.0,
+                                        handle=handle))
+    assert execution.error is None and execution.text == "'sent'", execution.error
+    assert handle.kept == kept

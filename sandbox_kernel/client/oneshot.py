@@ -230,8 +230,11 @@ class _Run:
         conn.setblocking(False)
         self.conn, self.collector = conn, collector
         room = limits.max_message
-        if room >= 0 and handle.keep_files is not None:
-            room = max(room, handle.files_room())
+        # The files' record is parsed here, on the caller's event loop: only when asked for,
+        # once, and no larger than the budget it was asked with allows.
+        self.files_room = handle.files_room() if handle.keep_files is not None else 0
+        if room >= 0 and self.files_room:
+            room = max(room, self.files_room)
         self.records = wire.Records(0 if room < 0 else room + 4096)
         self.kept: Any = None  # the files the run wrote, as the process sent them
         self.pidfd = -1
@@ -301,8 +304,10 @@ class _Run:
                     self.meter.stop()  # the host's figures, at idle as a ZMQ run takes them
                     self.metered = True
         elif kind == wire.FILES:
-            with contextlib.suppress(ValueError):  # not JSON: as if none were sent
-                self.kept = jsonwire.loads(payload)
+            if len(payload) <= self.files_room:
+                self.files_room = 0  # one record parsed at most, whatever it holds
+                with contextlib.suppress(ValueError):  # not JSON: as if none were sent
+                    self.kept = jsonwire.loads(payload)
         elif kind == wire.REFUSED:
             self.refused = payload.decode("utf-8", "replace")
             self.done = True

@@ -56,7 +56,7 @@ from ipykernel.kernelapp import IPKernelApp
 from IPython.paths import get_ipython_dir
 from jupyter_client.session import new_id
 from traitlets import Any as AnyTrait
-from traitlets import Type
+from traitlets import Dict, Type
 
 from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
@@ -263,6 +263,7 @@ class _Discarded(io.TextIOBase):
 class OneShotKernel(SandboxKernel):
     """SandboxKernel whose shell stream is the one-shot channel (not a ZMQStream)."""
 
+    request = Dict(help="The one request, as ipykernel parsed it (kept by set_parent).")
     shell_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
     control_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
     debugpy_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
@@ -294,6 +295,13 @@ class OneShotKernel(SandboxKernel):
         session_name = os.environ.get("JPY_SESSION_NAME")
         if session_name:
             shell.user_ns["__session__"] = session_name  # type: ignore[union-attr]
+
+    def set_parent(self, ident: Any, parent: Any, channel: str = "shell") -> None:
+        """ipykernel's, keeping the request too: read after the run, outside the context
+        ipykernel keeps it in (OneShotKernelApp.send_written_files)."""
+        super().set_parent(ident, parent, channel)
+        if channel == "shell":
+            self.request = parent
 
     def _abort_queues(self, subshell_id: str | None = None) -> None:
         # After an error ipykernel aborts the requests queued behind it: a one-shot has none.
@@ -512,7 +520,7 @@ class OneShotKernelApp(SandboxKernelApp):
             asyncio.run(self.kernel.dispatch_shell(frames))
             for stream in self.channel.streams:
                 stream.flush()
-            self.send_written_files(frames)
+            self.send_written_files()
             self.channel.write(wire.DONE, b"")
             # Until the caller hangs up (it kills this process then): it reads the host's
             # figures of the run from /proc meanwhile, as it does for a ZMQ kernel.
@@ -522,24 +530,21 @@ class OneShotKernelApp(SandboxKernelApp):
             pass  # the caller left: nobody to answer
         os._exit(0)
 
-    def send_written_files(self, frames: list[zmq.Frame]) -> None:
+    def send_written_files(self) -> None:
         """The files the run wrote, if the request asked to keep them: this scratch ends with
         the process, where a ZMQ kernel's caller asks for them in further runs. Listed and
         read by the code those runs send (client/files_in_kernel.py), in this process, after
         the run: what user code could reach, and no more trusted than its output."""
-        try:  # the request's parts: signature, header, parent header, metadata, content
-            _, parts = self.session.feed_identities(frames, copy=False)
-            asked = json.loads(parts[3].bytes)["sandbox"]["keep_files"]
-        except (IndexError, KeyError, TypeError, ValueError):
-            return
+        sandbox = self.kernel.request.get("metadata", {}).get("sandbox")
+        asked = sandbox.get("keep_files") if isinstance(sandbox, dict) else None
         if not isinstance(asked, dict):
             return
         inputs = {key: asked[key] for key in KEEP_INPUTS if key in asked}
         try:
-            kept = _file_op()("keep", **inputs)
+            kept = json.dumps(_file_op()("keep", **inputs))
         except Exception as exc:  # the caller is told; the run stands
-            kept = {"error": f"{type(exc).__name__}: {exc}"}
-        self.channel.write(wire.FILES, json.dumps(kept).encode())
+            kept = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        self.channel.write(wire.FILES, kept.encode())
 
     def take_connection(self, listener: socket.socket, taken: int,
                         server_uid: int) -> socket.socket:
