@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import pwd
+import select
 import time
 from typing import Any
 
@@ -68,6 +69,14 @@ def receive(listener: int) -> Notification | None:
             return None
         raise
     return Notification.from_buffer_copy(buffer)
+
+
+def orphaned(listener: int) -> bool:
+    """Whether no process uses the listener's filter any more (its last one is exiting or
+    gone): no call will wait there again, and poll reports the hang-up (POLLHUP)."""
+    poller = select.poll()
+    poller.register(listener, select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 def refuse(listener: int, notification: Notification, error: int = errno.EPERM) -> None:

@@ -171,7 +171,7 @@ class Companion:
             ward.held += fds
         elif "audit" in request and fds and ward.auditor is None:
             auditor = ward.auditor = auditor_for(request["audit"], fds, self.out)
-            self._watch(auditor.listener, lambda _: auditor.answer_one())
+            self._watch(auditor.listener, lambda _: self._answer(auditor))
         elif "egress" in request and fds and ward.egress is None and ward.proxy is None:
             listener, *files = fds
             ward.egress = (request["egress"], listener, files[0] if files else None)
@@ -180,6 +180,19 @@ class Companion:
         else:
             for fd in fds:
                 os.close(fd)
+
+    def _answer(self, auditor: audit.Auditor) -> None:
+        """Answer the next refused call, unless the filter has no process left.
+
+        The listener of a process that is exiting reports its hang-up as readable until the
+        ward's pidfd says the process is gone, once its exit freed its memory (~5 ms): each
+        receive meanwhile finds nothing, a thousand of them spinning while the next run wants
+        the CPU. The listener is closed with the ward (_ward_gone).
+        """
+        if audit.orphaned(auditor.listener):
+            self._unwatch(auditor.listener)
+        else:
+            auditor.answer_one()
 
     def _serve_egress(self, ward: Ward) -> None:
         assert ward.egress is not None
