@@ -125,14 +125,14 @@ def mount_quota(path: str, size: int, files: int = DEFAULT_SCRATCH_FILES) -> boo
 
 def quota(path: str) -> int | None:
     """The size of the tmpfs on path, or None when path is on an ordinary file system."""
-    stats = _tmpfs_stats(path)
-    return None if stats is None else stats.f_blocks * stats.f_frsize
+    return quotas(path)[0]
 
 
-def file_quota(path: str) -> int | None:
-    """How many files (inodes) the tmpfs on path holds at most, or None."""
+def quotas(path: str) -> tuple[int | None, int | None]:
+    """The size and the most files (inodes) of the tmpfs on path; (None, None) when path is
+    on an ordinary file system."""
     stats = _tmpfs_stats(path)
-    return None if stats is None else stats.f_files
+    return (None, None) if stats is None else (stats.f_blocks * stats.f_frsize, stats.f_files)
 
 
 def _tmpfs_stats(path: str) -> os.statvfs_result | None:

@@ -281,8 +281,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         except OSError:  # started in a directory that is gone
             launch_dir = ""
         os.chdir(scratch_dir)
-        self.layers["scratch"] = {"path": scratch_dir, "quota": scratch.quota(scratch_dir),
-                                  "files": scratch.file_quota(scratch_dir)}
+        size, files = scratch.quotas(scratch_dir)
+        self.layers["scratch"] = {"path": scratch_dir, "quota": size, "files": files}
         channel = os.environ.get(REAPER_VAR, "")
         self.reaper_channel = int(channel) if channel.isdigit() else None
         self.ready_pipe = ready_pipe(os.environ)

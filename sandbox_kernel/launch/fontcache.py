@@ -43,7 +43,11 @@ def build(directory: str) -> bool:
 
 def copy_into(source: str, target: str) -> None:
     """Give a kernel's MPLCONFIGDIR (target) the server's font lists; quietly none if none."""
-    lists = font_lists(source) if source else []
+    copy_lists(font_lists(source) if source else [], target)
+
+
+def copy_lists(lists: list[str], target: str) -> None:
+    """Copy font lists already found (font_lists) into a kernel's MPLCONFIGDIR (target)."""
     if not lists or not target:
         return
     os.makedirs(target, mode=0o700, exist_ok=True)

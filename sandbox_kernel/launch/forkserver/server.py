@@ -160,6 +160,8 @@ class Server:
         from sandbox_kernel.kernel.oneshot import OneShotKernelApp
         from sandbox_kernel.launch import fontcache
 
+        from . import sharing
+
         paths.interpreter_paths()
         fontcache.build(os.environ.get("MPLCONFIGDIR", ""))  # for every kernel to copy
         privileges.prepare()
@@ -173,6 +175,7 @@ class Server:
         if prebuilt.left_behind():
             raise ForkServerError("the IPython shell built to warm its classes is still "
                                   "referenced after collection; a server holds no such shell")
+        sharing.share_kernel_start()
         gc.freeze()
         if thread_count() != 1:
             raise ForkServerError(f"the server has {thread_count()} threads after importing "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -29,6 +30,8 @@ import sys
 import tempfile
 from typing import Any, NoReturn
 
+from .. import fontcache
+from . import sharing
 from .protocol import main_module, thread_count
 
 _CLONE_PARENT = 0x00008000
@@ -46,14 +49,9 @@ def fork_sibling() -> int:
     before-fork hooks and locks, then its after-fork work in the child and the parent. Called
     only while single-threaded (as os.fork should be).
     """
-    number = _SYS_CLONE.get(os.uname().machine)
-    if number is None:
-        raise OSError(f"no clone syscall number known for {os.uname().machine}")
-    libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call
-    libc.syscall.restype = ctypes.c_long
+    syscall, arguments = _clone_call()
     ctypes.pythonapi.PyOS_BeforeFork()
-    pid = libc.syscall(ctypes.c_long(number), ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
-                       ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0))
+    pid = syscall(*arguments)
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
         return 0
@@ -62,6 +60,19 @@ def fork_sibling() -> int:
     if pid < 0:
         raise OSError(error, f"clone(CLONE_PARENT): {os.strerror(error)}")
     return int(pid)
+
+
+@functools.cache
+def _clone_call() -> tuple[Any, tuple[Any, ...]]:
+    """libc's syscall() and clone's arguments, made once: objects the zygote makes anew for
+    each fork are pages it writes while its newest child still shares them, each one copied."""
+    number = _SYS_CLONE.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"no clone syscall number known for {os.uname().machine}")
+    syscall = ctypes.PyDLL(None, use_errno=True).syscall  # PyDLL: the GIL stays held
+    syscall.restype = ctypes.c_long
+    return syscall, (ctypes.c_long(number), ctypes.c_ulong(_CLONE_PARENT | signal.SIGCHLD),
+                     *(ctypes.c_long(0) for _ in range(4)))
 
 
 def serve(control: socket.socket, listener: socket.socket, registry: int, argv: list[str],
@@ -75,7 +86,9 @@ def serve(control: socket.socket, listener: socket.socket, registry: int, argv: 
         name = comm.read().strip()  # the server's, given back to each process forked
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(NAME), 0, 0, 0)
     font_cache = os.environ.get("MPLCONFIGDIR", "")  # the server's, built for every kernel
+    fonts = fontcache.font_lists(font_cache) if font_cache else []
     app = _build(argv, env)
+    sharing.compact_module_names()  # again: the build imported more (see the server's)
     if thread_count() != 1:
         _say(f"the zygote has {thread_count()} threads after building the kernel; a "
              "multi-threaded process cannot fork safely")
@@ -99,7 +112,7 @@ def serve(control: socket.socket, listener: socket.socket, registry: int, argv: 
         if pid == 0:
             control.close()
             libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
-            _become_pooled(app, listener, registry, taken, argv, env, server_uid, font_cache)
+            _become_pooled(app, listener, registry, taken, argv, env, server_uid, fonts)
         os.close(taken)
         control.send(str(pid).encode())
 
@@ -134,11 +147,10 @@ def _build(argv: list[str], env: dict[str, str]) -> Any:
 
 def _become_pooled(app: Any, listener: socket.socket, registry: int, taken: int,
                    argv: list[str], env: dict[str, str], server_uid: int,
-                   font_cache: str) -> NoReturn:
+                   fonts: list[str]) -> NoReturn:
     """In a pooled process: its scratch and companion channel, every layer, one request."""
     from sandbox_kernel.confine import companion
     from sandbox_kernel.confine.environment import prepare
-    from sandbox_kernel.launch import fontcache
 
     from .server import _forget_environment, _reseed
 
@@ -150,7 +162,7 @@ def _become_pooled(app: Any, listener: socket.socket, registry: int, taken: int,
 
         kernel_env = prepare(argv, dict(env), companion=register,
                              kept=(listener.fileno(), taken, app.launcher_stderr))
-        fontcache.copy_into(font_cache, kernel_env.get("MPLCONFIGDIR", ""))
+        fontcache.copy_lists(fonts, kernel_env.get("MPLCONFIGDIR", ""))
         os.environ.clear()
         os.environ.update(kernel_env)
         _forget_environment()
