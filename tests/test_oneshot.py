@@ -221,6 +221,22 @@ def test_two_runs_share_no_process_uid_scratch_or_namespace(pool):
         assert len({fields[column] for fields in seen}) == 3, seen
 
 
+def test_a_record_reader_drops_records_of_a_kind_past_their_size_wherever_the_stream_splits():
+    """Records(drop_larger=): what the caller drops is never kept whole; the records after it
+    come through, and a larger record of another kind is still refused."""
+    stream = (wire.record(wire.MESSAGE, b"m") + wire.record(wire.FILES, b"x" * 50)
+              + wire.record(wire.FILES, b"ok") + wire.record(wire.DONE))
+    for step in (1, 3, 7, len(stream)):
+        records = wire.Records(60, drop_larger={wire.FILES: 10})
+        taken = [record for start in range(0, len(stream), step)
+                 for record in records.feed(stream[start:start + step])]
+        assert taken == [(wire.MESSAGE, b"m"), (wire.FILES, b"ok"), (wire.DONE, b"")], step
+        assert records.dropped == [(wire.FILES, 50)] and not records.buffer
+    with pytest.raises(wire.WireError, match="larger than the 60"):
+        list(wire.Records(60, drop_larger={wire.FILES: 10}).feed(
+            wire.record(wire.MESSAGE, b"y" * 61)))
+
+
 def _record(conn):
     records = wire.Records()
     data, fds, _, _ = socket.recv_fds(conn, 64, 1)
@@ -601,3 +617,4 @@ def test_a_zmq_kernels_large_result_is_checked_in_a_child_by_the_async_caller(mo
         in_place = sandbox.run(BIG_RESULT, {}, timeout=30, raw_result=True)
     assert in_place.result_json == ex.result_json and len(checked) == 1
     assert json.loads(ex.result_json) == {"x": [[]] * 400_000}
+

@@ -107,3 +107,32 @@ def test_files_records_user_code_forges_are_bounded_by_what_the_caller_asked(
                                         handle=handle))
     assert execution.error is None and execution.text == "'sent'", execution.error
     assert handle.kept == kept
+
+
+# The process's own files record never sent: what the caller took is only what user code sent.
+WITHOUT_OWN = ("import sys\nsys.modules['sandbox_kernel.kernel.oneshot'].OneShotKernelApp"
+               ".instance().send_written_files = lambda: None\n")
+OWN = {"files": [], "more": False, "embedded": {}}
+
+
+@pytest.mark.parametrize("asked, without_own, kept", [
+    (None, False, None), ({"budget": 1000}, False, OWN), ({"budget": 1000}, True, "dropped"),
+], ids=["not-asked", "asked", "asked-none-taken"])
+def test_a_files_record_past_every_message_limit_is_dropped_and_the_run_keeps_its_result(
+        pools, asked, without_own, kept):
+    """20 MiB, more than any message the caller takes: dropped as it arrives, never kept
+    whole, and the run is not lost for it. Asked for files and given none, the caller's
+    answer says why."""
+    keep = None if asked is None else {"op": "keep", "path": ".", "limit": 50, "since": 0.0,
+                                       "embed": 1000, **asked}
+    handle = oneshot.RunHandle(keep)
+    code = (WITHOUT_OWN if without_own else "") + f"FORGED = [b'1' * {20 << 20}]\n" \
+        + FORGE_FILES
+    execution = asyncio.run(oneshot.run(pools["hostile"], code, None, 30.0, handle=handle))
+    assert execution.error is None and execution.text == "'sent'", execution.error
+    if kept == "dropped":
+        assert handle.kept == {"error": f"the record of the files the run wrote "
+                                        f"({20 << 20:,} bytes) is larger than the "
+                                        f"{handle.files_room():,} asked for: dropped"}
+    else:
+        assert handle.kept == kept

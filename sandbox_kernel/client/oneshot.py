@@ -171,7 +171,7 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
             run.lost = f"the kernel process died ({exit_description(exit_code)})"
     finally:
         run.close()
-    handle.kept = run.kept
+    handle.kept = run.files()
     return run.finish(time.monotonic() - started)
 
 
@@ -231,11 +231,12 @@ class _Run:
         self.conn, self.collector = conn, collector
         room = limits.max_message
         # The files' record is parsed here, on the caller's event loop: only when asked for,
-        # once, and no larger than the budget it was asked with allows.
+        # once, and no larger than the budget it was asked with allows. User code owns the
+        # connection and may send such records too: a larger one is dropped as it arrives,
+        # whatever its size, and the run keeps its result.
         self.files_room = handle.files_room() if handle.keep_files is not None else 0
-        if room >= 0 and self.files_room:
-            room = max(room, self.files_room)
-        self.records = wire.Records(0 if room < 0 else room + 4096)
+        self.records = wire.Records(0 if room < 0 else room + 4096,
+                                    drop_larger={wire.FILES: self.files_room})
         self.kept: Any = None  # the files the run wrote, as the process sent them
         self.pidfd = -1
         self.pid = 0
@@ -304,7 +305,7 @@ class _Run:
                     self.meter.stop()  # the host's figures, at idle as a ZMQ run takes them
                     self.metered = True
         elif kind == wire.FILES:
-            if len(payload) <= self.files_room:
+            if self.files_room:
                 self.files_room = 0  # one record parsed at most, whatever it holds
                 with contextlib.suppress(ValueError):  # not JSON: as if none were sent
                     self.kept = jsonwire.loads(payload)
@@ -313,6 +314,14 @@ class _Run:
             self.done = True
         elif kind == wire.DONE:
             self.done = True
+
+    def files(self) -> Any:
+        """The files record as sent; if none was taken, why (one was larger than asked for)."""
+        dropped = [size for kind, size in self.records.dropped if kind == wire.FILES]
+        if self.kept is None and dropped and self.files_room:
+            return {"error": f"the record of the files the run wrote ({max(dropped):,} bytes) "
+                             f"is larger than the {self.files_room:,} asked for: dropped"}
+        return self.kept
 
     def kill(self) -> None:
         """End the process now (its own pidfd: never another process)."""

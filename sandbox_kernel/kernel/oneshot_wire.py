@@ -68,17 +68,34 @@ def unpack_frames(payload: bytes | memoryview) -> list[memoryview]:
 
 
 class Records:
-    """Splits a byte stream into records; refuses one larger than `limit` bytes (0: any)."""
+    """Splits a byte stream into records; refuses one larger than `limit` bytes (0: any).
 
-    def __init__(self, limit: int = 0) -> None:
+    drop_larger: kinds whose records above a size of their own are dropped as they arrive
+    (never kept whole, never yielded), not refused; `dropped` lists each as (kind, size).
+    """
+
+    def __init__(self, limit: int = 0, drop_larger: dict[int, int] | None = None) -> None:
         self.limit = limit
+        self.drop_larger = drop_larger or {}
+        self.dropped: list[tuple[int, int]] = []
         self.buffer = bytearray()
+        self.skipping = 0  # bytes of a dropped record still to come
 
     def feed(self, data: bytes) -> Iterator[tuple[int, bytes]]:
         """Take data; yield each record it completes, as (kind, payload)."""
+        if self.skipping:
+            skipped = min(self.skipping, len(data))
+            self.skipping -= skipped
+            data = data[skipped:]
         self.buffer += data
         while len(self.buffer) >= HEADER.size:
             size, kind = HEADER.unpack_from(self.buffer, 0)
+            if kind in self.drop_larger and size > self.drop_larger[kind]:
+                self.dropped.append((kind, size))
+                end = HEADER.size + size
+                self.skipping = max(0, end - len(self.buffer))
+                del self.buffer[:end]
+                continue
             if self.limit and size > self.limit:
                 raise WireError(f"a record of {size:,} bytes is larger than the "
                                 f"{self.limit:,} this reader takes")
