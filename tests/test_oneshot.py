@@ -618,3 +618,21 @@ def test_a_zmq_kernels_large_result_is_checked_in_a_child_by_the_async_caller(mo
     assert in_place.result_json == ex.result_json and len(checked) == 1
     assert json.loads(ex.result_json) == {"x": [[]] * 400_000}
 
+
+def test_a_one_shot_sandbox_interrupts_its_run_from_another_thread():
+    """Sandbox(one_shot=True).interrupt(), called while run() blocks another thread: SIGINT to
+    that run's process (KeyboardInterrupt in its code); with no run going, nothing happens."""
+    import threading
+
+    with Sandbox(None, policy=SandboxPolicy(**POLICY), one_shot=True) as sandbox:
+        sandbox.interrupt()  # nothing runs yet: nothing to interrupt
+        started = threading.Event()
+        interrupter = threading.Thread(target=lambda: started.wait(30) and sandbox.interrupt())
+        interrupter.start()
+        ex = sandbox.run("print('looping', flush=True)\nwhile True:\n    pass",
+                         timeout=60, on_stdout=lambda _: started.set())
+        interrupter.join(30)
+        assert ex.error is not None and ex.error.name == "KeyboardInterrupt", ex.error
+        assert ex.stdout == "looping\n" and ex.duration < 30
+        assert sandbox.run("def main():\n    return {'next': 1}", {}).result == {"next": 1}
+        sandbox.interrupt()  # after the run: its process is gone, nothing to do

@@ -22,6 +22,7 @@ import datetime
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from typing import Any
@@ -114,12 +115,18 @@ class RunHandle:
         self._run: _Run | None = None
 
     def interrupt(self) -> bool:
-        """Interrupt the run's code; False when it has no process (yet, or any more)."""
+        """Interrupt the run's code; False when it has no process (yet, or any more).
+
+        Safe from another thread (a blocking Sandbox's caller): the pidfd is closed under the
+        same lock, so its number never names another process by then."""
         run = self._run
-        if run is None or run.pidfd < 0 or run.done:
+        if run is None:
             return False
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            signal.pidfd_send_signal(run.pidfd, signal.SIGINT)
+        with run.pidfd_lock:
+            if run.pidfd < 0 or run.done:
+                return False
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(run.pidfd, signal.SIGINT)
         return True
 
     def files_room(self) -> int:
@@ -239,6 +246,7 @@ class _Run:
                                     drop_larger={wire.FILES: self.files_room})
         self.kept: Any = None  # the files the run wrote, as the process sent them
         self.pidfd = -1
+        self.pidfd_lock = threading.Lock()  # interrupt() may come from another thread
         self.pid = 0
         self.meter: Meter | None = None
         self.reply: dict[str, Any] | None = None
@@ -331,9 +339,10 @@ class _Run:
 
     def close(self) -> None:
         self.kill()  # it exits by itself after `done`; one that did not is ended here
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
+        with self.pidfd_lock:
+            if self.pidfd >= 0:
+                os.close(self.pidfd)
+                self.pidfd = -1
         self.conn.close()
         if self.meter is not None and self.meter.process is not None:
             self.meter.process.close()

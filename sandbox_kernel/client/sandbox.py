@@ -345,8 +345,9 @@ class _SandboxCore:
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
         limit. one_shot: every run gets a kernel of its own that ends with it: with
         kernel_name None (and no cold_start) a one-shot kernel from the fork server's pool of
-        this policy (kernel/oneshot.py: no ZMQ, no state between runs; no kernel_info,
-        interrupt or install), else a ZMQ kernel whose timeout keeps no state.
+        this policy (kernel/oneshot.py: no ZMQ, no state between runs; no kernel_info or
+        install; interrupt() sends the run's process SIGINT), else a ZMQ kernel whose timeout
+        keeps no state.
         python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/).
         secrets: the caller's own, {NAME: {"value": ..., "hosts": [...]}}, with kernel_name
         None: declared in the policy by name and hosts, their values given to the kernel's
@@ -373,6 +374,7 @@ class _SandboxCore:
         self.grace = grace
         self.timeout_source = timeout_source
         self.one_shot = one_shot
+        self._one_shot_run: oneshot.RunHandle | None = None  # the one-shot run going on
         # cold_start keeps meaning an interpreter of its own, started without the fork server.
         # Credentials reach a kernel's companion in a vault that one-shot kernels, made
         # before their request, cannot yet be given: their runs take a ZMQ kernel instead.
@@ -494,8 +496,11 @@ class _SandboxCore:
         yield from self._connect_steps()
 
     def _interrupt_steps(self) -> Steps[None]:
-        """Interrupt the code that is running."""
-        self._needs_a_kernel("interrupt()", "its run ends at its timeout")
+        """Interrupt the code that is running (a one-shot sandbox's: SIGINT to its process)."""
+        if self.one_shot_pool is not None:
+            if self._one_shot_run is not None:
+                self._one_shot_run.interrupt()
+            return
         yield (self.manager.interrupt_kernel,)
 
     def _needs_a_kernel(self, what: str, instead: str) -> None:
@@ -560,11 +565,15 @@ class _SandboxCore:
         if self.one_shot_pool is not None and not self.one_shot_pool.path:
             yield from self._start_steps()  # a ZMQ kernel instead if no pool could be had
         if self.one_shot_pool is not None:
-            execution = yield (self._complete, oneshot.run(
-                self.one_shot_pool, code, inputs, timeout, on_stdout=on_stdout,
-                on_stderr=on_stderr, on_display=on_display, limits=self.limits,
-                raw_result=raw_result, grace=self.grace, entrypoint=entrypoint,
-                timeout_source=self.timeout_source))
+            self._one_shot_run = handle = oneshot.RunHandle()  # for interrupt()
+            try:
+                execution = yield (self._complete, oneshot.run(
+                    self.one_shot_pool, code, inputs, timeout, on_stdout=on_stdout,
+                    on_stderr=on_stderr, on_display=on_display, limits=self.limits,
+                    raw_result=raw_result, grace=self.grace, entrypoint=entrypoint,
+                    timeout_source=self.timeout_source, handle=handle))
+            finally:
+                self._one_shot_run = None
             self._total.add_run(execution.usage, own_kernel=True)
             return execution
         watchdog = Watchdog(timeout, self.grace, self.one_shot)
