@@ -87,6 +87,10 @@ CORPUS = {
         "print(len(In), len(Out), len(_dh), str(_dh[0]) == __import__('os').getcwd())\n"
         "print('store' in get_ipython().magics_manager.magics['line'], In[1][:12])",
         None),
+    "store and logger in the scratch": (  # IPython builds both from the profile and home
+        "import os\nkept = 41\n%store kept\ndel kept\n%store -r kept\nprint(kept + 1)\n"
+        "ip = get_ipython()\nprint(str(ip.db.root).startswith(os.getcwd()),"
+        " ip.logger.home_dir == os.environ['HOME'])", None),
     "stdin": ("input('name? ')", None),
     "system exit": ("import sys\nsys.exit(3)", None),
 }

@@ -175,8 +175,8 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
               user_ns: Any = None, history: str = "new") -> None:
         """Make again every part of this shell that is per process: IPython and profile dirs,
         working and home dirs, compiler, environment, namespaces and sys.modules['__main__'],
-        history, builtins, prompts, display hook (a one-shot kernel forked from the process
-        that built its shell calls this too, kernel/oneshot.py).
+        history, %store's database, the logger, builtins, prompts, display hook (a one-shot
+        kernel forked from the process that built its shell calls this too, kernel/oneshot.py).
 
         history "new": a manager of its own; "reset": the one this shell has, cleared and on a
         new session (a one-shot kernel's: in memory, made by its zygote, which stores nothing).
@@ -196,6 +196,9 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
             self.init_history()
         self.init_encoding()
         self.init_pushd_popd_magic()  # home and directory stack
+        # Built from the profile and home dirs, eagerly (%store's database, %logstart's logger)
+        self.db = type(self.db)(os.path.join(self.profile_dir.location, "db"))  # type: ignore[union-attr]
+        self.init_logger()
         self.init_user_ns()
         self.init_builtins()
         self.Completer.namespace = self.user_ns
