@@ -16,7 +16,6 @@ import textwrap
 from jupyter_client import KernelManager
 
 from sandbox_kernel.client import Sandbox
-from sandbox_kernel.kernel import prebuilt
 
 from .helpers import evaluate, ok
 
@@ -45,7 +44,7 @@ SERVER_PROBE = textwrap.dedent("""
              "ps1": hasattr(sys, "ps1"), "home": sorted(os.listdir(os.environ["HOME"]))}
     import sqlite3
     from sandbox_kernel.kernel import prebuilt
-    shell, database = prebuilt.pending(), "none kept"  # IPython 8: only warmed, none kept
+    shell, database = prebuilt.pending(), "none kept"
     if shell is not None:
         try:
             shell.history_manager.db.execute("select 1")
@@ -73,9 +72,8 @@ def test_the_server_keeps_nothing_of_its_shell_outside_it(tmp_path):
         env={"PATH": "/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    kept = ("ZMQInteractiveShell", "closed") if prebuilt.ADOPTS else ("NoneType", "none kept")
-    assert json.loads(lines[0]) == {"changed": [], "shell": kept[0], "database": kept[1],
-                                    "singleton": False, "threads": 1}
+    assert json.loads(lines[0]) == {"changed": [], "shell": "ZMQInteractiveShell",
+                                    "database": "closed", "singleton": False, "threads": 1}
     assert lines[1:] == []  # neither the server's exit nor its child's ran the shell's handler
     assert list(tmp_path.iterdir()) == [home]  # no profile or IPython dir left behind
 
@@ -154,10 +152,8 @@ def test_two_kernels_of_one_server_share_no_shell_state():
                                 f"display(HTML('<b>{word}</b>'))"))
             assert ex.stdout == f"{word}\n"
             assert [d["text/html"] for d in ex.displays] == [f"<b>{word}</b>"]
-        # Both adopted their own copy of the server's shell (IPython 9; 8 builds its own).
-        outcome = "adopted" if prebuilt.ADOPTS else "no shell built in this process"
-        for sandbox in (first, second):
-            assert evaluate(sandbox, STALE_PROBE) == (outcome, [], True, True, True, [],
+        for sandbox in (first, second):  # each adopted its own copy of the server's shell
+            assert evaluate(sandbox, STALE_PROBE) == ("adopted", [], True, True, True, [],
                                                       ("In : ", "cat"), True)
 
 
@@ -174,8 +170,7 @@ def test_a_shell_option_on_the_kernels_command_line_is_honoured():
             "from sandbox_kernel.kernel import prebuilt\nprint(prebuilt.outcome())", timeout=30,
             output_hook=lambda msg: results.append(msg["content"]["text"])
             if msg["msg_type"] == "stream" else None)
-        assert results == ["built: its configuration or arguments concern the shell\n"
-                           if prebuilt.ADOPTS else "no shell built in this process\n"]
+        assert results == ["built: its configuration or arguments concern the shell\n"]
         results.clear()
         reply = client.execute_interactive(
             "1 + 1\n2 + 2", timeout=30,

@@ -8,9 +8,9 @@ kernel asks for is the server's, adopted: everything per kernel is made again th
 (`ZMQInteractiveShell.adopt`): its kernel, config and parent, IPython and profile dirs, working
 and home dirs, compiler, environment, namespaces and sys.modules['__main__'], history (a new
 in-memory database: no sqlite connection crosses a fork, the server's is closed before any
-fork), builtins, prompts, display hook, excepthook, warning filters, atexit handlers. ipykernel
-then rebinds the session and IOPub socket of the display hook and publisher as for any shell.
-On IPython 8 (`ADOPTS` false) the server's build only warms the classes and is discarded.
+fork), %store's database and the logger (both made eagerly from those dirs), builtins,
+prompts, display hook, excepthook, warning filters, atexit handlers. ipykernel then rebinds
+the session and IOPub socket of the display hook and publisher as for any shell.
 
 The server's shell never ran code and never became the singleton. A kernel whose configuration
 sets anything on a class the shell is made of (--InteractiveShell.*, --PlainTextFormatter.*, a
@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipykernel import zmqshell
-from IPython import version_info
 from traitlets import HasTraits
 
 _MISSING = object()
@@ -134,9 +133,6 @@ ADOPTABLE = frozenset({"parent", "profile_dir", "user_module", "user_ns", "kerne
                        "compiler_class"})  # what IPythonKernel passes to shell_class.instance
 REBUILT = frozenset({"HistoryManager", "HistoryAccessor"})  # made per kernel with its config
 WARM_PREFIX = "sandbox-kernel-prebuilt-"  # the server's temporary IPython dir, removed
-# IPython 8 also builds, eagerly, parts from the profile and home dirs (its pickleshare db, the
-# logger) that `adopt` does not make again: there the server's build only warms the classes.
-ADOPTS = version_info >= (9,)
 PER_KERNEL = ("user_ns", "user_module", "history_manager", "displayhook", "display_trap",
               "compile", "builtin_trap", "profile_dir")  # made again by adopt
 
@@ -255,11 +251,11 @@ def prebuild_shell() -> None:
             getattr(history, "close", history.db.close)()
     finally:
         shutil.rmtree(home, ignore_errors=True)
-    _SERVER_BUILD.shell = shell if ADOPTS else None
+    _SERVER_BUILD.shell = shell
     _SERVER_BUILD.built = weakref.ref(shell)
     _SERVER_BUILD.sections = _config_sections(shell)
     _SERVER_BUILD.warning_filters = added
-    _SERVER_BUILD.exit_handlers = exit_handlers if ADOPTS else []  # they hold the shell
+    _SERVER_BUILD.exit_handlers = exit_handlers  # they hold the shell
     _SERVER_BUILD.parts = {name: id(getattr(shell, name)) for name in PER_KERNEL}
     _SERVER_BUILD.tqdm_marker = config.IPKernelApp.get("tqdm")
 
