@@ -192,9 +192,7 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
             self.init_history()
         self.init_encoding()
         self.init_pushd_popd_magic()  # home and directory stack
-        # Built from the profile and home dirs, eagerly (%store's database, %logstart's logger)
-        self.db = type(self.db)(os.path.join(self.profile_dir.location, "db"))  # type: ignore[union-attr]
-        self.init_logger()
+        self._renew_store_and_logger()
         self.init_user_ns()
         self.init_builtins()
         self.Completer.namespace = self.user_ns
@@ -204,6 +202,19 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         self.init_displayhook()  # its _, __, ___ go into the new namespace
         made_again = {id(server_history): self.history_manager, id(server_hook): self.displayhook}
         self.configurables = [made_again.get(id(part), part) for part in server_parts]
+
+    def _renew_store_and_logger(self) -> None:
+        """%store's database and %logstart's logger, from the profile and home dirs made
+        again: an IPython that builds them on first use (9.x, `_db` and `_logger`) builds
+        them there; an older one built them eagerly, where this shell was built."""
+        if hasattr(self, "_db"):
+            self._db = None
+        else:
+            self.db = type(self.db)(os.path.join(self.profile_dir.location, "db"))  # type: ignore[union-attr]
+        if hasattr(self, "_logger"):
+            self._logger = None
+        else:
+            self.init_logger()  # type: ignore[attr-defined]  # (IPython 8's; 9.x builds lazily)
 
 
 @dataclass
