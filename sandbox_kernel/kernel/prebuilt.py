@@ -8,7 +8,7 @@ kernel asks for is the server's, adopted: everything per kernel is made again th
 (`ZMQInteractiveShell.adopt`): its kernel, config and parent, IPython and profile dirs, working
 and home dirs, compiler, environment, namespaces and sys.modules['__main__'], history (a new
 in-memory database: no sqlite connection crosses a fork, the server's is closed before any
-fork), %store's database and the logger (both made eagerly from those dirs), builtins,
+fork), %store's database and the logger (from those dirs, or on first use), builtins,
 prompts, display hook, excepthook, warning filters, atexit handlers. ipykernel then rebinds
 the session and IOPub socket of the display hook and publisher as for any shell.
 
@@ -205,8 +205,8 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
 
     def _renew_store_and_logger(self) -> None:
         """%store's database and %logstart's logger, from the profile and home dirs made
-        again: an IPython that builds them on first use (9.x, `_db` and `_logger`) builds
-        them there; an older one built them eagerly, where this shell was built."""
+        again: an IPython that builds them on first use (9.18: `_db`, `_logger`) builds them
+        there; an eager one (8.x, 9.8) built them where this shell was built."""
         if hasattr(self, "_db"):
             self._db = None
         else:
@@ -214,7 +214,7 @@ class ZMQInteractiveShell(zmqshell.ZMQInteractiveShell):
         if hasattr(self, "_logger"):
             self._logger = None
         else:
-            self.init_logger()  # type: ignore[attr-defined]  # (IPython 8's; 9.x builds lazily)
+            self.init_logger()  # type: ignore[attr-defined]  # an eager IPython's only
 
 
 @dataclass
