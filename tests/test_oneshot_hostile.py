@@ -136,3 +136,17 @@ def test_a_files_record_past_every_message_limit_is_dropped_and_the_run_keeps_it
                                         f"{handle.files_room():,} asked for: dropped"}
     else:
         assert handle.kept == kept
+
+
+def test_a_record_length_user_code_never_sends_ends_the_run_saying_so(pools):
+    """A files header claiming 4 GiB, then nothing: what the process sends after it is read as
+    that record's bytes (reply included). The caller says so, not that the kernel died."""
+    code = ("import sys\nfrom sandbox_kernel.kernel import oneshot_wire as wire\n"
+            "sys.modules['sandbox_kernel.kernel.oneshot'].OneShotKernelApp.instance().channel"
+            ".conn.sendall(wire.HEADER.pack(2**32 - 1, wire.FILES))\nprint('after')\n")
+    execution = asyncio.run(oneshot.run(pools["hostile"], code, None, 30.0))
+    assert execution.error is not None and execution.error.name == "MessageTooLarge"
+    assert execution.error.value == (
+        "the one-shot kernel sent a message the caller refuses: a record said to be of "
+        "4,294,967,295 bytes never ended, and what came after it was taken for its bytes")
+    assert execution.stdout == ""

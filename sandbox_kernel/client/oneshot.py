@@ -261,6 +261,13 @@ class _Run:
         while not self.done:
             data = await loop.sock_recv(self.conn, READ_STEP)
             if not data:
+                # A record that never ended took what came after it as its bytes: user code
+                # can write onto the connection (a length it never sends), the reply with it.
+                unfinished = self.records.unfinished()
+                if unfinished:
+                    self.lost = (f"the one-shot kernel sent a message the caller refuses: "
+                                 f"{unfinished} never ended, and what came after it was "
+                                 "taken for its bytes")
                 return
             try:
                 for kind, payload in self.records.feed(data):

@@ -81,6 +81,14 @@ class Records:
         self.buffer = bytearray()
         self.skipping = 0  # bytes of a dropped record still to come
 
+    def unfinished(self) -> str:
+        """A record begun but not complete, said in words ("" when none is)."""
+        if self.skipping:
+            return f"a record said to be of {self.dropped[-1][1]:,} bytes"
+        if len(self.buffer) >= HEADER.size:
+            return f"a record said to be of {HEADER.unpack_from(self.buffer, 0)[0]:,} bytes"
+        return f"a record's {len(self.buffer)}-byte header" if self.buffer else ""
+
     def feed(self, data: bytes) -> Iterator[tuple[int, bytes]]:
         """Take data; yield each record it completes, as (kind, payload)."""
         if self.skipping:
