@@ -34,4 +34,3 @@ def compact_module_names() -> None:
     for name in list(sys.modules):
         module = sys.modules.pop(name)
         sys.modules[(name + ".")[:-1]] = module  # a new str: str(name) and name[:] are name
-
