@@ -448,6 +448,37 @@ def test_a_run_outlives_its_fork_server_and_the_next_reaches_a_new_one():
     assert pool.server.server_pid() not in (None, killed)
 
 
+def test_a_retired_server_leaves_its_successors_pool_socket_in_place():
+    """A server that retires (here by age) unlinks its pools' sockets at once, and retires the
+    pools themselves RETIRE_GRACE later. Its successor has the same key, so the same pool
+    paths: a pool it made meanwhile must keep its socket. The retiring server unlinked every
+    pool path a second time, and the successor's pool became unreachable until it retired in
+    turn ("cannot reach the one-shot pool: [Errno 2]", on every stateless run of a service
+    after 5,000 one-shot runs or ten minutes). A listener of the test's own stands in for the
+    successor's."""
+    import psutil
+
+    pool = OneShotPool(SandboxPolicy(**POLICY), size=1, preload=["csv"])
+    pool.server.max_age = 3.0  # a server of its own (another preload), retiring soon
+    assert one_shot(pool, "print('first')").stdout == "first\n"
+    retiring, path = psutil.Process(pool.server.server_pid()), pool.path
+    deadline = time.monotonic() + 30
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path), "the server did not retire"
+    successor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        successor.bind(path)
+        inode = os.stat(path).st_ino
+        retiring.wait(30)  # it ends only after retiring its pools
+        assert os.path.exists(path) and os.stat(path).st_ino == inode
+    finally:
+        successor.close()
+    pool.path = ""
+    assert one_shot(pool, "print('next')").stdout == "next\n"
+    assert pool.server.server_pid() != retiring.pid
+
+
 def test_a_select_round_never_hands_an_old_event_to_a_descriptor_that_took_its_number():
     """The fork server's and the companion's loop (confine/rounds.py): in one round a callback
     closes a descriptor that is also ready (a ward gone) and the next handover takes its number.

@@ -103,6 +103,7 @@ class _Pool:
 
     path: str
     listener: socket.socket
+    inode: int  # of the socket it bound at path (0 once unlinked: a successor's may be there)
     argv: list[str]
     env: dict[str, str]
     cwd: str
@@ -184,19 +185,10 @@ class Server:
 
     def bind(self) -> None:
         """Listen on the socket path (replacing a dead server's socket)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
-        try:
-            self.listener.bind(self.path)
-        finally:
-            os.umask(old_umask)
-        self.bound_inode = os.stat(self.path).st_ino
-        self.listener.listen(64)
+        self.listener, self.bound_inode = _listen(self.path)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, self.accept)
-        self.pools_listener = _listen(self.pools_path)
+        self.pools_listener, self.pools_inode = _listen(self.pools_path)
         self.selector.register(self.pools_listener, selectors.EVENT_READ, self.accept_pool)
 
     @property
@@ -229,9 +221,8 @@ class Server:
 
     def stop_listening(self) -> None:
         """Unlink the socket so that the next client starts a fresh server."""
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(self.path).st_ino == self.bound_inode:  # not a successor's socket
-                os.unlink(self.path)
+        _unlink_own(self.path, self.bound_inode)
+        self.bound_inode = 0
         self.selector.unregister(self.listener)
         self.listener.close()
         self.unlink_pools()
@@ -242,11 +233,13 @@ class Server:
         if self.pools_listener.fileno() >= 0:
             self.selector.unregister(self.pools_listener)
             self.pools_listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.pools_path)
+            _unlink_own(self.pools_path, self.pools_inode)
+            self.pools_inode = 0
         for pool in self.pools.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(pool.path)
+            # Once: by the second call (close_pools, RETIRE_GRACE later) a successor, of the
+            # same key and so of the same paths, may have bound this pool's path anew.
+            _unlink_own(pool.path, pool.inode)
+            pool.inode = 0
 
     def close_pools(self) -> None:
         """Retire every pool: its socket unlinked, its waiting processes killed (they ran
@@ -305,7 +298,7 @@ class Server:
                 from sandbox_kernel.confine import companion
 
                 _, self.companion = companion.start(self.close_in_child)
-            pool = self.pools[path] = _Pool(path, _listen(path), argv, env, cwd, size)
+            pool = self.pools[path] = _Pool(path, *_listen(path), argv, env, cwd, size)
             self.start_zygote(pool)
         pool.size = max(pool.size, size)
         self.refill(pool)
@@ -728,8 +721,9 @@ class Server:
                 listener.close()
 
 
-def _listen(path: str) -> socket.socket:
-    """A unix listener at path that only this server's user may connect to."""
+def _listen(path: str) -> tuple[socket.socket, int]:
+    """A unix listener at path that only this server's user may connect to, and the inode
+    of its socket file (replacing a dead server's)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -743,7 +737,15 @@ def _listen(path: str) -> socket.socket:
     finally:
         os.umask(old_umask)
     listener.listen(64)
-    return listener
+    return listener, os.stat(path).st_ino
+
+
+def _unlink_own(path: str, inode: int) -> None:
+    """Unlink the socket file this server bound at path, if it still is that one (inode 0:
+    unlinked already). A successor has the same key, so the same paths: its sockets stay."""
+    with contextlib.suppress(FileNotFoundError):
+        if inode and os.stat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def _reseed() -> None:
