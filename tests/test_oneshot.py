@@ -139,6 +139,15 @@ def test_the_callers_side_needs_no_jupyter_client_session(pool, monkeypatch):
     assert ex.displays == [{"text/plain": "p", "text/html": "<b>h</b>"}]
 
 
+def test_a_one_shot_reply_is_not_held_back_by_ipykernels_pause(pool):
+    """ipykernel sleeps before each reply (0.5 ms asked) so that IOPub's output, racing the
+    reply on another socket, arrives first; a one-shot's messages go out in order on one
+    connection, so a cell's reply is not paused (a ZMQ kernel's cells keep the pause:
+    test_main_call.py), and its output still comes before it."""
+    ex = one_shot(pool, "print('before')\nget_ipython().kernel._execute_sleep")
+    assert ex.error is None and ex.stdout == "before\n" and ex.text == "0.0", (ex.error, ex.text)
+
+
 def test_fd_level_output_counts(pool):
     ex = one_shot(pool, "import os\nos.write(1, b'raw out\\n')\nprint('py')\n"
                         "os.write(2, 'raw ✓ err\\n'.encode())")

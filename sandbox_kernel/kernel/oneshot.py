@@ -268,6 +268,13 @@ class OneShotKernel(SandboxKernel):
     control_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
     debugpy_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # ipykernel pauses before each reply so that output on IOPub, which races the reply on
+        # the shell channel, arrives first; here every message goes out in order on one
+        # connection, and the pause (about 1 ms slept) was only latency.
+        self._cell_pause = 0.0
+
     def renew(self) -> None:
         """In a pooled process: make again what the zygote built that is per process.
 
