@@ -172,6 +172,14 @@ class SandboxPolicy(Configurable):
         "(no bound).",
     ).tag(config=True, flag="max-threads", metavar="N")
 
+    nice = Int(
+        5, min=0, max=19,
+        help="How much lower than its launcher's the kernel's CPU priority is, as nice(1) adds "
+        "(0-19): under load its launcher (a service's event loop and health checks, a "
+        "notebook server) keeps the CPU it needs. User code cannot take it back (RLIMIT_NICE "
+        "and RLIMIT_RTPRIO 0). 0: the launcher's priority.",
+    ).tag(config=True, flag="nice", metavar="N")
+
     landlock_abi = Int(
         -1, help="Act as if the host's Landlock ABI were at most N (0: as if it had none), to "
         "see how the sandbox behaves on older hosts; never more than the host offers. "

@@ -73,6 +73,12 @@ def cstr(text):
     buf = ctypes.create_string_buffer(text.encode())
     _keep.append(buf)
     return ctypes.addressof(buf)
+def sched_attr(policy, nice, priority=0):  # struct sched_attr (56 bytes), for sched_setattr
+    import struct
+    buf = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 56, policy, 0, nice, priority,
+                                                  0, 0, 0), 56)
+    _keep.append(buf)
+    return ctypes.addressof(buf)
 _keep = []
 def thread_bomb(limit):
     stop, started = threading.Event(), []
@@ -479,6 +485,15 @@ CASES = [
     Case("R16", "resources", "300,000 empty files in the scratch (inodes: host kernel memory)",
          "many_files(300_000)", ("OSError", errno.ENOSPC),
          "scratch tmpfs nr_inodes (--scratch-files, root)"),
+    Case("R18", "resources", "take back the CPU priority the kernel gave up (setpriority)",
+         "trap(lambda: os.setpriority(os.PRIO_PROCESS, 0, 0))", EACCES,
+         "RLIMIT_NICE 0 (--nice, default 5)"),
+    Case("R19", "resources", "the same from a thread of its own",
+         "in_thread(lambda: os.setpriority(os.PRIO_PROCESS, 0, 0))", EACCES, "RLIMIT_NICE 0"),
+    Case("R20", "resources", "a lower nice value through sched_setattr",
+         f"raw({nr('sched_setattr')}, 0, sched_attr(0, -20), 0)", EPERM, "RLIMIT_NICE 0"),
+    Case("R21", "resources", "a real-time policy through sched_setattr (seccomp cannot read it)",
+         f"raw({nr('sched_setattr')}, 0, sched_attr(1, 0, 1), 0)", EPERM, "RLIMIT_RTPRIO 0"),
     # --- information leaks ---
     Case("I01", "leaks", "a secret in the launching environment", "'HOSTILE_SECRET' in os.environ",
          False, "clean exec"),

@@ -53,6 +53,20 @@ def _lower(limit: int, soft: int, hard: int | None = None) -> dict[str, int]:
     return {"soft": new_soft, "hard": new_hard}
 
 
+def lower_priority(increment: int) -> dict[str, int]:
+    """Raise the nice value by increment, with no way back for user code.
+
+    Called while the process has one thread: the threads made later inherit it. RLIMIT_NICE 0
+    lets no nice value be lowered (setpriority, nice, sched_setattr's sched_nice), RLIMIT_RTPRIO
+    0 lets no real-time policy be taken (sched_setattr carries its policy in memory, where
+    seccomp cannot read it); a host may grant either to the launcher's user.
+    """
+    _lower(resource.RLIMIT_NICE, 0)
+    _lower(resource.RLIMIT_RTPRIO, 0)
+    value = os.nice(increment) if increment else os.getpriority(os.PRIO_PROCESS, 0)
+    return {"nice": value, "increment": increment}
+
+
 def has_tasks(uid: int) -> bool:
     """Whether any task (thread) of this PID namespace has uid as its real uid.
 
@@ -119,12 +133,14 @@ def heap_limit(memory: int, scratch_quota: int | None) -> int:
 
 
 def apply(memory: int, cpu_seconds: int, file_size: int, open_files: int,
-          max_threads: int = 0, uid: int | None = None) -> dict[str, Any]:
+          max_threads: int = 0, uid: int | None = None, nice: int = 0) -> dict[str, Any]:
     """Apply the policy's limits (0 means no limit) and report them.
 
-    uid is whom user code will run as: RLIMIT_NPROC counts that uid's tasks.
+    uid is whom user code will run as: RLIMIT_NPROC counts that uid's tasks. nice: how much
+    lower than now the process's CPU priority becomes (lower_priority).
     """
     report: dict[str, Any] = {"core": _lower(resource.RLIMIT_CORE, 0)}
+    report["priority"] = lower_priority(nice)
     if memory:
         report["data"] = _lower(resource.RLIMIT_DATA, memory)
         _one_malloc_arena()

@@ -300,7 +300,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             heap = limits.heap_limit(policy.memory_limit, self.layers["scratch"]["quota"])
             self.layers["limits"] = limits.apply(
                 heap, policy.cpu_limit, policy.file_size_limit,
-                policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"])
+                policy.open_files_limit, policy.max_threads, self.layers["privileges"]["uid"],
+                policy.nice)
         except (OSError, ValueError) as exc:  # a grant, limit or audit file the host refuses
             raise ConfinementError(str(exc), layer="set-up") from exc
         self.init_network()
