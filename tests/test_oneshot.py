@@ -148,6 +148,23 @@ def test_a_one_shot_reply_is_not_held_back_by_ipykernels_pause(pool):
     assert ex.error is None and ex.stdout == "before\n" and ex.text == "0.0", (ex.error, ex.text)
 
 
+def test_a_one_shot_kernel_does_not_echo_the_code_back(pool, monkeypatch):
+    """A ZMQ kernel's IOPub echoes each cell's code (execute_input) to all its clients; a
+    one-shot kernel's only caller sent the code: the messages it gets are the run's own."""
+    kinds = []
+    take = oneshot._Run._take
+
+    async def recording(run, kind, payload):
+        if kind == wire.MESSAGE:
+            msg = oneshot.message(wire.unpack_frames(payload), run.collector.msg_id)
+            kinds.append(msg and msg["msg_type"])
+        await take(run, kind, payload)
+
+    monkeypatch.setattr(oneshot._Run, "_take", recording)
+    assert one_shot(pool, "print('x')\n1").text == "1"
+    assert kinds == ["status", "stream", "execute_result", "execute_reply", "status"], kinds
+
+
 def test_fd_level_output_counts(pool):
     ex = one_shot(pool, "import os\nos.write(1, b'raw out\\n')\nprint('py')\n"
                         "os.write(2, 'raw ✓ err\\n'.encode())")

@@ -275,6 +275,11 @@ class OneShotKernel(SandboxKernel):
         # connection, and the pause (about 1 ms slept) was only latency.
         self._cell_pause = 0.0
 
+    def _publish_execute_input(self, code: str, parent: dict[str, Any],
+                               execution_count: int) -> None:
+        # IOPub echoes the code to every client of a kernel; this one's only caller sent it.
+        return
+
     def renew(self) -> None:
         """In a pooled process: make again what the zygote built that is per process.
 
