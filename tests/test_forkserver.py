@@ -332,22 +332,30 @@ def test_a_malformed_request_is_refused_and_the_server_goes_on():
     assert client.server_pid() == server
 
 
-def test_module_names_laid_out_again_still_find_every_module_in_its_place():
-    """sharing.compact_module_names (the server's and each zygote's): new key objects, equal
-    names, the same modules in the same order; imports still find what is loaded."""
+def test_modules_laid_out_again_still_find_every_module_and_file_in_its_place():
+    """sharing.compact_modules (the server's and each zygote's): new key and __file__ objects,
+    equal names and paths, the same modules in the same order; imports still find what is
+    loaded, and a module's source is still found from its file."""
     check = textwrap.dedent("""
-        import importlib, sys
+        import importlib, inspect, linecache, sys
         import IPython, IPython.core.interactiveshell
         from sandbox_kernel.launch.forkserver import sharing
         before = list(sys.modules.items())
+        files = {name: getattr(module, "__file__", None) for name, module in before}
         loaded = sys.modules["IPython.core.interactiveshell"]
-        sharing.compact_module_names()
+        sharing.compact_modules()
         after = list(sys.modules.items())
         assert after == before, "names, modules or order changed"
         assert all(new is not old for (old, _), (new, _) in zip(before, after))
+        now = {name: getattr(module, "__file__", None) for name, module in after}
+        assert now == files, "a module's file changed"
+        assert all(now[name] is not path for name, path in files.items()
+                   if type(path) is str), "a __file__ was kept, not laid out again"
         assert importlib.import_module("IPython.core.interactiveshell") is loaded
         import IPython as again
         assert again is IPython and again.__name__ == "IPython"
+        assert inspect.getsourcefile(loaded) == files["IPython.core.interactiveshell"]
+        assert "class InteractiveShell" in inspect.getsource(loaded)
     """)
     done = subprocess.run([sys.executable, "-I", "-c", check], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).parent.parent)

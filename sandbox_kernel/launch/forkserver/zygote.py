@@ -88,7 +88,7 @@ def serve(control: socket.socket, listener: socket.socket, registry: int, argv: 
     font_cache = os.environ.get("MPLCONFIGDIR", "")  # the server's, built for every kernel
     fonts = fontcache.font_lists(font_cache) if font_cache else []
     app = _build(argv, env)
-    sharing.compact_module_names()  # again: the build imported more (see the server's)
+    sharing.compact_modules()  # again: the build imported more (see the server's)
     if thread_count() != 1:
         _say(f"the zygote has {thread_count()} threads after building the kernel; a "
              "multi-threaded process cannot fork safely")
