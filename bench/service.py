@@ -213,6 +213,7 @@ class Target:
     pid: int
     tree: bool = False  # also count direct children (our fork servers, which reap the kernels)
     seen: dict[int, float] = field(default_factory=dict)
+    seen_parts: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def cpu(self) -> float:
         """CPU seconds of the server, plus (tree) its children's, each child counted once it
@@ -228,17 +229,25 @@ class Target:
 
     def parts(self) -> dict[str, float]:
         """CPU seconds so far of the fork servers themselves (with what they reaped: the
-        one-shot kernels) and of their companions, for the per-process split."""
-        split = {"fork server + reaped kernels": 0.0, "companion": 0.0, "zygotes": 0.0}
+        one-shot kernels) and of their companions, for the per-process split. Each process
+        counts with the most it was seen to have: a retired server's zygote and companion
+        end (and a successor's start), and what they spent stays counted."""
         if self.tree:
             for child in _children(self.pid):
-                split["fork server + reaped kernels"] += _stat_times(child)
+                self._saw("fork server + reaped kernels", child, _stat_times(child))
                 for grandchild in _children(child):
                     if _is_companion(grandchild):
-                        split["companion"] += _tree_times(grandchild)
+                        self._saw("companion", grandchild, _tree_times(grandchild))
                     elif _is_zygote(grandchild):
-                        split["zygotes"] += _stat_times(grandchild)
+                        self._saw("zygotes", grandchild, _stat_times(grandchild))
+        split = {"fork server + reaped kernels": 0.0, "companion": 0.0, "zygotes": 0.0}
+        for (name, _), seconds in self.seen_parts.items():
+            split[name] += seconds
         return split
+
+    def _saw(self, part: str, pid: int, seconds: float) -> None:
+        key = (part, pid)
+        self.seen_parts[key] = max(self.seen_parts.get(key, 0.0), seconds)
 
 
 @dataclass
