@@ -64,19 +64,21 @@ def trap(fn):
         return "ok"
     except BaseException as exc:
         return (type(exc).__name__, getattr(exc, "errno", None))
-def in_thread(fn):
+def thread_value(fn):
     box = []
-    t = threading.Thread(target=lambda: box.append(trap(fn)))
+    t = threading.Thread(target=lambda: box.append(fn()))
     t.start(); t.join()
     return box[0]
+def in_thread(fn):
+    return thread_value(lambda: trap(fn))
 def cstr(text):
     buf = ctypes.create_string_buffer(text.encode())
     _keep.append(buf)
     return ctypes.addressof(buf)
-def sched_attr(policy, nice, priority=0):  # struct sched_attr (56 bytes), for sched_setattr
-    import struct
+def sched_attr(policy, nice, priority=0, *deadline):  # struct sched_attr, for sched_setattr
+    import struct  # deadline: runtime, deadline, period (ns), for SCHED_DEADLINE
     buf = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 56, policy, 0, nice, priority,
-                                                  0, 0, 0), 56)
+                                                  *(deadline or (0, 0, 0))), 56)
     _keep.append(buf)
     return ctypes.addressof(buf)
 _keep = []
@@ -494,6 +496,12 @@ CASES = [
          f"raw({nr('sched_setattr')}, 0, sched_attr(0, -20), 0)", EPERM, "RLIMIT_NICE 0"),
     Case("R21", "resources", "a real-time policy through sched_setattr (seccomp cannot read it)",
          f"raw({nr('sched_setattr')}, 0, sched_attr(1, 0, 1), 0)", EPERM, "RLIMIT_RTPRIO 0"),
+    Case("R22", "resources", "SCHED_RR through sched_setattr, from a thread of its own",
+         f"thread_value(lambda: raw({nr('sched_setattr')}, 0, sched_attr(2, 0, 1), 0))", EPERM,
+         "RLIMIT_RTPRIO 0"),
+    Case("R23", "resources", "SCHED_DEADLINE through sched_setattr (no rlimit, root only)",
+         f"raw({nr('sched_setattr')}, 0, sched_attr(6, 0, 0, 10**6, 10**7, 10**7), 0)", EPERM,
+         "no CAP_SYS_NICE"),
     # --- information leaks ---
     Case("I01", "leaks", "a secret in the launching environment", "'HOSTILE_SECRET' in os.environ",
          False, "clean exec"),
