@@ -11,7 +11,13 @@ import pickle
 import pytest
 
 from sandbox_kernel.client import AsyncSandbox, Sandbox
-from sandbox_kernel.client.snapshot import Snapshot, SnapshotError, open_sealed, seal
+from sandbox_kernel.client.snapshot import (
+    Sealing,
+    Snapshot,
+    SnapshotError,
+    open_sealed,
+    seal,
+)
 from sandbox_kernel.kernel import snapshot as kernel_side
 
 from .helpers import evaluate, ok
@@ -220,6 +226,43 @@ def test_a_kernel_lying_about_its_snapshot_is_refused_and_a_huge_claim_never_all
     with pytest.raises(SnapshotError, match="is 10737418240 bytes, over the limit of "
                                             "2147483648 bytes"):
         fresh_sandbox.snapshot()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory (VmHWM), in bytes."""
+    with open("/proc/self/status") as status:
+        return int(status.read().split("VmHWM:")[1].split()[0]) * 1024
+
+
+def test_a_claim_within_the_limit_costs_nothing_until_its_bytes_arrive(fresh_sandbox):
+    """Issue #44 item 2: session code claims a 1000 MiB snapshot (under the 2 GiB limit) and
+    sends none of it; the caller's memory grows with bytes that arrived, never with a claim."""
+    ok(fresh_sandbox.run("import sandbox_kernel.kernel.snapshot as s\n"
+                         "real = s._OPS['take']\n"
+                         "s._OPS['take'] = lambda **kw: {**real(**kw), 'bytes': 1000 * 2**20}\n"
+                         "s._OPS['read'] = lambda **_: {}"))
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak starts again from what is resident now
+    before = _peak_rss()
+    with pytest.raises(SnapshotError, match=r"the kernel sent 0 bytes of the snapshot where "
+                                            r"\d+ were asked for"):
+        fresh_sandbox.snapshot()
+    grown = _peak_rss() - before
+    assert grown < 100 * 2**20, f"the caller's peak memory grew {grown >> 20} MiB"
+    assert evaluate(fresh_sandbox, "1 + 1") == 2  # the kernel lives
+
+
+def test_a_sealing_takes_only_the_bytes_in_order_within_the_claim():
+    key = b"k" * 32
+    sealing = Sealing({"version": 1}, 6)
+    sealing.take(0, [b"pay"])
+    sealing.take(5, [b"X"])  # out of order: left out
+    sealing.take(3, [b"lo", b"adXX"])  # the second piece runs past the claim: left out
+    assert sealing.received == 5
+    with pytest.raises(SnapshotError, match="sent 5 bytes of a 6-byte snapshot"):
+        sealing.close(key, "o")
+    sealing.take(5, [b"a"])
+    assert sealing.close(key, "o") == seal(b"payloa", {"version": 1}, key, "o")
 
 
 def test_sealed_claims_and_truncation_are_refused_without_a_kernel():

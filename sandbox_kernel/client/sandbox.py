@@ -47,14 +47,13 @@ from .receive import SMALL_PART, CallerLimits, oversize_error, shared_context
 from .snapshot import (
     DEFAULT_MAX_SIZE,
     FORMAT_VERSION,
+    Sealing,
     Snapshot,
     SnapshotError,
     check_policy,
-    close_seal,
     new_key,
     open_sealed,
     restore_policy,
-    seal_room,
 )
 from .specs import installed_policy, manager_kwargs
 
@@ -281,27 +280,10 @@ def install_code(packages: Sequence[str], upgrade: bool = False) -> str:
     return "%pip install " + ("-U " if upgrade else "") + shlex.join(packages)
 
 
-class _Payload:
-    """A snapshot's payload as it arrives from the kernel, in order, within its size."""
-
-    def __init__(self, room: bytearray, start: int, size: int) -> None:
-        self.data = memoryview(room)[start:start + size]  # where the payload goes, sealed
-        self.received = 0
-
-    def take(self, offset: Any, buffers: Sequence[Any]) -> None:
-        """Put a chunk message's buffers at offset, if that is where the payload goes on."""
-        for buffer in buffers:
-            view = memoryview(buffer).cast("B")
-            if offset != self.received or offset + view.nbytes > self.data.nbytes:
-                return  # out of order or past the end: left out, so the size check refuses it
-            self.data[offset:offset + view.nbytes] = view
-            self.received = offset = offset + view.nbytes
-
-
 class _ChunkCollector(Collector):
     """A run's collector that also takes the snapshot chunks the kernel publishes on IOPub."""
 
-    def __init__(self, payload: _Payload, *args: Any) -> None:
+    def __init__(self, payload: Sealing, *args: Any) -> None:
         super().__init__(*args)
         self.payload = payload
 
@@ -746,8 +728,7 @@ class _SandboxCore:
                         "packages": made.get("packages", []), "files": made.get("files", []),
                         "cwd": made.get("cwd", "."), "serializer": made.get("serializer"),
                         "python": made.get("python")}
-            room, start = seal_room(manifest, size)  # the payload arrives in its place
-            payload = _Payload(room, start, size)
+            payload = Sealing(manifest, size)  # grows as bytes arrive, not with the claim
             chunk = self._chunk_size()
             while payload.received < size:
                 asked = min(chunk * _SNAPSHOT_CHUNKS_PER_CALL, size - payload.received)
@@ -762,9 +743,8 @@ class _SandboxCore:
             yield from self._snapshot_call("drop", timeout)  # its memory goes back
             raise
         yield from self._snapshot_call("drop", timeout)
-        payload.data.release()
         key = key or new_key()
-        return Snapshot(close_seal(room, key, owner), manifest, key, owner)
+        return Snapshot(payload.close(key, owner), manifest, key, owner)
 
     def _restore_steps(self, snapshot: Snapshot | bytes, key: bytes | None = None,
                        owner: str | None = None, *, max_size: int = DEFAULT_MAX_SIZE,

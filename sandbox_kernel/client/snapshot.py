@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,26 +70,50 @@ def seal(payload: bytes | bytearray | memoryview, manifest: dict[str, Any], key:
          owner: str) -> bytes:
     """The sealed bytes of a payload and its manifest, bound to owner by a MAC with key."""
     view = memoryview(payload).cast("B")
-    room, start = seal_room(manifest, view.nbytes)
-    room[start:start + view.nbytes] = view
-    return close_seal(room, key, owner)
+    sealing = Sealing(manifest, view.nbytes)
+    sealing.take(0, [view])
+    return sealing.close(key, owner)
 
 
-def seal_room(manifest: dict[str, Any], size: int) -> tuple[bytearray, int]:
-    """A buffer for a sealed snapshot of a size-byte payload, the manifest written, and where
-    the payload goes in it (so a payload arriving in pieces is copied only once)."""
-    head = json.dumps(manifest, separators=(",", ":")).encode()
-    prefix = SEAL_MAGIC + len(head).to_bytes(_LENGTH, "big") + head
-    room = bytearray(len(prefix) + size + _MAC)
-    room[:len(prefix)] = prefix
-    return room, len(prefix)
+class Sealing:
+    """A sealed snapshot built as its payload arrives from the kernel, in order.
 
+    The size is the kernel's claim (manifest["bytes"]), the tenant's word: memory here grows
+    with the bytes that arrived, up to that size, and never with the claim itself, so a
+    kernel claiming a gigabyte and sending nothing costs nothing. Each piece is copied once.
+    """
 
-def close_seal(room: bytearray, key: bytes, owner: str) -> bytes:
-    """The sealed bytes of a seal_room() whose payload is in place: its MAC written last."""
-    with memoryview(room) as view:
-        room[-_MAC:] = _mac(key, owner, view[:-_MAC])
-    return bytes(room)
+    def __init__(self, manifest: dict[str, Any], size: int) -> None:
+        head = json.dumps(manifest, separators=(",", ":")).encode()
+        self._room = bytearray(SEAL_MAGIC + len(head).to_bytes(_LENGTH, "big") + head)
+        self._start = len(self._room)
+        self.size = size
+
+    @property
+    def received(self) -> int:
+        """Payload bytes arrived so far."""
+        return len(self._room) - self._start
+
+    def take(self, offset: Any, buffers: Sequence[Any]) -> None:
+        """Append a chunk message's buffers, if offset is where the payload goes on; one out of
+        order or past the size is left out (with what follows), so the size check refuses."""
+        for buffer in buffers:
+            view = memoryview(buffer).cast("B")
+            if offset != self.received or self.received + view.nbytes > self.size:
+                return
+            self._room += view
+            offset = self.received
+
+    def close(self, key: bytes, owner: str) -> bytes:
+        """The sealed bytes, the MAC written last; SnapshotError if the payload is not whole."""
+        if self.received != self.size:
+            raise SnapshotError(f"the kernel sent {self.received} bytes of a {self.size}-byte "
+                                "snapshot: it is refused")
+        with memoryview(self._room) as view:
+            mac = _mac(key, owner, view)
+        room, self._room = self._room, bytearray()
+        room += mac
+        return bytes(room)
 
 
 def open_sealed(data: bytes | bytearray | memoryview, key: bytes, owner: str,

@@ -497,3 +497,44 @@ def test_paused_sessions_count_against_the_keys_limit_and_expire_with_its_idle_t
     finally:
         for session in (first, second):
             http.delete(session, headers=auth(KEY_A))
+
+
+CLAIM_1000_MB_SEND_NOTHING = """
+import sandbox_kernel.kernel.snapshot as snapshot
+real = snapshot.__sandbox_snapshot__
+
+def claims_and_sends_nothing(op, **inputs):
+    if op == "read":
+        return {}  # not one chunk of the bytes claimed
+    answer = real(op, **inputs)
+    return {**answer, "bytes": 1000 * 2**20} if op == "take" else answer
+
+snapshot.__sandbox_snapshot__ = claims_and_sends_nothing
+"""
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak resident memory (VmHWM), in bytes."""
+    status = open(f"/proc/{pid}/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+
+
+def test_a_claimed_snapshot_costs_the_service_nothing_until_its_bytes_arrive(state_server):
+    """Issue #44 item 2: a session claiming a 1000 MiB snapshot (within --max-snapshot-size)
+    and sending none of it: the service's memory grows with bytes that arrived, never with a
+    claim, and the request is refused, naming what the kernel did."""
+    url = sessions_url(state_server)
+    session = f"{url}/{create(url)['id']}"
+    try:
+        assert execute(session, CLAIM_1000_MB_SEND_NOTHING + "\nstill = 'here'"
+                       ).json()["error"] is None
+        before = peak_rss(state_server.process.pid)
+        refused = http.post(f"{session}/snapshots", headers=auth(KEY_B), timeout=120)
+        grown = peak_rss(state_server.process.pid) - before
+        assert refused.status_code == 422, refused.text
+        assert "sent 0 bytes of the snapshot" in refused.json()["detail"], refused.text
+        assert grown < 100 * 2**20, f"the service's peak memory grew {grown >> 20} MiB"
+        assert result_of(session, "def main():\n    return {'still': still}\n") == \
+            {"still": "here"}
+    finally:
+        http.delete(session, headers=auth(KEY_B))
