@@ -24,7 +24,7 @@ from ..launch.forkserver import ForkServerClient
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
-from ..service.runs import OneShots
+from ..service.oneshots import OneShots
 from .config import McpConfig
 
 log = logging.getLogger("sandbox_kernel.mcp")

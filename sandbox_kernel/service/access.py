@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+if TYPE_CHECKING:  # types only: json_line serves the MCP server, which has neither installed
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .metrics import Metrics
+    from .metrics import Metrics
 
 log = logging.getLogger("sandbox_kernel.service.access")
 

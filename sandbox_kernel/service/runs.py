@@ -2,9 +2,9 @@
 
 A run gets a one-shot kernel (kernel/oneshot.py) from the fork server's pool of its network
 policy: a process confined before the request came, that takes this one request and is gone
-after (`OneShots`). A run that needs what only a ZMQ kernel has (its own host allowlist, which
-no pool's policy carries), or a service started with --one-shot-pool-size 0, gets a fresh ZMQ
-kernel from the kernel source instead.
+after (`OneShots`, oneshots.py). A run that needs what only a ZMQ kernel has (its own host
+allowlist, which no pool's policy carries), or a service started with --one-shot-pool-size 0,
+gets a fresh ZMQ kernel from the kernel source instead.
 
 The deadline is the service's own: the kernel is asked to stop at `timeout` and the client
 interrupts it a little later, but if neither works the service cancels the run at
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,14 +27,15 @@ from starlette.requests import Request
 from ..client import CallerLimits, ErrorInfo, Execution, oneshot
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from .admission import Admission, Busy
-from .kernels import Kernels, KernelUnavailable, Network, NetworkChoice, kernel_id, policy_name
+from .kernels import Kernels, KernelUnavailable, Network, kernel_id, policy_name
+from .oneshots import OneShots
 
-__all__ = ["Admission", "Busy", "Runner"]  # Admission and Busy: where the routes import them
+# Admission and Busy: where the routes import them; OneShots: where core.py does.
+__all__ = ["Admission", "Busy", "OneShots", "Runner"]
 
 T = TypeVar("T")
 SERVICE_TIMEOUT = "ExecutionTimeout"
 SERVICE_STOPPING = "ServiceStopping"
-PROBE_TIMEOUT = 30.0  # s: readiness's `pass` on a one-shot kernel
 
 
 class KernelClosed(RuntimeError):
@@ -123,53 +123,6 @@ async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
                 raise KernelClosed("the kernel was shut down during the run")
             return work.result(), False
     return (service_stopping(record) if stop in done else service_timeout(timeout, record)), True
-
-
-class OneShots:
-    """The fork server's pools of one-shot kernels, one per network policy of the service."""
-
-    def __init__(self, options: dict[bool, dict[str, Any]], size: int) -> None:
-        # A policy with credentials (secrets.py) runs on ZMQ kernels: their companion gets the
-        # vault, which a one-shot kernel, made before its request, cannot yet be given.
-        self.pools = {network: OneShotPool(kwargs["policy"], size,
-                                           python=kwargs.get("python") or sys.executable,
-                                           preload=tuple(kwargs.get("preload", ())))
-                      for network, kwargs in options.items()
-                      if not kwargs["policy"].holds_credentials()}
-        self.limits = {network: CallerLimits.from_policy(kwargs["policy"].as_dict())
-                       for network, kwargs in options.items()}
-        # Per policy name: whether a one-shot kernel of it has run code here, and the latest
-        # probe's error; readiness counts these beside the ZMQ kernels' starts.
-        self.health: dict[str, dict[str, Any]] = {
-            policy_name(network): {"started": False, "error": None} for network in self.pools}
-
-    def pool_for(self, network: Network) -> OneShotPool | None:
-        """The pool for this run, or None when it needs a ZMQ kernel (its own allowlist)."""
-        if isinstance(network, NetworkChoice) and network.mode == "hosts":
-            return None
-        return self.pools.get(bool(network))
-
-    def prepare(self) -> None:
-        """Ask for every pool now (starting the fork server), so the first run finds it full."""
-        for pool in self.pools.values():
-            pool.path = pool.ask()
-
-    async def probe(self, stopped: Callable[[], bool], retry: float = 2.0) -> None:
-        """Run `pass` on a one-shot kernel of each pool until one has answered (proof that its
-        layers apply here), keeping each failure's reason for /ready; until stopped()."""
-        for network, pool in self.pools.items():
-            state = self.health[policy_name(network)]
-            while not state["started"] and not stopped():
-                try:
-                    execution = await oneshot.run(pool, "pass", None, PROBE_TIMEOUT,
-                                                  limits=self.limits[network])
-                    error = execution.error
-                    state["error"] = None if error is None else f"{error.name}: {error.value}"
-                except Exception as exc:  # whatever stops it is what /ready must say
-                    state["error"] = f"{type(exc).__name__}: {exc}"
-                state["started"] = state["error"] is None
-                if not state["started"]:
-                    await asyncio.sleep(retry)
 
 
 class Runner:
