@@ -13,7 +13,7 @@ from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, o
 from traitlets.config import Configurable
 
 from .confine.limits import DEFAULT_MEMORY_LIMIT, parse_size
-from .confine.paths import check_grants
+from .confine.paths import GrantError, check_grants
 from .confine.privileges import DEFAULT_UID_RANGE
 from .confine.scratch import AUTO_SIZE, DEFAULT_SCRATCH_FILES, DEFAULT_SCRATCH_SIZE
 
@@ -432,7 +432,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:
     """A validated policy from argparse flags, grants made absolute.
 
-    Raises TraitError for a bad value and FileNotFoundError for a grant that does not exist.
+    Raises TraitError for a bad value or a grant that is or passes through a symbolic link,
+    and FileNotFoundError for a grant that does not exist.
     """
     values: dict[str, Any] = {}
     for name, trait in _flagged():
@@ -442,12 +443,19 @@ def from_arguments(args: argparse.Namespace) -> SandboxPolicy:
         if isinstance(trait, Dict):
             values[name] = dict(_name_value(item) for item in given)
         elif name in ("read_paths", "write_paths"):
-            values[name] = check_grants(given)
+            values[name] = _checked_grants(given, f"--{trait.metadata['flag']}")
         elif isinstance(trait, (List, Bool)):
             values[name] = given
         else:
             values[name] = trait.from_string(given)
     return SandboxPolicy(**values)
+
+
+def _checked_grants(given: list[str], flag: str) -> list[str]:
+    try:
+        return check_grants(given, flag)
+    except GrantError as exc:
+        raise TraitError(str(exc)) from None
 
 
 def _name_value(item: str) -> tuple[str, str]:

@@ -372,6 +372,55 @@ def test_missing_path_is_named(dirs: dict[str, str], tmp_path: Path) -> None:
     assert result["still_unrestricted"] == "ok"
 
 
+@pytest.mark.parametrize("swapped", ["grant", "parent"])
+def test_exact_grant_swapped_for_a_link_is_refused(dirs: dict[str, str], tmp_path: Path,
+                                                   swapped: str) -> None:
+    """A grant checked for links (paths.check_grants) and then replaced by one, itself or a
+    folder above it, before the rule is added: the rule is refused, never the link's target."""
+    grant = tmp_path / "shared" / "ro"
+    grant.mkdir(parents=True)
+    victim = grant if swapped == "grant" else grant.parent
+    victim.rename(tmp_path / "moved")
+    target = Path(dirs["other"]) if swapped == "grant" else tmp_path / "elsewhere"
+    (tmp_path / "elsewhere" / "ro").mkdir(parents=True)
+    victim.symlink_to(target)
+    result = run_child(
+        """
+        def apply(exact):
+            try:
+                ll.apply(ll.LandlockRules(read_only=SYSTEM + (P["grant"],), exact=exact))
+            except ll.LandlockError as exc:
+                return [errno.errorcode[exc.errno], exc.filename, str(exc)]
+            return "applied"
+        print(json.dumps({
+            "exact": apply((P["grant"],)),
+            "still_unrestricted": attempt(lambda: read(P["other"] + "/file.txt")),
+            "followed": apply(()),  # a system grant may be a link (/lib on merged-/usr hosts)
+        }))
+        """,
+        grant=str(grant), **dirs,
+    )
+    code, filename, message = result["exact"]
+    assert (code, filename) == ("ELOOP", str(grant))
+    assert f"the grant now reaches {os.path.realpath(grant)} through a symbolic link" in message
+    assert "grant a path no one else may change" in message
+    assert result["still_unrestricted"] == "ok"
+    assert result["followed"] == "applied"
+
+
+def test_exact_grant_without_links_applies(dirs: dict[str, str]) -> None:
+    result = run_child(
+        """
+        ll.apply(ll.LandlockRules(read_only=SYSTEM + (P["ro"],), read_write=(P["rw"],),
+                                  exact=(P["ro"], P["rw"])))
+        print(json.dumps([read(P["ro"] + "/file.txt"), attempt(lambda: write(P["rw"] + "/n", "x")),
+                          attempt(lambda: read(P["other"] + "/file.txt"))]))
+        """,
+        **dirs,
+    )
+    assert result == ["ro data", "ok", DENIED]
+
+
 def test_invalid_port_rejected() -> None:
     result = run_child(
         """

@@ -129,6 +129,10 @@ class LandlockRules:
     scope_signals: bool = True
     scope_abstract_unix: bool = True
     abi_cap: int = -1  # act as if the host's ABI were at most this (see abi_version)
+    # Paths (among read_only and read_write) whose rule must cover the file of that very name,
+    # reached through no symbolic link: the policy's grants, checked for links before (a link
+    # swapped in since would choose what is granted). The system's may be links (/lib).
+    exact: tuple[str, ...] = ()
 
 
 def _syscall(number: int, *args: ctypes.c_long | ctypes.c_void_p) -> int:
@@ -244,8 +248,9 @@ def _add_rule(ruleset_fd: int, rule_type: int, attr: ctypes.Structure, what: str
         raise _fail(-result, f"landlock_add_rule({what})", "check the rule's path and rights")
 
 
-def _add_path_rule(ruleset_fd: int, path: str, allowed: int) -> None:
-    """Allow `allowed` beneath `path` (only the file rights when it is not a directory)."""
+def _add_path_rule(ruleset_fd: int, path: str, allowed: int, exact: bool = False) -> None:
+    """Allow `allowed` beneath `path` (only the file rights when it is not a directory);
+    exact: refuse when the file opened is not the one of that name (a link on the way)."""
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -260,12 +265,29 @@ def _add_path_rule(ruleset_fd: int, path: str, allowed: int) -> None:
             exc.errno, f"cannot open Landlock rule path: {exc.strerror}", path
         ) from None
     try:
+        if exact:
+            _check_exact(fd, path)
         # fstat on the O_PATH fd checks the very inode the rule will cover.
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             allowed &= _FILE_RIGHTS
         _add_rule(ruleset_fd, _RULE_PATH_BENEATH, _PathBeneathAttr(allowed, fd), repr(path))
     finally:
         os.close(fd)
+
+
+def _check_exact(fd: int, path: str) -> None:
+    """Refuse unless the opened file's own path is `path`: a symbolic link anywhere on the way
+    makes them differ. Checked on the open file, so no later swap can change the answer."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        raise LandlockError(exc.errno, "cannot tell which file a grant opened (is /proc "
+                            f"mounted?): {exc.strerror}", path, fix="") from None
+    if opened != path:
+        raise LandlockError(
+            errno.ELOOP, f"the grant now reaches {opened} through a symbolic link (one was "
+            "put on its path after it was checked): grant a path no one else may change",
+            path, fix="")
 
 
 def _set_no_new_privs() -> None:
@@ -321,9 +343,9 @@ def apply(rules: LandlockRules) -> dict[str, Any]:
     ruleset_fd = _create_ruleset(abi, fs, net, scoped)
     try:
         for path in rules.read_only:
-            _add_path_rule(ruleset_fd, path, _READ_ONLY_RIGHTS & fs)
+            _add_path_rule(ruleset_fd, path, _READ_ONLY_RIGHTS & fs, path in rules.exact)
         for path in rules.read_write:
-            _add_path_rule(ruleset_fd, path, fs)
+            _add_path_rule(ruleset_fd, path, fs, path in rules.exact)
         if net & NET_BIND_TCP:
             for port in ports:
                 _add_rule(

@@ -6,6 +6,7 @@ import functools
 import importlib.machinery
 import os
 import pwd
+import stat
 import sys
 import sysconfig
 from collections.abc import Iterable
@@ -217,15 +218,57 @@ def read_write(extra: Iterable[str], scratch_dir: str) -> list[str]:
     return list(dict.fromkeys([scratch_dir, *existing(SYSTEM_READ_WRITE), *extra]))
 
 
-def check_grants(paths: Iterable[str]) -> list[str]:
-    """Absolute forms of the policy's grants; a missing one is an error naming it."""
-    resolved = []
-    for path in paths:
-        absolute = Path(path).expanduser().resolve()
-        if not absolute.exists():
-            raise FileNotFoundError(f"granted path does not exist: {path}")
-        resolved.append(str(absolute))
-    return resolved
+class GrantError(ValueError):
+    """A grant that cannot be granted as named; the message names it and the fix."""
+
+
+def check_grants(paths: Iterable[str], flag: str = "granted path") -> list[str]:
+    """The policy's grants as absolute paths without `..`, each checked to exist and to reach
+    its file through no symbolic link (flag: the option that names them, for the errors).
+
+    A missing grant is a FileNotFoundError naming it; one that is or passes through a link
+    is a GrantError. A link is refused rather than followed: whoever may change it (user
+    code of an earlier kernel with a write grant above it, another user of a shared folder)
+    would choose what the next kernel grants. The kernel checks again as it adds the
+    Landlock rule (landlock.LandlockRules.exact), so a link swapped in since is refused too.
+    """
+    return [_real_grant(path, flag) for path in paths]
+
+
+def _real_grant(path: str, flag: str) -> str:
+    # getcwd() is the physical working directory: a relative grant adds only its own parts.
+    absolute = os.path.join(os.getcwd(), os.path.expanduser(path))
+    current = "/"
+    for part in absolute.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":  # no link so far: the named parent is the real one
+            if not os.path.isdir(current):
+                raise FileNotFoundError(f"granted path does not exist: {path}")
+            current = os.path.dirname(current)
+            continue
+        current = os.path.join(current, part)
+        try:
+            is_link = stat.S_ISLNK(os.lstat(current).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"granted path does not exist: {path}") from None
+        except OSError as exc:
+            raise GrantError(f"{flag} {path} cannot be reached: {exc.strerror} at {current}; "
+                             "make it reachable, or grant another path") from None
+        if is_link:
+            raise GrantError(_link_refusal(path, absolute, current, flag))
+    return current
+
+
+def _link_refusal(path: str, absolute: str, link: str, flag: str) -> str:
+    where = "is" if os.path.normpath(absolute) == link else "passes through"
+    try:
+        target = os.readlink(link)
+    except OSError:  # changed meanwhile
+        target = "?"
+    return (f"{flag} {path} {where} the symbolic link {link} (-> {target}): a "
+            "grant must name the real path, or whoever may change the link chooses what user "
+            f"code reaches; grant {os.path.realpath(absolute)} instead, if that is what you mean")
 
 
 CWD_MODES = {"ro": "read-only", "rw": "read-write"}

@@ -293,7 +293,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             raise ConfinementError(refusal, layer="environment")
         cwd = self.init_cwd_grant(launch_dir)
         try:
-            granted = paths.check_grants(policy.read_paths), paths.check_grants(policy.write_paths)
+            granted = (paths.check_grants(policy.read_paths, "--read-path"),
+                       paths.check_grants(policy.write_paths, "--write-path"))
             read_grants, write_grants = granted[0] + cwd["read"], granted[1] + cwd["write"]
             self.init_audit(scratch_dir, write_grants)
             self.init_identity([scratch_dir, *read_grants, *write_grants], write_grants)
@@ -308,7 +309,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.init_promises()
         read_only = paths.read_only(read_grants, *self.channel_files())
         read_write = paths.read_write(write_grants, scratch_dir)
-        self.init_landlock(read_only, read_write)
+        self.init_landlock(read_only, read_write, (*granted[0], *granted[1]))
         if cwd["path"]:  # after the view and Landlock: the path as user code will see it
             os.chdir(cwd["path"])
         # Jupyter starts a kernel in its notebook's folder: remembered to explain open("x.csv").
@@ -471,15 +472,18 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         promises.require(judged)
         self.layers["promises"] = [promise.as_dict() for promise in judged]
 
-    def init_landlock(self, read_only: list[str], read_write: list[str]) -> None:
-        """Restrict files, TCP ports and IPC scopes (fail closed)."""
+    def init_landlock(self, read_only: list[str], read_write: list[str],
+                      exact: tuple[str, ...] = ()) -> None:
+        """Restrict files, TCP ports and IPC scopes (fail closed); exact: the policy's grants,
+        whose rules must reach them through no symbolic link (see paths.check_grants)."""
         if not self.policy.require_landlock:
             self.layers["landlock"] = {"active": False, "reason": "off by policy (--no-landlock)"}
             return
         rules = landlock.LandlockRules(
             read_only=tuple(read_only), read_write=tuple(read_write),
             bind_tcp_ports=tuple(self.channel_ports().values()),
-            connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi)
+            connect_tcp=self.policy.allow_network, abi_cap=self.policy.landlock_abi,
+            exact=exact)
         self.layers["landlock"] = {"active": True, **landlock.apply(rules)}
 
     def init_identity(self, reachable: list[str], writable: list[str]) -> None:
