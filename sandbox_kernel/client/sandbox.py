@@ -50,6 +50,7 @@ from .snapshot import (
     Sealing,
     Snapshot,
     SnapshotError,
+    SnapshotTooLarge,
     check_policy,
     new_key,
     open_sealed,
@@ -720,8 +721,7 @@ class _SandboxCore:
             if not isinstance(size, int) or size < 0:
                 raise SnapshotError(f"the kernel's snapshot has no valid size ({size!r})")
             if max_size and size > max_size:
-                raise SnapshotError(f"the session's state is {size} bytes, over the limit of "
-                                    f"{max_size} bytes (max_size raises it)")
+                raise SnapshotTooLarge(size, max_size)
             manifest = {"version": FORMAT_VERSION, "saved": made.get("saved", []),
                         "skipped": made.get("skipped", []), "bytes": size,
                         "policy": self._snapshot_policy(),

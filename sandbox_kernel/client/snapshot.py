@@ -33,6 +33,16 @@ class SnapshotError(Exception):
     """A snapshot could not be made, opened or restored; the message says why and what to do."""
 
 
+class SnapshotTooLarge(SnapshotError):
+    """The kernel's snapshot is over the caller's max_size: refused before its bytes leave the
+    kernel. `size` is the kernel's claim, `limit` the max_size."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the session's state is {size} bytes, over the limit of {limit} "
+                         "bytes (max_size raises it)")
+        self.size, self.limit = size, limit
+
+
 @dataclass
 class Snapshot:
     """A sealed snapshot (`data`, the bytes to store) and its manifest (what it holds).

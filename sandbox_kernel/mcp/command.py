@@ -91,6 +91,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       "SANDBOX_STATE_DIR")
     kept.add_argument("--max-snapshot-size", type=_size, default=defaults.max_snapshot_size,
                       metavar="SIZE", help="largest snapshot the state dir keeps")
+    kept.add_argument("--max-snapshots-per-key", type=int, metavar="N",
+                      default=defaults.max_snapshots_per_key,
+                      help="snapshots one key (over stdio, the client) keeps in --state-dir; "
+                      "past it, snapshot_session is refused until one is deleted")
+    kept.add_argument("--max-snapshot-bytes-per-key", type=_size, metavar="SIZE",
+                      default=defaults.max_snapshot_bytes_per_key,
+                      help="bytes those snapshots may hold in all (paused sessions are "
+                      "bounded by the session limit and --max-snapshot-size instead)")
     kept.add_argument("--session-pause-after", type=float, metavar="S",
                       default=defaults.session_pause_after,
                       help="seconds idle before a session is snapshotted into --state-dir and "
@@ -116,6 +124,8 @@ def config_from(args: argparse.Namespace) -> McpConfig:
         session_idle_timeout=args.session_idle_timeout, max_text=args.max_text,
         max_file_bytes=args.max_file, embed_bytes=args.embed_files,
         state_dir=args.state_dir, max_snapshot_size=args.max_snapshot_size,
+        max_snapshots_per_key=max(1, args.max_snapshots_per_key),
+        max_snapshot_bytes_per_key=max(1, args.max_snapshot_bytes_per_key),
         session_pause_after=max(0.0, args.session_pause_after))
 
 

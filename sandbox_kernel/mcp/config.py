@@ -36,6 +36,8 @@ class McpConfig:
     max_runs_per_key: int | None = None  # one key's; None: its fair share of max_runs
     state_dir: str = ""  # sealed snapshots and paused sessions; "" turns both off
     max_snapshot_size: int = 1024 * 2**20  # largest snapshot the state dir keeps
+    max_snapshots_per_key: int = 64  # snapshots one key (the client, over stdio) keeps
+    max_snapshot_bytes_per_key: int = 8 * 2**30  # and their bytes, in all
     session_pause_after: float = 0.0  # seconds idle before a session is paused (0: never)
 
     @property

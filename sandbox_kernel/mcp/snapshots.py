@@ -19,10 +19,22 @@ from typing import Any
 from ..client.sessions import SessionLimit
 from ..launch.pool import start_sandbox
 from ..service.snapshots import Taken, restore_options, take
-from ..service.store import Store, Stored, StoreError
+from ..service.store import QuotaError, Store, Stored, StoreError
 from .kernels import KernelSource, Session, SessionProblem, Sessions
 
 log = logging.getLogger("sandbox_kernel.mcp")
+
+
+def quota_problem(refused: QuotaError) -> str:
+    """A key's snapshot quota, said to a model: what happened and what it can do."""
+    if refused.reason == "key_count":
+        held = f"You keep {refused.held} snapshots, the most this server allows you"
+    else:
+        held = (f"Your snapshots hold {refused.held} bytes and this one does not fit in the "
+                f"{refused.limit} bytes this server allows you")
+    return (f"{held} ({refused.flag} {refused.limit}). Nothing was saved and the session goes "
+            "on as it was. Delete snapshots you no longer need (list_snapshots, then "
+            "delete_snapshot) and snapshot again, or ask the operator to raise the limit.")
 
 
 class Snapshots:
@@ -33,18 +45,18 @@ class Snapshots:
         self.store, self.sessions, self.source, self.runtime = store, sessions, source, runtime
         self._resuming: dict[str, asyncio.Lock] = {}
 
-    async def _take(self, session: Session) -> Taken:
+    async def _take(self, session: Session, kept: bool = False) -> Taken:
         if session.busy:
             raise SessionProblem(f"session {session.id} is running {session.run_id}: wait for "
                                  "it (wait_run) or interrupt it first")
         async with session.lock:
             try:
-                taken = await take(session.sandbox, self.store.key, session.owner,
-                                   self.store.max_size)
-                self.store.check_size(len(taken.payload))
+                return await take(session.sandbox, self.store, session.owner, kept)
+            except QuotaError as exc:
+                log.info("snapshot of %s refused: %s", session.owner, exc)
+                raise SessionProblem(quota_problem(exc)) from None
             except StoreError as exc:
                 raise SessionProblem(str(exc)) from None
-        return taken
 
     def _record(self, session: Session, taken: Taken) -> dict[str, Any]:
         return {"network": session.network, "runtime": self.runtime,
@@ -52,9 +64,14 @@ class Snapshots:
 
     async def snapshot(self, session: Session) -> tuple[Stored, Taken]:
         """A new snapshot of the session, which goes on as it was."""
-        taken = await self._take(session)
-        return self.store.save_snapshot(session.owner, taken.payload,
-                                        self._record(session, taken)), taken
+        taken = await self._take(session, kept=True)
+        try:
+            stored = self.store.save_snapshot(session.owner, taken.payload,
+                                              self._record(session, taken))
+        except QuotaError as exc:  # another snapshot took the last place meanwhile
+            log.info("snapshot of %s refused: %s", session.owner, exc)
+            raise SessionProblem(quota_problem(exc)) from None
+        return stored, taken
 
     def find(self, owner: str, snapshot_id: str, payload: bool = False) -> Stored:
         """The owner's snapshot (payload: with its bytes, to open it); the same answer for

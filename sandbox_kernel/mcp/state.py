@@ -34,9 +34,11 @@ class State:
         self.sessions = Sessions(self.config, self.source)
         self.runs = Runs(self.config, self.source, self.sessions)
         if self.config.state_dir:
-            from ..service.store import Store
+            from ..service.store import Quota, Store
 
-            store = Store(self.config.state_dir, self.config.max_snapshot_size)
+            store = Store(self.config.state_dir, self.config.max_snapshot_size,
+                          Quota(self.config.max_snapshots_per_key,
+                                self.config.max_snapshot_bytes_per_key))
             self.snapshots = Snapshots(store, self.sessions, self.source, self.config.runtime)
 
     def start(self) -> None:

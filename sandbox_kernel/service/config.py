@@ -162,6 +162,20 @@ class ServiceConfig(Configurable):
     ).tag(config=True, flag="max-snapshot-size", env="SANDBOX_MAX_SNAPSHOT_SIZE",
           metavar="BYTES")
 
+    max_snapshots_per_key = Int(
+        64, help="Snapshots one API key keeps in --state-dir (those it made; a paused session "
+        "is bounded by the key's session limit instead); past it, a new one is refused with "
+        "429 until one is deleted.",
+    ).tag(config=True, flag="max-snapshots-per-key", env="SANDBOX_MAX_SNAPSHOTS_PER_KEY",
+          metavar="N")
+
+    max_snapshot_bytes_per_key = Int(
+        8 * 2**30, help="Bytes one API key's snapshots in --state-dir may hold in all; a "
+        "snapshot that does not fit is refused with 413 (before its bytes leave the kernel "
+        "when it says its size) and the session keeps running.",
+    ).tag(config=True, flag="max-snapshot-bytes-per-key",
+          env="SANDBOX_MAX_SNAPSHOT_BYTES_PER_KEY", metavar="BYTES")
+
     session_pause_after = Float(
         0.0, help="Seconds a session may sit idle before it is snapshotted into --state-dir and "
         "its kernel stopped; its next request resumes it on a fresh kernel. 0: never (idle "
@@ -271,7 +285,8 @@ def check(config: ServiceConfig) -> None:
     positive = ("max_workers", "max_requests", "worker_timeout", "session_timeout",
                 "max_timeout", "max_sessions",
                 "max_body_bytes", "max_file_bytes", "max_output_total", "head_timeout",
-                "max_idle_connections", "max_snapshot_size")
+                "max_idle_connections", "max_snapshot_size", "max_snapshots_per_key",
+                "max_snapshot_bytes_per_key")
     for name in positive:
         if getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "

@@ -21,7 +21,7 @@ from .metrics import Metrics
 from .pausing import Pausing
 from .runs import SERVICE_TIMEOUT, OneShots, Runner
 from .sessions import Sessions
-from .store import Store
+from .store import Quota, Store
 
 log = logging.getLogger("sandbox_kernel.service")
 T = TypeVar("T")
@@ -58,9 +58,13 @@ class Service:
                                  config.max_sessions_per_key
                                  or fair_share(config.max_sessions, len(keys)))
         # With a state dir: snapshots, and sessions that pause and resume (pausing.py).
-        self.pausing = (Pausing(self.sessions, Store(config.state_dir, config.max_snapshot_size),
-                                config.runtime) if config.state_dir else None)
         self.metrics = Metrics()
+        quota = Quota(config.max_snapshots_per_key, config.max_snapshot_bytes_per_key)
+        refused = self.metrics.snapshots_refused
+        self.pausing = (Pausing(self.sessions, Store(
+            config.state_dir, config.max_snapshot_size, quota,
+            lambda reason: refused.labels(reason=reason).inc()), config.runtime)
+            if config.state_dir else None)
         self.metrics.bind(lambda: len(self.kernels.live), lambda: self.kernels.source.ready(),
                           lambda: len(self.sessions), lambda: self.admission.in_flight)
         self.started = False

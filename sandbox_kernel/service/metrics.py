@@ -45,6 +45,11 @@ class Metrics:
         self.denials = Counter(
             "sandbox_denials", "Requests refused before running: bad key, too many requests, "
             "session limit, bad input, body too large.", ["reason"], registry=self.registry)
+        self.snapshots_refused = Counter(
+            "sandbox_snapshots_refused", "Snapshots and pauses refused, by reason: size (past "
+            "--max-snapshot-size), key_count and key_bytes (past the key's quota, "
+            "--max-snapshots-per-key and --max-snapshot-bytes-per-key).", ["reason"],
+            registry=self.registry)
         self.runs = Counter(
             "sandbox_runs", "Executions finished, by API and outcome (ok, error, timeout, "
             "lost).", ["api", "outcome"], registry=self.registry)

@@ -85,11 +85,10 @@ class Pausing:
 
     # --- snapshots ---
 
-    async def _take(self, session: Session) -> Taken:
-        """Snapshot a session's kernel (the caller holds the session)."""
-        taken = await take(session.sandbox, self.store.key, session.owner, self.store.max_size)
-        self.store.check_size(len(taken.payload))
-        return taken
+    async def _take(self, session: Session, kept: bool = False) -> Taken:
+        """Snapshot a session's kernel (the caller holds the session); kept: one its key keeps
+        (its quota bounds it), else a pause."""
+        return await take(session.sandbox, self.store, session.owner, kept)
 
     def _record(self, session: Session, taken: Taken) -> dict[str, Any]:
         return {"network": network_record(session.network), "runtime": self.runtime,
@@ -98,7 +97,7 @@ class Pausing:
     async def snapshot(self, session: Session) -> tuple[Stored, Taken]:
         """A new stored snapshot of the session, which keeps running."""
         async with self.sessions.using(session):
-            taken = await self._take(session)
+            taken = await self._take(session, kept=True)
         stored = self.store.save_snapshot(session.owner, taken.payload,
                                           self._record(session, taken))
         log.info(json_line(event="snapshot_saved", session=session.id, key=session.owner,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..client import AsyncSandbox
-from ..client.snapshot import SnapshotError
-from .store import StoreError
+from ..client.snapshot import SnapshotError, SnapshotTooLarge
+from .store import Store, StoreError
 
 
 @dataclass
@@ -33,15 +33,22 @@ class Taken:
         return self.manifest.get("skipped", [])
 
 
-async def take(sandbox: AsyncSandbox, key: bytes, owner: str, max_size: int) -> Taken:
-    """Snapshot the kernel's user state, sealed for owner; StoreError if it cannot be made
-    (413 past max_size, refused before its bytes leave the kernel)."""
+async def take(sandbox: AsyncSandbox, store: Store, owner: str, kept: bool = True) -> Taken:
+    """Snapshot the kernel's user state, sealed for owner; StoreError if it cannot be made.
+
+    kept: a snapshot the key keeps, bounded by its quota (QuotaError before the kernel is
+    asked when the key has no place left); else a session's pause, bounded by
+    --max-snapshot-size alone. A larger claim is refused (413) before its bytes leave the
+    kernel; bytes past it never arrive (the client's buffer grows with what arrives).
+    """
+    limit = store.room(owner)[0] if kept else store.max_size
     try:
-        made = await sandbox.snapshot(key, owner, max_size=max_size)
+        made = await sandbox.snapshot(store.key, owner, max_size=limit)
+    except SnapshotTooLarge as exc:
+        raise store.refuse_size(owner, exc.size) from exc
     except SnapshotError as exc:
-        status = 413 if "over the limit" in str(exc) else 422
-        raise StoreError(status, f"the session could not be snapshotted: {exc}"
-                         + (" (--max-snapshot-size)" if status == 413 else "")) from exc
+        raise StoreError(422, f"the session could not be snapshotted: {exc}") from exc
+    store.check_size(len(made.data))  # the seal's own bytes are counted too
     return Taken(bytes(made.data), dict(made.manifest))
 
 

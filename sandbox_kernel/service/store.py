@@ -11,7 +11,15 @@ it.
 Layout: `key`, `snapshots/<id>` (snapshots a caller made), `paused/<session id>` (a paused
 session: its record and its snapshot), `leases/<session id>` (an flock held by the instance
 whose kernel runs the session: a second instance cannot resume it meanwhile; the lock goes
-with the process that held it, so a crashed instance frees its sessions).
+with the process that held it, so a crashed instance frees its sessions), `quota/<hash of a
+key id>` (an flock held while one key's snapshots are counted and a new one written, so
+instances sharing the directory never both take the key's last place).
+
+Quota: the snapshots a key made are bounded in count and bytes (`Quota`, the flags
+--max-snapshots-per-key and --max-snapshot-bytes-per-key on `serve` and on `mcp`, which
+share this store). A paused session is not counted there: it is bounded by the key's
+session limit and --max-snapshot-size. A refusal is counted by reason (`refused`, the
+service's /metrics).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +51,24 @@ class StoreError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class QuotaError(StoreError):
+    """A key's snapshots are at its quota: `reason` is "key_count" or "key_bytes", `flag` the
+    setting, `held` what the key keeps, `limit` what it may."""
+
+    def __init__(self, status: int, message: str, reason: str, flag: str, held: int,
+                 limit: int) -> None:
+        super().__init__(status, message)
+        self.reason, self.flag, self.held, self.limit = reason, flag, held, limit
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What one key may keep of the snapshots it made (None: no bound)."""
+
+    count: int | None = None  # --max-snapshots-per-key
+    bytes: int | None = None  # --max-snapshot-bytes-per-key
 
 
 @dataclass
@@ -65,12 +92,17 @@ def new_id() -> str:
 
 
 class Store:
-    """The files of one state directory; `max_size` bounds one payload."""
+    """The files of one state directory; `max_size` bounds one payload, `quota` what one key
+    keeps of snapshots; `refused` is told the reason of each refused snapshot ("size",
+    "key_count", "key_bytes"), to count it."""
 
-    def __init__(self, root: str | os.PathLike[str], max_size: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], max_size: int, quota: Quota = Quota(),
+                 refused: Callable[[str], None] | None = None) -> None:
         self.root = Path(root)
         self.max_size = max_size
-        for part in ("snapshots", "paused", "leases"):
+        self.quota = quota
+        self.refused = refused or (lambda reason: None)
+        for part in ("snapshots", "paused", "leases", "quota"):
             (self.root / part).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.key = self._key()
         self._leases: dict[str, int] = {}  # session id -> the fd holding its flock
@@ -103,29 +135,38 @@ class Store:
         return mac.digest()
 
     def check_size(self, size: int) -> None:
-        """413 past --max-snapshot-size."""
+        """413 past --max-snapshot-size (counted)."""
         if size > self.max_size:
+            self.refused("size")
             raise StoreError(413, f"the snapshot is {size} bytes, above this service's limit "
                              f"of {self.max_size} (--max-snapshot-size): free some of the "
                              "session's variables or files, or raise the limit")
 
     def _write(self, kind: str, item: Stored) -> None:
+        os.replace(self._stage(kind, item), self.root / kind / item.id)
+
+    def _stage(self, kind: str, item: Stored) -> Path:
+        """The item written whole to a temporary file beside its place (named with a dot, so
+        no listing sees it): a reader never sees half of it once it is renamed there."""
         self.check_size(len(item.payload))
         head = json.dumps({"owner": item.owner, **item.record},
                           separators=(",", ":")).encode() + b"\n"
         if len(head) > MAX_RECORD:
             raise StoreError(413, f"the snapshot's manifest is above {MAX_RECORD} bytes: the "
                              "session holds too many names or files to list")
-        path = self.root / kind / item.id
-        temporary = path.with_name(f".{item.id}.{secrets.token_hex(4)}")
-        with open(temporary, "wb") as out:  # whole or not at all: a reader never sees half
-            out.write(self._mac("head", kind, item.id, head))
-            out.write(self._mac("all", kind, item.id, head, item.payload))
-            out.write(head)
-            out.write(item.payload)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
+        temporary = self.root / kind / f".{item.id}.{secrets.token_hex(4)}"
+        try:
+            with open(temporary, "wb") as out:
+                out.write(self._mac("head", kind, item.id, head))
+                out.write(self._mac("all", kind, item.id, head, item.payload))
+                out.write(head)
+                out.write(item.payload)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        return temporary
 
     def _read(self, kind: str, owner: str, item_id: str, payload: bool = False
               ) -> Stored | None:
@@ -177,10 +218,77 @@ class Store:
     # --- snapshots a caller made ---
 
     def save_snapshot(self, owner: str, payload: bytes, record: dict[str, Any]) -> Stored:
-        """Store a new snapshot of the owner's; 413 past the size limit."""
+        """Store a new snapshot of the owner's; 413 past the size limit, QuotaError past the
+        key's quota (checked and written under the key's lock: never past it, even when
+        instances sharing the directory save at once)."""
         item = Stored(new_id(), owner, {**record, "saved_at": time.time()}, payload)
-        self._write("snapshots", item)
+        staged = self._stage("snapshots", item)  # the lock is held for the count, not the write
+        try:
+            with self._quota_lock(owner):
+                self._check_quota(owner, len(payload))
+                os.replace(staged, self.root / "snapshots" / item.id)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
         return item
+
+    def room(self, owner: str) -> tuple[int, str]:
+        """The bytes the owner's next snapshot may have, and the flag that bounds them (asked
+        before it is taken, so the kernel is refused before its bytes leave it); QuotaError
+        now if the key has no place left."""
+        held = self._check_quota(owner, 1)
+        if self.quota.bytes is not None and self.quota.bytes - held < self.max_size:
+            return self.quota.bytes - held, "--max-snapshot-bytes-per-key"
+        return self.max_size, "--max-snapshot-size"
+
+    def refuse_size(self, owner: str, size: int) -> StoreError:
+        """The refusal (counted) of a snapshot of `size` bytes its kernel claimed, past
+        room(): over --max-snapshot-size, or over what the key's quota leaves."""
+        if size > self.max_size:
+            self.refused("size")
+            return StoreError(413, f"the snapshot is {size} bytes, above this service's "
+                              f"limit of {self.max_size} (--max-snapshot-size): free some of "
+                              "the session's variables or files, or raise the limit")
+        return self._quota_error("key_bytes", self._held(owner)[1], size)
+
+    def _held(self, owner: str) -> tuple[int, int]:
+        """How many snapshots the owner keeps, and their bytes."""
+        kept = self.snapshots(owner)
+        return len(kept), sum(item.size for item in kept)
+
+    def _check_quota(self, owner: str, adding: int) -> int:
+        """QuotaError (counted) if one more snapshot of `adding` bytes is past the owner's
+        quota; else the bytes the owner keeps."""
+        count, used = self._held(owner)
+        if self.quota.count is not None and count >= self.quota.count:
+            raise self._quota_error("key_count", count, 1)
+        if self.quota.bytes is not None and used + adding > self.quota.bytes:
+            raise self._quota_error("key_bytes", used, adding)
+        return used
+
+    def _quota_error(self, reason: str, held: int, adding: int) -> QuotaError:
+        self.refused(reason)
+        if reason == "key_count":
+            limit, flag = self.quota.count or 0, "--max-snapshots-per-key"
+            return QuotaError(429, f"this key keeps {held} snapshots, the most it may "
+                              f"({flag} {limit}): delete snapshots it no longer needs, then "
+                              "snapshot again", reason, flag, held, limit)
+        limit, flag = self.quota.bytes or 0, "--max-snapshot-bytes-per-key"
+        return QuotaError(413, f"this key's snapshots hold {held} bytes and this one needs "
+                          f"{adding} more, past the {limit} bytes it may keep ({flag}): "
+                          "delete snapshots it no longer needs, or free some of the session's "
+                          "variables or files", reason, flag, held, limit)
+
+    @contextlib.contextmanager
+    def _quota_lock(self, owner: str) -> Iterator[None]:
+        """The owner's quota lock (an flock: replicas sharing the directory wait for it too)."""
+        name = hashlib.sha256(owner.encode()).hexdigest()[:32]
+        fd = os.open(self.root / "quota" / name, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def snapshot(self, owner: str, snapshot_id: str, payload: bool = False) -> Stored:
         """The owner's snapshot (payload: with its bytes, to restore); 404 for another's, an

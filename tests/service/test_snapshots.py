@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sandbox_kernel.service.store import Store, StoreError
+from sandbox_kernel.service.store import Quota, QuotaError, Store, StoreError
 
 OWNER, OTHER = "team-a", "team-b"
 
@@ -95,6 +95,73 @@ def test_too_large_is_413_with_the_flag(store):
     assert refused.value.status == 413
     assert "--max-snapshot-size" in str(refused.value)
     assert list((store.root / "snapshots").iterdir()) == []
+
+
+def test_a_keys_snapshot_count_is_bounded_counted_and_freed_by_a_delete(tmp_path):
+    refused = []
+    store = Store(tmp_path / "state", 4096, Quota(count=2), refused.append)
+    kept = [store.save_snapshot(OWNER, b"x", {}) for _ in range(2)]
+    for attempt in (lambda: store.room(OWNER),  # asked before the kernel is
+                    lambda: store.save_snapshot(OWNER, b"x", {})):
+        with pytest.raises(QuotaError) as full:
+            attempt()
+        assert full.value.status == 429 and full.value.reason == "key_count"
+        assert "keeps 2 snapshots, the most it may (--max-snapshots-per-key 2)" in \
+            str(full.value)
+        assert "delete snapshots it no longer needs" in str(full.value)
+    assert refused == ["key_count", "key_count"]
+    assert len(store.snapshots(OWNER)) == 2
+    assert [p.name for p in (store.root / "snapshots").iterdir()
+            if p.name.startswith(".")] == []  # the refused one's staged file is gone
+    store.save_snapshot(OTHER, b"x", {})  # each key its own quota
+    store.save_paused(OWNER, "ef" * 16, b"x", {})  # a pause is bounded by sessions instead
+    store.delete_snapshot(OWNER, kept[0].id)
+    store.save_snapshot(OWNER, b"x", {})
+
+
+def test_a_keys_snapshot_bytes_are_bounded_before_and_after_the_kernel_is_asked(tmp_path):
+    refused = []
+    store = Store(tmp_path / "state", 4096, Quota(bytes=1000), refused.append)
+    assert store.room(OWNER) == (1000, "--max-snapshot-bytes-per-key")
+    store.save_snapshot(OWNER, b"x" * 600, {})
+    assert store.room(OWNER) == (400, "--max-snapshot-bytes-per-key")
+    with pytest.raises(QuotaError) as full:
+        store.save_snapshot(OWNER, b"x" * 401, {})
+    assert full.value.status == 413 and full.value.reason == "key_bytes"
+    assert "hold 600 bytes and this one needs 401 more, past the 1000 bytes it may keep " \
+           "(--max-snapshot-bytes-per-key)" in str(full.value)
+    claimed = store.refuse_size(OWNER, 500)  # a kernel's claim past room(): never taken
+    assert isinstance(claimed, QuotaError) and claimed.status == 413
+    too_big = store.refuse_size(OWNER, 5000)
+    assert too_big.status == 413 and "--max-snapshot-size" in str(too_big)
+    assert refused == ["key_bytes", "key_bytes", "size"]
+    assert Store(tmp_path / "big", 4096, Quota(bytes=10**9)).room(OWNER) == \
+        (4096, "--max-snapshot-size")  # the quota's room is past one snapshot's limit
+
+
+COUNTING_REPLICA = """
+import sys, time
+from sandbox_kernel.service.store import Quota, Store, Stored
+store = Store(sys.argv[1], 4096, Quota(count=1))
+with store._quota_lock("team-a"):  # a replica between its count and its write
+    print("counting", flush=True)
+    time.sleep(1.5)
+    store._write("snapshots", Stored("ab" * 16, "team-a", {}, b"x"))
+"""
+
+
+def test_a_replica_saving_at_the_same_instant_never_passes_the_keys_quota(store, tmp_path):
+    """Replicas sharing the directory, each counting the key's snapshots at once, would each
+    see room for one more: the count and the write happen under the key's lock, so the
+    second waits for the first and is refused."""
+    replica = subprocess.Popen([sys.executable, "-c", COUNTING_REPLICA, str(store.root)],
+                               stdout=subprocess.PIPE, text=True)
+    assert replica.stdout.readline().strip() == "counting"
+    mine = Store(store.root, 4096, Quota(count=1))
+    with pytest.raises(QuotaError):
+        mine.save_snapshot(OWNER, b"y", {})
+    assert replica.wait(timeout=60) == 0
+    assert [item.id for item in mine.snapshots(OWNER)] == ["ab" * 16]
 
 
 HOLD = """
@@ -538,3 +605,47 @@ def test_a_claimed_snapshot_costs_the_service_nothing_until_its_bytes_arrive(sta
             {"still": "here"}
     finally:
         http.delete(session, headers=auth(KEY_B))
+
+
+def refusals(srv, reason: str) -> float:
+    """The service's count of snapshots refused for reason, as /metrics shows it."""
+    shown = http.get(srv.url + "/metrics").text
+    line = f'sandbox_snapshots_refused_total{{reason="{reason}"}} '
+    return float(shown.split(line)[1].split()[0]) if line in shown else 0.0
+
+
+def test_a_keys_snapshots_are_bounded_in_count_and_bytes_and_counted(tmp_path, keys_file):
+    """Issue #44 item 2: --max-snapshots-per-key and --max-snapshot-bytes-per-key, each
+    refused naming the flag, the session running on, and counted in /metrics; a claim past
+    what the quota leaves is refused before its bytes leave the kernel."""
+    srv = Server(tmp_path, "--api-keys-file", str(keys_file), "--pool-size", "0",
+                 "--state-dir", str(tmp_path / "state"), "--max-snapshots-per-key", "2",
+                 "--max-snapshot-bytes-per-key", str(2 * 2**20))
+    url = sessions_url(srv)
+    session = f"{url}/{create(url)['id']}"
+    try:
+        assert execute(session, "x = 1").json()["error"] is None
+        taken = [http.post(f"{session}/snapshots", headers=auth(KEY_B), timeout=120)
+                 for _ in range(3)]
+        assert [answer.status_code for answer in taken] == [201, 201, 429], taken[2].text
+        assert "(--max-snapshots-per-key 2)" in taken[2].json()["detail"]
+        assert refusals(srv, "key_count") == 1
+        # Another key has its own.
+        other = f"{url}/{create(url, key=KEY_A)['id']}"
+        assert http.post(f"{other}/snapshots", headers=auth(KEY_A),
+                         timeout=120).status_code == 201
+        http.delete(other, headers=auth(KEY_A))
+        # A place freed; 2.5 MiB more does not fit in what the 2 MiB leave.
+        assert http.delete(f"{srv.url}/api/v1/snapshots/{taken[0].json()['id']}",
+                           headers=auth(KEY_B)).status_code == 204
+        assert execute(session, "big = bytes(2560 * 1024)").json()["error"] is None
+        over = http.post(f"{session}/snapshots", headers=auth(KEY_B), timeout=120)
+        assert over.status_code == 413, over.text
+        assert "(--max-snapshot-bytes-per-key)" in over.json()["detail"]
+        assert refusals(srv, "key_bytes") == 1
+        assert result_of(session, "def main():\n    return {'x': x}\n") == {"x": 1}
+        listed = http.get(srv.url + "/api/v1/snapshots", headers=auth(KEY_B)).json()
+        assert [s["id"] for s in listed] == [taken[1].json()["id"]]
+    finally:
+        http.delete(session, headers=auth(KEY_B))
+        srv.stop()
