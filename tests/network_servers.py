@@ -13,6 +13,7 @@ import socket
 import ssl
 import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -229,3 +230,110 @@ class Catcher:
     def close(self) -> None:
         """Stop accepting."""
         self.sock.close()
+
+
+class Asked:
+    """One request as a Scripted origin read it: its head (raw), the parts, its body."""
+
+    def __init__(self, head: bytes, body: bytes, trailers: bytes) -> None:
+        self.head, self.body, self.trailers = head, body, trailers
+        line, *fields = head.decode("utf-8", "replace").split("\r\n")
+        self.method, self.target = line.split(" ")[:2]
+        self.path = "/" + self.target.split("/", 3)[3] if "://" in self.target else self.target
+        self.headers = {name.strip().lower(): value.strip() for name, _, value in
+                        (field.partition(":") for field in fields if field)}
+
+    @property
+    def auth(self) -> str:
+        """The Authorization header the origin got (the secret's value, from the proxy)."""
+        return self.headers.get("authorization", "")
+
+
+class Scripted:
+    """An HTTPS origin on 127.0.0.1 whose answers are raw bytes, to misbehave as a test needs.
+
+    Each request (its head read to the blank line, its body by Content-Length or chunked, with
+    any trailers) is kept in self.asked and answered by answer(request): the bytes to send, in
+    one write, or a list of them, each one write; None closes the connection. A `b""` in the
+    list waits for self.release (set by a test once the client has what came before)."""
+
+    def __init__(self, directory: Path, cert: tuple[Path, Path],
+                 answer: Callable[[Asked], bytes | list[bytes] | None]) -> None:
+        self.answer = answer
+        self.asked: list[Asked] = []
+        self.release = threading.Event()
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.load_cert_chain(str(cert[0]), str(cert[1]))
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            with self.context.wrap_socket(conn, server_side=True) as tls:
+                tls.settimeout(30)
+                buffered = b""
+                while True:
+                    asked, buffered = _read_request(tls, buffered)
+                    if asked is None:
+                        return
+                    self.asked.append(asked)
+                    answer = self.answer(asked)
+                    if answer is None:
+                        return
+                    for piece in [answer] if isinstance(answer, bytes) else answer:
+                        if not piece:
+                            self.release.wait(30)
+                        tls.sendall(piece)
+        except (OSError, ValueError):
+            return
+
+    def close(self) -> None:
+        """Stop accepting."""
+        self.sock.close()
+
+
+def _read_request(tls: ssl.SSLSocket, data: bytes) -> tuple[Asked | None, bytes]:
+    """The next request on tls (and what was read past it); None at the end of the stream."""
+    def more() -> bool:
+        nonlocal data
+        piece = tls.recv(65536)
+        data += piece
+        return bool(piece)
+
+    while b"\r\n\r\n" not in data:
+        if not more():
+            return None, b""
+    head, data = data.split(b"\r\n\r\n", 1)
+    asked = Asked(head, b"", b"")
+    if "chunked" in asked.headers.get("transfer-encoding", ""):
+        body = b""
+        while True:
+            while b"\r\n" not in data:
+                if not more():
+                    return None, b""
+            size, data = data.split(b"\r\n", 1)
+            length = int(size.split(b";")[0], 16)
+            if not length:
+                while b"\r\n\r\n" not in b"\r\n" + data:
+                    if not more():
+                        return None, b""
+                trailers, data = (b"\r\n" + data).split(b"\r\n\r\n", 1)
+                return Asked(head, body, trailers.strip()), data
+            while len(data) < length + 2:
+                if not more():
+                    return None, b""
+            body, data = body + data[:length], data[length + 2:]
+    length = int(asked.headers.get("content-length", "0"))
+    while len(data) < length:
+        if not more():
+            return None, b""
+    return Asked(head, data[:length], b""), data[length:]

@@ -11,8 +11,15 @@ placeholder in its headers and body, the body asked for uncompressed (gzip or de
 anyway is undone; any other encoding is refused) and re-framed by h11, scrubbed as it streams
 with only the longest value's length held back (constant memory).
 
+Nothing the destination sends is quoted into the proxy's own answers or records: a response it
+cannot parse is refused in fixed words (its bytes may hold the value, which the proxy put in
+the request). The destination may send only what a request asked for: bytes after a response
+(past its Content-Length, a body to HEAD, 204 or 304) or between exchanges end the connection.
+A request goes only where the tunnel goes (its Host, an absolute-form target; no CONNECT
+inside). Every value is scrubbed in the forms a host plausibly reflects (value_forms).
+
 What the proxy cannot read it cannot scrub: a value the host reflects compressed, encrypted or
-re-encoded by the application reaches user code (docs/SECURITY.md).
+re-encoded by the application in another way reaches user code (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -20,15 +27,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
+import re
 import ssl
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import quote
+from urllib.parse import quote, quote_plus, urlsplit
 
 import h11
 
-from .rules import NameRule, NetRule, Refusal, parse_address, parse_host_entry
+from .rules import (
+    NameRule,
+    NetRule,
+    Refusal,
+    RuleError,
+    normal_name,
+    parse_address,
+    parse_host_entry,
+)
 from .secret import Secret
 
 CHUNK = 65536  # bytes read at a time from either side
@@ -37,6 +54,11 @@ _DROPPED = {b"proxy-connection", b"proxy-authorization", b"keep-alive", b"upgrad
             b"trailer", b"accept-encoding", b"expect"}
 _RESPONSE_FRAMING = {b"content-length", b"transfer-encoding"}
 _UNDONE = {b"gzip", b"x-gzip", b"deflate"}  # encodings the proxy undoes to scrub a body
+# Encodings the proxy names in a refusal; any other name is the destination's bytes, not shown.
+_KNOWN = {b"br", b"zstd", b"compress", b"x-compress", b"exi", b"pack200-gzip", b"aes128gcm",
+          b"dcb", b"dcz"}
+_BODILESS = "HEAD, or answered 204 or 304"
+MIN_FORM = 8  # bytes of an encoded form of a value, at least, for it to be scrubbed
 
 
 class ExchangeError(Exception):
@@ -72,6 +94,12 @@ class Secrets:
                                  "be sent in an HTTP header")
         self.owned = [_Owned(secret, tuple(parse_host_entry(host) for host in secret.hosts))
                       for secret in secrets]
+        self.scrubber = Scrubber([form for secret in secrets for form in value_forms(secret)])
+
+    def scrubbed(self, text: str) -> str:
+        """text (an answer or a record the proxy writes) without any secret's value in it."""
+        return self.scrubber.scrub(text.encode("utf-8", "surrogateescape")).decode(
+            "utf-8", "replace")
 
     def __bool__(self) -> bool:
         return bool(self.owned)
@@ -111,6 +139,50 @@ def _basic(value: bytes) -> bytes | None:
         return None
 
 
+def value_forms(secret: Secret) -> list[tuple[bytes, bytes]]:
+    """The forms of secret's value a host may reflect, each with the placeholder's same form.
+
+    The value itself; percent-encoded (upper and lower case hex, `+` for spaces, `/` kept),
+    JSON-escaped (`/` as `\\/` too), hex; and inside base64 (standard and URL-safe) of any text
+    holding it, which contains the base64 of the value's middle at one of three alignments.
+    """
+    value, placeholder = secret.value, secret.placeholder
+    forms = [(value.encode(), placeholder.encode())]
+    for encode in _TEXT_FORMS:
+        forms.append((encode(value), encode(placeholder)))
+    for b64 in (base64.b64encode, base64.urlsafe_b64encode):
+        for shift in range(3):
+            forms.append((_base64_core(b64, value.encode(), shift),
+                          _base64_core(b64, placeholder.encode(), shift)))
+    return forms[:1] + [(form, instead) for form, instead in dict(forms[1:]).items()
+                        if len(form) >= MIN_FORM and form != forms[0][0]]
+
+
+def _json_escaped(text: str) -> bytes:
+    return json.dumps(text)[1:-1].encode()
+
+
+_TEXT_FORMS: tuple[Callable[[str], bytes], ...] = (
+    lambda text: quote(text, safe="").encode(),
+    lambda text: re.sub("%[0-9A-F]{2}", lambda hexed: hexed.group().lower(),
+                        quote(text, safe="")).encode(),
+    lambda text: quote_plus(text, safe="").encode(),
+    lambda text: quote(text).encode(),
+    _json_escaped,
+    lambda text: _json_escaped(text).replace(b"/", b"\\/"),
+    lambda text: text.encode().hex().encode(),
+    lambda text: text.encode().hex().upper().encode(),
+)
+
+
+def _base64_core(b64: Callable[[bytes], bytes], data: bytes, shift: int) -> bytes:
+    """What b64(x + data + y) holds whatever x and y are, for len(x) % 3 == shift: the groups of
+    four characters encoding data's bytes alone."""
+    text = b64(b"\0" * shift + data)
+    partial_end = (shift + len(data)) % 3 != 0
+    return text[4 if shift else 0:len(text) - 4 if partial_end else len(text)]
+
+
 @dataclass
 class Substituted:
     """A request head with the values in place, and what the response must be scrubbed of."""
@@ -118,20 +190,20 @@ class Substituted:
     target: bytes
     headers: list[tuple[bytes, bytes]]
     used: list[Secret]
-    forms: list[tuple[bytes, bytes]]  # (what the proxy sent, what user code had sent)
+    forms: list[tuple[bytes, bytes]]  # (a Basic credential the proxy made, what user code sent)
 
 
 def substitute(target: bytes, headers: Sequence[tuple[bytes, bytes]],
                secrets: Sequence[Secret]) -> Substituted:
-    """Each secret's placeholder replaced by its value in target, the headers and Basic auth."""
+    """Each secret's placeholder replaced by its value in target, the headers and Basic auth.
+
+    The forms of each value are scrubbed from responses by value_forms; forms the proxy made
+    (a Basic credential holding the value) are returned with what user code had sent."""
     used: list[Secret] = []
     forms: list[tuple[bytes, bytes]] = []
     for secret in secrets:
         placeholder, value = secret.placeholder.encode(), secret.value.encode()
-        forms.append((value, placeholder))
         quoted = quote(secret.value, safe="").encode()
-        if quoted != value:
-            forms.append((quoted, placeholder))
         replaced = False
         if placeholder in target:
             target, replaced = target.replace(placeholder, quoted), True
@@ -152,33 +224,51 @@ def substitute(target: bytes, headers: Sequence[tuple[bytes, bytes]],
 
 
 class Scrubber:
-    """Replaces each value by its placeholder in a stream, whatever the reads split it into.
+    """Replaces each form of a value by the placeholder's, in a stream, whatever the reads split
+    it into; where forms overlap (a base64 credential holds the base64 of the value) the
+    longest starting first wins, as if the whole stream were scrubbed at once.
 
-    Holds back the longest value's length less one byte: a value cut by a read is whole in the
-    next one's bytes, and nothing is kept longer than that.
+    Holds back the longest form's length less one byte, unscrubbed: a form cut by a read is
+    whole in the next one's bytes, and nothing is kept longer than that.
     """
 
     def __init__(self, forms: Sequence[tuple[bytes, bytes]]) -> None:
-        self.forms = sorted({pair for pair in forms if pair[0]}, key=lambda pair: -len(pair[0]))
-        self.keep = max((len(value) for value, _ in self.forms), default=1) - 1
+        self.forms = dict(sorted(((form, instead) for form, instead in forms if form),
+                                 key=lambda pair: -len(pair[0])))
+        self.pattern = re.compile(b"|".join(re.escape(form) for form in self.forms)) \
+            if self.forms else None
+        self.keep = max((len(form) for form in self.forms), default=1) - 1
         self.held = b""
 
     def scrub(self, data: bytes) -> bytes:
         """A whole piece (a header value): every form replaced."""
-        for value, placeholder in self.forms:
-            data = data.replace(value, placeholder)
-        return data
+        if self.pattern is None:
+            return data
+        return self.pattern.sub(lambda found: self.forms[found.group()], data)
 
     def feed(self, data: bytes) -> bytes:
-        """What of the stream can be passed on now."""
-        data = self.scrub(self.held + data)
-        cut = max(len(data) - self.keep, 0)
+        """What of the stream can be passed on now.
+
+        A form starting before `final` lies whole in what is held: no later read can make a
+        longer one start there or before.
+        """
+        data = self.held + data
+        final = max(len(data) - self.keep, 0)
+        out: list[bytes] = []
+        at = 0
+        for found in self.pattern.finditer(data) if self.pattern is not None else ():
+            if found.start() >= final:
+                break
+            out += [data[at:found.start()], self.forms[found.group()]]
+            at = found.end()
+        cut = max(at, final)
+        out.append(data[at:cut])
         self.held = data[cut:]
-        return data[:cut]
+        return b"".join(out)
 
     def end(self) -> bytes:
         """The rest of the stream, at its end."""
-        rest, self.held = self.held, b""
+        rest, self.held = self.scrub(self.held), b""
         return rest
 
 
@@ -233,18 +323,25 @@ async def start_tls(stream: Stream, context: ssl.SSLContext, server_hostname: st
 
 
 async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader, timeout: float,
-                      status: int) -> object:
-    """The next h11 event, reading CHUNK bytes at a time; bad HTTP is an ExchangeError."""
+                      bad: ExchangeError) -> object:
+    """The next h11 event, reading CHUNK bytes at a time; bad HTTP raises bad."""
     while True:
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise ExchangeError(status, f"bad HTTP from the "
-                                        f"{'client' if status == 400 else 'destination'}: "
-                                        f"{exc}") from None
+        event = _parsed(conn, bad)
         if event is not h11.NEED_DATA:
             return event
         conn.receive_data(await asyncio.wait_for(reader.read(CHUNK), timeout))
+
+
+def _parsed(conn: h11.Connection, bad: ExchangeError) -> object:
+    """conn's next event (NEED_DATA too); bad when what it holds is not HTTP/1.1.
+
+    h11's own message is never used: it quotes the peer's bytes, and the destination's may
+    hold a secret's value (the proxy put it in the request they answer).
+    """
+    try:
+        return conn.next_event()
+    except h11.RemoteProtocolError:
+        raise bad from None
 
 
 class Exchanges:
@@ -254,35 +351,140 @@ class Exchanges:
                  used: Callable[[Secret], None], max_headers: int, head_limit: int) -> None:
         self.secrets, self.host, self.port, self.used = secrets, host, port, used
         self.own = secrets.of(host, port)
+        self.forms = [form for secret in self.own for form in value_forms(secret)]
         self.max_headers = max_headers
         self.client = h11.Connection(h11.SERVER, max_incomplete_event_size=head_limit)
         self.server = h11.Connection(h11.CLIENT, max_incomplete_event_size=head_limit)
+        self.authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.bad_request = ExchangeError(400, "bad HTTP from the client")
+        self.bad_response = self._unreadable(502)
+        self.bad_body = self._unreadable(0)  # once a head is sent, no other answer can follow
+
+    def _unreadable(self, status: int) -> ExchangeError:
+        return ExchangeError(status, Refusal(
+            f"{self.authority} sent a response that is not valid HTTP/1.1, so it is refused "
+            "(its bytes are not shown: they may hold a secret's value)",
+            "the host's server is at fault; try the request without the proxy's secret to see "
+            "what it answers"))
 
     async def serve(self, near: Stream, far: Stream, head_timeout: float,
                     counted: Callable[[int, int], None]) -> None:
         """Exchange after exchange until either side ends; counted(sent, received) as it goes."""
+        try:
+            await self._serve(near, far, head_timeout, counted)
+        except h11.LocalProtocolError:  # what h11 will not send: its message may quote a value
+            raise ExchangeError(502, f"the exchange with {self.authority} cannot be carried on "
+                                     "as HTTP/1.1, so the connection is closed") from None
+
+    async def _serve(self, near: Stream, far: Stream, head_timeout: float,
+                     counted: Callable[[int, int], None]) -> None:
         while True:
-            request = await _next_event(self.client, near[0], head_timeout, 400)
-            if not isinstance(request, h11.Request):
-                return  # the client closed (or sent nothing more)
-            scrubber = await self._send_request(request, near, far, counted)
-            await self._send_response(near, far, scrubber, request.method == b"HEAD", counted)
+            request = await self._next_request(near, far, head_timeout)
+            if request is None:
+                return  # the client closed (or sent nothing more), or the destination did
+            target = self._checked_target(request)
+            await self._send_request(request, target, near, far, counted)
+            await self._send_response(near, far, request.method == b"HEAD", counted)
             if self.client.our_state is not h11.DONE or self.server.our_state is not h11.DONE \
                     or self.server.their_state is not h11.DONE:
                 return
             self.client.start_next_cycle()
             self.server.start_next_cycle()
 
-    async def _send_request(self, request: h11.Request, near: Stream, far: Stream,
-                            counted: Callable[[int, int], None]) -> Scrubber:
+    async def _next_request(self, near: Stream, far: Stream,
+                            timeout: float) -> h11.Request | None:
+        """The client's next request, or None at its end or the destination's.
+
+        The destination is watched meanwhile: it may send nothing no request asked for (the
+        body of a HEAD's answer, bytes past a Content-Length), which would be read as the
+        next request's answer.
+        """
+        while True:
+            event = _parsed(self.client, self.bad_request)
+            if event is not h11.NEED_DATA:
+                return event if isinstance(event, h11.Request) else None
+            reading = asyncio.ensure_future(near[0].read(CHUNK))
+            watching = asyncio.ensure_future(far[0].read(CHUNK))
+            try:
+                done, _ = await asyncio.wait((reading, watching), timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                reading.cancel()
+                watching.cancel()
+            if watching in done and not watching.cancelled():
+                if watching.result():
+                    raise ExchangeError(0, f"{self.authority} sent bytes that no request asked "
+                                           "for: a protocol error, so the connection is closed")
+                return None  # the destination ended the kept-alive connection: so does the proxy
+            if reading not in done:
+                raise asyncio.TimeoutError
+            self.client.receive_data(reading.result())
+
+    def _checked_target(self, request: h11.Request) -> bytes:
+        """The request's target in origin-form, once the request is seen to go to this host.
+
+        A Host (or an absolute-form target) naming another host would have a server that
+        serves many (a CDN, a shared front end) hand the value to that one; CONNECT would have
+        the host, if it is a proxy too, tunnel it on.
+        """
+        if request.method == b"CONNECT":
+            raise ExchangeError(405, Refusal(
+                f"CONNECT inside the tunnel to {self.authority}, a host a secret is added for",
+                "CONNECT to the other host through the proxy itself"))
+        target = request.target
+        if not target.startswith(b"/") and target != b"*":  # absolute-form
+            parts = urlsplit(target.decode("ascii", "replace"))
+            if parts.scheme.lower() != "https" or not self._is_this_host(
+                    parts.netloc.rpartition("@")[2].encode()):
+                raise self._misdirected(f"request target {parts.scheme}://{parts.netloc}")
+            target = (parts.path or "/").encode() + (f"?{parts.query}".encode()
+                                                     if parts.query else b"")
+        for name, value in request.headers:
+            if name == b"host" and not self._is_this_host(value):
+                raise self._misdirected(f"Host header {value.decode('ascii', 'replace')}")
+        return target
+
+    def _is_this_host(self, authority: bytes) -> bool:
+        """authority names the tunnel's host (and its port, if it names one: clients leave
+        the port out of Host for 443, and some for any port)."""
+        text = authority.decode("ascii", "replace").strip().lower()
+        host, port = text, str(self.port)
+        if text.startswith("["):
+            host, _, rest = text[1:].partition("]")
+            port = rest.removeprefix(":") if rest else port
+        elif ":" in text:
+            host, _, port = text.rpartition(":")
+        address = parse_address(host)
+        try:
+            same = str(address) == self.host if address is not None else \
+                normal_name(host) == self.host
+        except RuleError:
+            return False
+        return same and port.isdigit() and int(port) == self.port
+
+    def _misdirected(self, named: str) -> ExchangeError:
+        return ExchangeError(421, Refusal(
+            f"the {named[:200]} names another host than the tunnel's, {self.authority}: a "
+            "secret is added only to requests to its host",
+            f"send the request to {self.authority} only, or to the other host through its "
+            "own CONNECT"))
+
+    async def _send_request(self, request: h11.Request, target: bytes, near: Stream,
+                            far: Stream, counted: Callable[[int, int], None]) -> None:
         if len(request.headers) > self.max_headers:
             raise ExchangeError(431, f"request head of more than {self.max_headers} headers")
         headers = [(name, value) for name, value in request.headers.raw_items()]
         self.secrets.check(self.host, self.port, readable_forms(request.target, headers))
-        done = substitute(request.target, headers, self.own)
+        done = substitute(target, headers, self.own)
+        self.forms += done.forms  # a Basic credential it made may come back in a later answer
         for secret in done.used:
             self.used(secret)
-        sent = [(name, value) for name, value in done.headers if name.lower() not in _DROPPED]
+        framed = {name.lower() for name, _ in done.headers}
+        sent = [(name, value) for name, value in done.headers if name.lower() not in _DROPPED
+                # with both, Transfer-Encoding frames the body h11 sends: the other would lie
+                and not (name.lower() == b"content-length" and b"transfer-encoding" in framed)]
+        if b"host" not in framed:  # an HTTP/1.0 request may have none; HTTP/1.1 needs one
+            sent.insert(0, (b"Host", self.authority.removesuffix(":443").encode()))
         sent.append((b"Accept-Encoding", b"identity"))  # a body the proxy can scrub
         if self.client.they_are_waiting_for_100_continue:
             near[1].write(self.client.send(h11.InformationalResponse(status_code=100,
@@ -290,11 +492,11 @@ class Exchanges:
         data = self.server.send(h11.Request(method=request.method, target=done.target,
                                             headers=sent))
         while True:
-            event = await _next_event(self.client, near[0], IDLE_TIMEOUT, 400)
+            event = await _next_event(self.client, near[0], IDLE_TIMEOUT, self.bad_request)
             if isinstance(event, h11.Data):
                 data += self.server.send(event)
             elif isinstance(event, h11.EndOfMessage):
-                data += self.server.send(h11.EndOfMessage())
+                data += self.server.send(h11.EndOfMessage())  # trailers are not forwarded
                 break
             else:
                 raise ExchangeError(0, "the client closed in the middle of its request")
@@ -305,23 +507,23 @@ class Exchanges:
         far[1].write(data)
         counted(len(data), 0)
         await far[1].drain()
-        return Scrubber(done.forms)
 
-    async def _send_response(self, near: Stream, far: Stream, scrubber: Scrubber, head: bool,
+    async def _send_response(self, near: Stream, far: Stream, head: bool,
                              counted: Callable[[int, int], None]) -> None:
+        scrubber = Scrubber(self.forms)
         while True:
-            event = await _next_event(self.server, far[0], IDLE_TIMEOUT, 502)
+            event = await _next_event(self.server, far[0], IDLE_TIMEOUT, self.bad_response)
             if isinstance(event, h11.InformationalResponse):
                 if event.status_code == 100:
                     continue  # the proxy answered the client's Expect itself
                 self._write(near, self.client.send(h11.InformationalResponse(
                     status_code=event.status_code, reason=scrubber.scrub(event.reason),
-                    headers=[(name, scrubber.scrub(value))
-                             for name, value in event.headers.raw_items()])), counted)
+                    headers=self._scrubbed(scrubber, event.headers.raw_items(), set()))),
+                    counted)
             elif isinstance(event, h11.Response):
                 break
             else:
-                raise ExchangeError(502, f"{self.host}:{self.port} closed without a response")
+                raise ExchangeError(502, f"{self.authority} closed without a response")
         # A scrubbed body may change its length: h11 frames it anew (chunked, or to the close
         # for an HTTP/1.0 client), except where there is no body to frame.
         keep_framing = head or event.status_code in (204, 304)
@@ -331,32 +533,61 @@ class Exchanges:
         if not keep_framing and encoding != b"identity":
             if encoding not in _UNDONE:
                 raise ExchangeError(502, Refusal(
-                    f"{self.host}:{self.port} answered in Content-Encoding "
-                    f"{encoding.decode('latin-1')[:40]} though asked for identity: the proxy "
-                    "cannot scrub a secret's value from it, so the response is refused",
+                    f"{self.authority} answered in Content-Encoding "
+                    f"{encoding.decode() if encoding in _KNOWN else 'of a name it made up'} "
+                    "though asked for identity: the proxy cannot scrub a secret's value from "
+                    "it, so the response is refused",
                     "ask the host for an uncompressed response (or for gzip)"))
             decoded, dropped = Decoded(), dropped | {b"content-encoding"}
-        headers = [(name, scrubber.scrub(value)) for name, value in event.headers.raw_items()
-                   if name.lower() not in dropped]
-        self._write(near, self.client.send(h11.Response(status_code=event.status_code,
-                                                         headers=headers,
-                                                         reason=scrubber.scrub(event.reason))),
-                    counted)
+        response = h11.Response(status_code=event.status_code,
+                                headers=self._scrubbed(scrubber, event.headers.raw_items(),
+                                                       dropped),
+                                reason=scrubber.scrub(event.reason))
+        if keep_framing:  # h11 knows there is no body: anything after the head is an error
+            self._ended(await _next_event(self.server, far[0], IDLE_TIMEOUT, self.bad_response),
+                        f"after its answer to a request that has no body ({_BODILESS})", 502)
+            self._write(near, self.client.send(response) + self.client.send(h11.EndOfMessage()),
+                        counted)
+            await near[1].drain()
+            return
+        self._write(near, self.client.send(response), counted)
+        await self._send_body(near, far, scrubber, decoded, counted)
+
+    async def _send_body(self, near: Stream, far: Stream, scrubber: Scrubber,
+                         decoded: Decoded | None, counted: Callable[[int, int], None]) -> None:
         while True:
-            event = await _next_event(self.server, far[0], IDLE_TIMEOUT, 502)
+            event = await _next_event(self.server, far[0], IDLE_TIMEOUT, self.bad_body)
             if isinstance(event, h11.Data):
                 for piece in decoded.pieces(event.data) if decoded else (event.data,):
                     if data := scrubber.feed(piece):
                         self._write(near, self.client.send(h11.Data(data=data)), counted)
                         await near[1].drain()
-            elif isinstance(event, h11.EndOfMessage):
-                rest = scrubber.end()
+            else:
+                # The body's end unsent: the client sees a response cut short, not a whole one.
+                self._ended(event, "past the end of its response's body", 0)
+                rest = scrubber.end()  # trailers (event.headers) are not forwarded
                 out = self.client.send(h11.Data(data=rest)) if rest else b""
                 self._write(near, out + self.client.send(h11.EndOfMessage()), counted)
                 await near[1].drain()
                 return
-            else:
-                raise ExchangeError(0, f"{self.host}:{self.port} closed mid-response")
+
+    def _ended(self, event: object, where: str, status: int) -> None:
+        """event must end the response, with nothing sent after it (it would be read as the
+        answer to the next request, and parsed there: it may hold a value)."""
+        if not isinstance(event, h11.EndOfMessage):
+            raise ExchangeError(0, f"{self.authority} closed mid-response")
+        if self.server.trailing_data[0]:
+            raise ExchangeError(status, Refusal(
+                f"{self.authority} sent bytes {where}: a protocol error, so the connection "
+                "is closed", "the host's server is at fault (a HEAD answered with a body, or "
+                             "a Content-Length that does not count the body's bytes)"))
+
+    @staticmethod
+    def _scrubbed(scrubber: Scrubber, headers: Sequence[tuple[bytes, bytes]],
+                  dropped: set[bytes]) -> list[tuple[bytes, bytes]]:
+        """Headers without those dropped, each name and value scrubbed."""
+        return [(scrubber.scrub(name), scrubber.scrub(value)) for name, value in headers
+                if name.lower() not in dropped]
 
     @staticmethod
     def _write(near: Stream, data: bytes | None, counted: Callable[[int, int], None]) -> None:

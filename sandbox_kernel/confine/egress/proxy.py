@@ -209,9 +209,9 @@ class EgressProxy:
             async with self.slots:
                 await self._serve(reader, writer, entry)
         except Refused as exc:
-            entry.allowed, entry.reason = False, str(exc)
+            entry.allowed, entry.reason = False, self.secrets.scrubbed(str(exc))
             if exc.status:
-                await _answer(writer, exc.status, str(exc))
+                await _answer(writer, exc.status, entry.reason)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
             if not entry.allowed:
                 entry.reason = entry.reason or f"client: {exc!r}"
@@ -224,7 +224,11 @@ class EgressProxy:
                 self._write(entry)
 
     def _write(self, entry: Connection) -> None:
-        """Record entry; a refusal the sink left out is counted, and the count written soon."""
+        """Record entry; a refusal the sink left out is counted, and the count written soon.
+
+        Its reason is scrubbed of every secret's value, whatever wrote it."""
+        if entry.reason:
+            entry.reason = self.secrets.scrubbed(entry.reason)
         self.record(entry)
         if not entry.allowed and self.flushing is None and self.loop is not None:
             self.flushing = self.loop.call_later(FLUSH_AFTER, self._flush)
@@ -337,9 +341,10 @@ class EgressProxy:
             try:
                 await exchanges.serve(near, far, HEAD_TIMEOUT, counted)
             except ExchangeError as exc:
+                text = self.secrets.scrubbed(str(exc))  # never quotes the host: and if it did
                 if exc.status:
-                    await _answer(near[1], exc.status, str(exc))
-                raise Refused(0, str(exc)) from None
+                    await _answer(near[1], exc.status, text)
+                raise Refused(0, text) from None
         finally:
             far[1].close()
             raw[1].close()
