@@ -19,22 +19,29 @@ from typing import Any
 from ..client.sessions import SessionLimit
 from ..launch.pool import start_sandbox
 from ..service.snapshots import Taken, restore_options, take
-from ..service.store import QuotaError, Store, Stored, StoreError
+from ..service.store import QuotaError, SizeError, Store, Stored, StoreError
 from .kernels import KernelSource, Session, SessionProblem, Sessions
 
 log = logging.getLogger("sandbox_kernel.mcp")
 
 
-def quota_problem(refused: QuotaError) -> str:
-    """A key's snapshot quota, said to a model: what happened and what it can do."""
+def for_model(refused: StoreError) -> str:
+    """A snapshot the store refused, said to a model: what happened and what it can do (the
+    operator's wording, with the setting, is in the log)."""
+    kept = "Nothing was saved and the session goes on as it was."
+    if isinstance(refused, SizeError):
+        return (f"The session's state is {refused.size} bytes, more than the "
+                f"{refused.limit} bytes a snapshot may have on this server. {kept} Free large "
+                "variables or files (del name; remove files) and snapshot again.")
+    if not isinstance(refused, QuotaError):
+        return str(refused)
     if refused.reason == "key_count":
-        held = f"You keep {refused.held} snapshots, the most this server allows you"
+        held = f"You keep {refused.held} snapshots, the most this server allows you."
     else:
         held = (f"Your snapshots hold {refused.held} bytes and this one does not fit in the "
-                f"{refused.limit} bytes this server allows you")
-    return (f"{held} ({refused.flag} {refused.limit}). Nothing was saved and the session goes "
-            "on as it was. Delete snapshots you no longer need (list_snapshots, then "
-            "delete_snapshot) and snapshot again, or ask the operator to raise the limit.")
+                f"{refused.limit} bytes this server allows you.")
+    return (f"{held} {kept} Delete snapshots you no longer need (list_snapshots, then "
+            "delete_snapshot) and snapshot again.")
 
 
 class Snapshots:
@@ -52,11 +59,8 @@ class Snapshots:
         async with session.lock:
             try:
                 return await take(session.sandbox, self.store, session.owner, kept)
-            except QuotaError as exc:
-                log.info("snapshot of %s refused: %s", session.owner, exc)
-                raise SessionProblem(quota_problem(exc)) from None
             except StoreError as exc:
-                raise SessionProblem(str(exc)) from None
+                raise self._refused(session, exc) from None
 
     def _record(self, session: Session, taken: Taken) -> dict[str, Any]:
         return {"network": session.network, "runtime": self.runtime,
@@ -68,10 +72,14 @@ class Snapshots:
         try:
             stored = self.store.save_snapshot(session.owner, taken.payload,
                                               self._record(session, taken))
-        except QuotaError as exc:  # another snapshot took the last place meanwhile
-            log.info("snapshot of %s refused: %s", session.owner, exc)
-            raise SessionProblem(quota_problem(exc)) from None
+        except StoreError as exc:  # another snapshot took the last place meanwhile
+            raise self._refused(session, exc) from None
         return stored, taken
+
+    @staticmethod
+    def _refused(session: Session, refused: StoreError) -> SessionProblem:
+        log.info("snapshot of session %s of %s refused: %s", session.id, session.owner, refused)
+        return SessionProblem(for_model(refused))
 
     def find(self, owner: str, snapshot_id: str, payload: bool = False) -> Stored:
         """The owner's snapshot (payload: with its bytes, to open it); the same answer for

@@ -63,6 +63,17 @@ class QuotaError(StoreError):
         self.reason, self.flag, self.held, self.limit = reason, flag, held, limit
 
 
+class SizeError(StoreError):
+    """A snapshot past --max-snapshot-size: `size` its bytes (or its kernel's claim), `limit`
+    the setting."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(413, f"the snapshot is {size} bytes, above this service's limit of "
+                         f"{limit} (--max-snapshot-size): free some of the session's variables "
+                         "or files, or raise the limit")
+        self.size, self.limit = size, limit
+
+
 @dataclass(frozen=True)
 class Quota:
     """What one key may keep of the snapshots it made (None: no bound)."""
@@ -138,9 +149,7 @@ class Store:
         """413 past --max-snapshot-size (counted)."""
         if size > self.max_size:
             self.refused("size")
-            raise StoreError(413, f"the snapshot is {size} bytes, above this service's limit "
-                             f"of {self.max_size} (--max-snapshot-size): free some of the "
-                             "session's variables or files, or raise the limit")
+            raise SizeError(size, self.max_size)
 
     def _write(self, kind: str, item: Stored) -> None:
         os.replace(self._stage(kind, item), self.root / kind / item.id)
@@ -246,9 +255,7 @@ class Store:
         room(): over --max-snapshot-size, or over what the key's quota leaves."""
         if size > self.max_size:
             self.refused("size")
-            return StoreError(413, f"the snapshot is {size} bytes, above this service's "
-                              f"limit of {self.max_size} (--max-snapshot-size): free some of "
-                              "the session's variables or files, or raise the limit")
+            return SizeError(size, self.max_size)
         return self._quota_error("key_bytes", self._held(owner)[1], size)
 
     def _held(self, owner: str) -> tuple[int, int]:
