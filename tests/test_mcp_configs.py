@@ -1,8 +1,11 @@
 """`sandbox-kernel mcp --print-config NAME`: a desktop app's config that starts with the app's
-own PATH, and examples/mcp/ equal to it (#32 item 11)."""
+own PATH, and examples/mcp/ equal to it where this install has every preload (#32 item 11); what
+it preloads is what this install can import, and a preload it cannot is refused (#45 item 5)."""
 
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,11 +29,38 @@ def printed(name, capsys):
 
 @pytest.mark.parametrize("name", sorted(configs.FILES))
 def test_each_example_is_the_printed_config_with_a_placeholder_path(name, capsys):
+    # The test venv has numpy, pandas and matplotlib: the printed config preloads them all.
     example = json.loads((EXAMPLES / configs.FILES[name]).read_text())
     assert example == configs.config(name, [configs.PLACEHOLDER])
     this = Path(sys.executable).parent / "sandbox-kernel"
     text = json.dumps(printed(name, capsys))
     assert text == json.dumps(example).replace(configs.PLACEHOLDER, str(this))
+
+
+def test_the_printed_config_preloads_only_what_this_install_imports(monkeypatch, capsys):
+    # An install without pandas (tests/test_extras.py: [mcp] alone, which has none of them).
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "pandas" else find_spec(name, *rest))
+    assert cli.main(["mcp", "--print-config", "claude_desktop"]) == 0
+    out, err = capsys.readouterr()
+    args = json.loads(out)["mcpServers"][configs.SERVER]["args"]
+    assert args == ["mcp", "--preload", "numpy,matplotlib", "--memory-limit", "2G"]
+    assert err == (f"sandbox-kernel mcp: this config preloads no pandas (examples/mcp/'s does): "
+                   f"this install cannot import it; to have it preloaded, run {sys.executable} "
+                   "-m pip install pandas and print the config again\n")
+
+
+def test_a_preload_that_does_not_import_is_one_error_before_the_server_starts():
+    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "mcp", "--preload",
+                           "numpy,no_such_module_45"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"sandbox-kernel mcp: --preload names no_such_module_45, which {sys.executable} cannot "
+        "import (kernels would start cold and their code fail on the import): install it into "
+        f"that environment ({sys.executable} -m pip install no_such_module_45, or the package "
+        "that provides it), or drop no_such_module_45 from --preload\n")
 
 
 def test_the_printed_config_starts_the_server_without_the_venv_on_path(tmp_path, capsys):

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from .. import flags, policy
+from ..launch import preload
 from . import configs
 from .config import McpConfig
 
@@ -138,6 +139,29 @@ def _sdk_missing() -> str | None:
     return None
 
 
+def _print_config(name: str) -> int:
+    """Print client `name`'s config for this install; say on stderr which preloads it lacks."""
+    printed, missing = configs.for_this_install(name)
+    print(json.dumps(printed, indent=2))
+    if missing:
+        names, them = " ".join(missing), "them" if len(missing) > 1 else "it"
+        print(f"sandbox-kernel mcp: this config preloads no {', '.join(missing)} "
+              f"(examples/mcp/'s does): this install cannot import {them}; to have {them} "
+              f"preloaded, run {sys.executable} -m pip install {names} and print the config "
+              "again", file=sys.stderr)
+    return 0
+
+
+def _preload_refusal(config: McpConfig) -> str | None:
+    """Why the server cannot preload what --preload names on its kernels' Python, or None."""
+    python = sys.executable
+    if config.runtime:  # its own preloads were checked when it was built
+        from ..runtimes import find
+
+        python = str(find(config.runtime).python())
+    return preload.refusal(python, config.preload)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the server (or print the tools) as the flags say."""
     missing = _sdk_missing()
@@ -153,8 +177,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
             return 2
     if args.print_config:
-        print(json.dumps(configs.config(args.print_config), indent=2))
-        return 0
+        return _print_config(args.print_config)
     config = config_from(args)
     if config.session_pause_after and not config.state_dir:
         print("sandbox-kernel mcp: --session-pause-after needs --state-dir: a paused "
@@ -165,6 +188,10 @@ def main(args: argparse.Namespace) -> int:
 
         print(json.dumps(definitions(config, args.print_tools), indent=2))
         return 0
+    refused = _preload_refusal(config)
+    if refused:
+        print(f"sandbox-kernel mcp: {refused}", file=sys.stderr)
+        return 2
     # stdout is the protocol over stdio: every log line goes to stderr, one line per message
     # (file names and errors from user code are shown escaped).
     from ..confine.logrelay import PrintableFormatter
