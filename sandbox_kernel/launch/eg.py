@@ -112,28 +112,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_port_range(text: str | None) -> tuple[int, int]:
-    """(low, high) from EG's 'LOW..HIGH'; (0, 0) means any free port."""
+    """(low, high) from EG's 'LOW..HIGH'; (0, 0) means any free port.
+
+    Only ASCII digits: int() would also take signs, spaces, '_' and other scripts' digits,
+    which no EG sends.
+    """
     if not text:
         return 0, 0
     low, sep, high = text.partition("..")
-    try:
-        if not sep:
-            raise ValueError
-        bounds = int(low), int(high)
-    except ValueError:
-        raise LaunchError(f"port range {text!r} is not LOW..HIGH, e.g. 40000..41000") from None
+    if not (sep and _is_port_number(low) and _is_port_number(high)):
+        raise LaunchError(f"port range {_shown(text)} is not LOW..HIGH, e.g. 40000..41000")
+    bounds = int(low), int(high)
     if bounds == (0, 0):
         return bounds
     if not 0 < bounds[0] <= bounds[1] <= 65535 or bounds[1] - bounds[0] < PORT_COUNT:
-        raise LaunchError(f"port range {text!r} must hold more than {PORT_COUNT} ports "
+        raise LaunchError(f"port range {_shown(text)} must hold more than {PORT_COUNT} ports "
                           "between 1 and 65535")
     return bounds
 
 
+def _is_port_number(text: str) -> bool:
+    return 0 < len(text) <= 5 and text.isascii() and text.isdigit()
+
+
+def _shown(value: str) -> str:
+    """A value from EG's request as an error shows it: quoted, on one line, not too long."""
+    return repr(value) if len(value) <= 80 else f"{value[:80]!r}... ({len(value)} characters)"
+
+
 def _parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise LaunchError(f"response address {text!r} is not IP:PORT")
+    if not sep or not host or not _is_port_number(port) or not 0 < int(port) <= 65535:
+        raise LaunchError(f"response address {_shown(text)} is not IP:PORT (a port from 1 to "
+                          "65535)")
     return host, int(port)
 
 
@@ -156,11 +167,11 @@ def parse_arguments(argv: list[str], environ: dict[str, str] | os._Environ[str])
         raise LaunchError(f"missing {', '.join(missing)}: EG passes them in the kernelspec's "
                           "argv or as KERNEL_ID, RESPONSE_ADDRESS, PUBLIC_KEY")
     if not _safe_kernel_id(args.kernel_id):
-        raise LaunchError(f"--kernel-id {args.kernel_id!r}: a kernel id is letters, digits, "
-                          "'-', '_' and '.' (EG gives a UUID), and not '.' or '..'")
+        raise LaunchError(f"--kernel-id {_shown(args.kernel_id)}: a kernel id is letters, "
+                          "digits, '-', '_' and '.' (EG gives a UUID), and not '.' or '..'")
     if args.spark_mode not in (None, "none"):
-        raise LaunchError(f"spark context mode {args.spark_mode!r}: a sandboxed kernel cannot "
-                          "start Spark (no processes, no network by default); use 'none'")
+        raise LaunchError(f"spark context mode {_shown(args.spark_mode)}: a sandboxed kernel "
+                          "cannot start Spark (no processes, no network by default); use 'none'")
     return LaunchRequest(kernel_id=args.kernel_id, public_key=args.public_key,
                          response_address=_parse_address(args.response_address),
                          port_range=parse_port_range(args.port_range), ip=args.ip,
@@ -206,8 +217,10 @@ def encrypt_payload(connection_info: dict, public_key: str) -> bytes:
         from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     except ImportError:
-        raise LaunchError("eg-launch needs the 'cryptography' package: "
-                          "pip install 'sandbox-kernel[eg]'") from None
+        from ..extras import install_hint
+
+        raise LaunchError("eg-launch needs the 'cryptography' package: install the [eg] extra: "
+                          f"{install_hint('eg')}") from None
     try:
         key = serialization.load_der_public_key(base64.b64decode(public_key, validate=True))
     except ValueError as exc:

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from .. import flags, policy
+from ..extras import install_hint
 from ..launch import preload
 from . import configs
 from .config import McpConfig
@@ -134,8 +135,7 @@ def _sdk_missing() -> str | None:
     try:
         import mcp.server.mcpserver  # noqa: F401
     except ImportError:
-        return ("the MCP SDK is not installed: install this package with its [mcp] extra "
-                "(pip install -e '.[mcp]' in the checkout)")
+        return f"the MCP SDK is not installed: install the [mcp] extra: {install_hint('mcp')}"
     return None
 
 

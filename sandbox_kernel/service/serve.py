@@ -12,6 +12,7 @@ from traitlets import TraitError
 
 from .. import policy
 from ..confine.logrelay import PrintableFormatter
+from ..extras import install_hint
 from . import config as service_config
 
 KEEP_ALIVE_SECONDS = 75  # as nginx's keepalive_timeout
@@ -67,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         from .app import create_app
         from .connections import protocol
     except ImportError as exc:
-        print(f"sandbox-kernel serve: {exc.name} is missing; install the server extra: "
-              "pip install 'sandbox-kernel[server]'", file=sys.stderr)
+        print(f"sandbox-kernel serve: {exc.name} is missing: install the [server] extra: "
+              f"{install_hint('server')}", file=sys.stderr)
         return 2
     from .auth import KeyFileError
     from .kernels import with_network  # the server extra's: imported once it is known here

@@ -57,8 +57,10 @@ class Server:
 
     def __init__(self, tmp: Path, *flags: str, env: dict[str, str] | None = None,
                  launcher: tuple[str, ...] = ("-m", "sandbox_kernel"),
-                 unset: tuple[str, ...] = (), ready: bool = True) -> None:
-        """ready: wait until /ready is 200 (else only until it answers)."""
+                 unset: tuple[str, ...] = (), ready: bool = True,
+                 python: str = sys.executable) -> None:
+        """ready: wait until /ready is 200 (else only until it answers); python: whose
+        sandbox-kernel serves (tests/test_extras.py: a venv of one extra)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
@@ -68,7 +70,7 @@ class Server:
             environ.pop(name, None)
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, *launcher, "serve", "--host", "127.0.0.1", *flags],
+                [python, *launcher, "serve", "--host", "127.0.0.1", *flags],
                 env=environ, stdout=log, stderr=subprocess.STDOUT)
         self.wait_ready() if ready else self.wait_answering()
 
