@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 
@@ -133,3 +135,57 @@ def test_a_keys_snapshot_count_is_bounded_and_said_for_a_model(clients):
     first = taken[0].structured_content["snapshot"]
     assert not a.tool("delete_snapshot", {"snapshot": first}).is_error
     assert not a.tool("snapshot_session", {"session": session}).is_error
+
+
+def test_two_servers_resuming_one_paused_session_at_the_same_instant(tmp_path):
+    """Issue #44 item 7 on the MCP face: two servers sharing a --state-dir get a call naming
+    a paused session in the same instant: one resumes it; the other says it cannot, and
+    never runs a second kernel of it."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"id": "team-a", "key": KEY_A}]}))
+    state = tmp_path / "state"
+    first = HttpServer(tmp_path, keys, "--state-dir", str(state), "--pool-size", "0",
+                       "--session-pause-after", "1")
+    second = HttpServer(tmp_path, keys, "--state-dir", str(state), "--pool-size", "0")
+    clients = [first.client(KEY_A), second.client(KEY_A)]
+    try:
+        session = new_session(clients[0], "z = 9")
+        deadline = time.monotonic() + 30
+        while not any(s["session"] == session and s["paused"] for s in clients[0].tool(
+                "list_sessions").structured_content["sessions"]):
+            assert time.monotonic() < deadline, first.log.read_text()
+            time.sleep(0.2)
+        answers = at_once([lambda client=client: client.tool(
+            "run_python", {"session": session, "code": "z"}) for client in clients])
+        won = [n for n, answer in enumerate(answers) if not answer.is_error]
+        assert len(won) == 1, [text(answer) for answer in answers]
+        assert answers[won[0]].structured_content["value"] == "9"
+        lost = text(answers[1 - won[0]])  # it is resuming, or it was and now runs there
+        assert f"session {session} is being resumed by another server" in lost \
+            or f"there is no session {session!r}" in lost, lost
+        assert not FLAGS_SEEN.search(lost), lost
+        live = [[s for s in client.tool("list_sessions").structured_content["sessions"]
+                 if s["session"] == session and not s["paused"]] for client in clients]
+        assert [len(found) for found in live] == [n == won[0] for n in range(2)], live
+    finally:
+        for client in clients:
+            client.close()
+        first.stop()
+        second.stop()
+
+
+def at_once(calls: list) -> list:
+    """The answers of calls made from threads released in the same instant."""
+    answers: list = [None] * len(calls)
+    together = threading.Barrier(len(calls))
+
+    def call(number: int) -> None:
+        together.wait()
+        answers[number] = calls[number]()
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return answers

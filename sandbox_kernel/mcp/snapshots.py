@@ -156,15 +156,26 @@ class Snapshots:
 
     async def _resume(self, owner: str, session_id: str, owner_limit: int | None
                       ) -> Session | None:
+        """Resume it holding its lease (store.py), the paused record read under it and
+        dropped before it is let go: of servers sharing the directory, one resumes it and
+        another finds it resuming (refused) or gone from the directory (None)."""
+        try:
+            self.store.lease(session_id, owner)
+        except StoreError:
+            raise SessionProblem(f"session {session_id} is being resumed by another server "
+                                 "sharing this one's snapshots: call again in a few seconds "
+                                 "(it then runs there, not here)") from None
         try:
             item = self.store.paused(owner, session_id, payload=True)
+            if item is None or 0 < item.record["expires"] < time.time():
+                return None
+            session = await self.open(owner, item, owner_limit, session_id)
+            session.created = item.record["created"]
+            self.store.drop_paused(session_id)
         except StoreError as exc:
             raise SessionProblem(f"session {exc}") from None
-        if item is None or 0 < item.record["expires"] < time.time():
-            return None
-        session = await self.open(owner, item, owner_limit, session_id)
-        session.created = item.record["created"]
-        self.store.drop_paused(session_id)
+        finally:
+            self.store.release(session_id)
         log.info("session %s of %s resumed", session_id, owner)
         return session
 

@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -649,3 +650,64 @@ def test_a_keys_snapshots_are_bounded_in_count_and_bytes_and_counted(tmp_path, k
     finally:
         http.delete(session, headers=auth(KEY_B))
         srv.stop()
+
+
+def live_sessions(srv) -> float:
+    """The sessions an instance holds a kernel for, as its /metrics shows them."""
+    shown = http.get(srv.url + "/metrics").text
+    return float(shown.split("\nsandbox_sessions ")[1].split()[0])
+
+
+def at_once(calls: list) -> list:
+    """The answers of calls made from threads released in the same instant."""
+    answers: list = [None] * len(calls)
+    together = threading.Barrier(len(calls))
+
+    def call(number: int) -> None:
+        together.wait()
+        answers[number] = calls[number]()
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return answers
+
+
+def test_two_instances_resuming_one_paused_session_at_the_same_instant(tmp_path, keys_file):
+    """Issue #44 item 7: both instances sharing the state dir get the session's next request
+    in the same instant: one resumes it, the other answers 409 saying it runs elsewhere;
+    never two live kernels, and its pause file stays whole. Tried over several rounds, the
+    winner pausing it again each time."""
+    state = tmp_path / "state"
+    flags = ("--api-keys-file", str(keys_file), "--pool-size", "0", "--state-dir", str(state))
+    instances = [Server(tmp_path, *flags), Server(tmp_path, *flags)]
+    try:
+        url = sessions_url(instances[0])
+        session_id = create(url)["id"]
+        assert execute(f"{url}/{session_id}", "z = 9").json()["error"] is None
+        holder = instances[0]
+        for _ in range(3):
+            paused = http.post(f"{sessions_url(holder)}/{session_id}/pause",
+                               headers=auth(KEY_B), timeout=120)
+            assert paused.status_code == 200, paused.text
+            answers = at_once([
+                lambda srv=srv: execute(f"{sessions_url(srv)}/{session_id}",
+                                        "def main():\n    return {'z': z}\n", inputs={})
+                for srv in instances])
+            statuses = sorted(answer.status_code for answer in answers)
+            assert statuses == [200, 409], [answer.text for answer in answers]
+            won = next(n for n, answer in enumerate(answers) if answer.status_code == 200)
+            lost = answers[1 - won].json()["detail"]
+            assert f"session {session_id} is running on another instance" in lost, lost
+            assert answers[won].json()["result"] == {"z": 9}
+            assert [live_sessions(srv) for srv in instances] == \
+                [1.0 if n == won else 0.0 for n in range(2)]
+            holder = instances[won]
+            kept = Store(state, 2**30).paused("team-b", session_id, payload=True)
+            assert kept is not None and kept.payload  # its MAC checked: whole
+        http.delete(f"{sessions_url(holder)}/{session_id}", headers=auth(KEY_B))
+    finally:
+        for srv in instances:
+            srv.stop()
