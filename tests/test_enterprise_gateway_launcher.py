@@ -345,6 +345,78 @@ def test_bad_arguments_are_refused_with_the_reason():
                               "'.' or '..'\n")
 
 
+KERNEL_ID_RULE = ("a kernel id is letters, digits, '-', '_' and '.' (EG gives a UUID), and not "
+                  "'.' or '..'")
+SPARK_RULE = ("a sandboxed kernel cannot start Spark (no processes, no network by default); "
+              "use 'none'")
+
+
+@pytest.mark.parametrize("variables, refusal", [
+    # EG's container variables (launch_kubernetes.py copies its environment into the pod)
+    ({"KERNEL_ID": "../../etc/cron.d/x"}, f"--kernel-id '../../etc/cron.d/x': {KERNEL_ID_RULE}"),
+    ({"KERNEL_ID": "k\nspec: {hostNetwork: true}"},
+     f"--kernel-id 'k\\nspec: {{hostNetwork: true}}': {KERNEL_ID_RULE}"),
+    ({"KERNEL_ID": ".."}, f"--kernel-id '..': {KERNEL_ID_RULE}"),
+    ({"KERNEL_ID": "k" * 300}, f"--kernel-id {'k' * 80!r}... (300 characters): {KERNEL_ID_RULE}"),
+    ({"PORT_RANGE": "41000..40000"}, "port range '41000..40000' must hold more than 5 ports "
+                                     "between 1 and 65535"),
+    ({"PORT_RANGE": "-5..10"}, "port range '-5..10' is not LOW..HIGH, e.g. 40000..41000"),
+    ({"PORT_RANGE": "40000..99999"}, "port range '40000..99999' must hold more than 5 ports "
+                                     "between 1 and 65535"),
+    ({"PORT_RANGE": "40000..40003"}, "port range '40000..40003' must hold more than 5 ports "
+                                     "between 1 and 65535"),
+    ({"PORT_RANGE": "9" * 5000 + "..1"},
+     f"port range {'9' * 80!r}... (5003 characters) is not LOW..HIGH, e.g. 40000..41000"),
+    ({"PORT_RANGE": "40000"}, "port range '40000' is not LOW..HIGH, e.g. 40000..41000"),
+    ({"PORT_RANGE": "40_000..41_000"},
+     "port range '40_000..41_000' is not LOW..HIGH, e.g. 40000..41000"),
+    ({"PORT_RANGE": " 40000..41000\n"},
+     "port range ' 40000..41000\\n' is not LOW..HIGH, e.g. 40000..41000"),
+    ({"PORT_RANGE": "+40000..41000"},
+     "port range '+40000..41000' is not LOW..HIGH, e.g. 40000..41000"),
+    ({"PORT_RANGE": "\u0664\u0660\u0660\u0660\u0660..\u0664\u0661\u0660\u0660\u0660"},
+     "port range '\u0664\u0660\u0660\u0660\u0660..\u0664\u0661\u0660\u0660\u0660' is not "
+     "LOW..HIGH, e.g. 40000..41000"),
+    ({"KERNEL_SPARK_CONTEXT_INIT_MODE": "eager"}, f"spark context mode 'eager': {SPARK_RULE}"),
+    ({"KERNEL_SPARK_CONTEXT_INIT_MODE": "lazy"}, f"spark context mode 'lazy': {SPARK_RULE}"),
+    ({"KERNEL_SPARK_CONTEXT_INIT_MODE": "None"}, f"spark context mode 'None': {SPARK_RULE}"),
+    ({"KERNEL_SPARK_CONTEXT_INIT_MODE": "none\n--SandboxPolicy.network=on"},
+     f"spark context mode 'none\\n--SandboxPolicy.network=on': {SPARK_RULE}"),
+    ({"RESPONSE_ADDRESS": "127.0.0.1:99999"},
+     "response address '127.0.0.1:99999' is not IP:PORT (a port from 1 to 65535)"),
+    ({"RESPONSE_ADDRESS": "127.0.0.1:\u0661"},
+     "response address '127.0.0.1:\u0661' is not IP:PORT (a port from 1 to 65535)"),
+])
+def test_hostile_container_variables_are_refused_on_one_line(monkeypatch, capsys, variables,
+                                                              refusal):
+    from sandbox_kernel.launch import eg
+
+    base = {"KERNEL_ID": "0b4a1c52-7d1e-4c2f-9d7a-2f4f1e0c9a11", "PUBLIC_KEY": "x",
+            "RESPONSE_ADDRESS": "127.0.0.1:1", "PORT_RANGE": "40000..41000"}
+    for name in (*base, "KERNEL_SPARK_CONTEXT_INIT_MODE", eg.POLICY_VARIABLE):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**base, **variables}.items():
+        monkeypatch.setenv(name, value)
+    assert eg.main([]) == eg.USAGE_ERROR
+    assert capsys.readouterr().err == f"sandbox-kernel eg-launch: {refusal}\n"
+
+
+@pytest.mark.parametrize("argv, variables, expected", [
+    ([], {"PORT_RANGE": "0..0"}, (0, 0)),  # any port, as EG's default says
+    ([], {"PORT_RANGE": "40000..40005"}, (40000, 40005)),  # exactly the six ports needed
+    (["--spark-context-initialization-mode", "none"], {"KERNEL_SPARK_CONTEXT_INIT_MODE": "eager"},
+     (40000, 41000)),  # EG's argument wins over its variable
+])
+def test_well_formed_container_variables_are_taken(argv, variables, expected):
+    from sandbox_kernel.launch import eg
+
+    environ = {"KERNEL_ID": "k-1.a_b", "PUBLIC_KEY": "x", "RESPONSE_ADDRESS": "127.0.0.1:8877",
+               "PORT_RANGE": "40000..41000", **variables}
+    request = eg.parse_arguments(argv, environ)
+    assert (request.kernel_id, request.port_range, request.response_address) == (
+        "k-1.a_b", expected, ("127.0.0.1", 8877))
+
+
 # Loads a seccomp profile in OCI/Docker JSON form, as a container runtime would, then execs.
 PROFILE_LOADER = """
 import json, os, sys
