@@ -421,7 +421,8 @@ class Exchanges:
             self.client.receive_data(reading.result())
 
     def _checked_target(self, request: h11.Request) -> bytes:
-        """The request's target in origin-form, once the request is seen to go to this host.
+        """The request's target in origin-form, once the request is seen to be HTTP/1 and to go
+        to this host.
 
         A Host (or an absolute-form target) naming another host would have a server that
         serves many (a CDN, a shared front end) hand the value to that one; CONNECT would have
@@ -431,6 +432,11 @@ class Exchanges:
             raise ExchangeError(405, Refusal(
                 f"CONNECT inside the tunnel to {self.authority}, a host a secret is added for",
                 "CONNECT to the other host through the proxy itself"))
+        if request.http_version not in (b"1.0", b"1.1"):  # h2's preface parses as HTTP/2.0
+            raise ExchangeError(505, Refusal(
+                f"HTTP/{request.http_version.decode('ascii', 'replace')} inside the tunnel to "
+                f"{self.authority}: the proxy speaks HTTP/1.1 to a host a secret is added for",
+                "use HTTP/1.1 (the only protocol the proxy offers by ALPN)"))
         target = request.target
         if not target.startswith(b"/") and target != b"*":  # absolute-form
             parts = urlsplit(target.decode("ascii", "replace"))
