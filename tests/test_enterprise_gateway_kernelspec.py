@@ -10,8 +10,10 @@ misspelt or misplaced field (which the models would drop) fails the test.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,137 @@ def test_kernel_is_execd_with_none_of_egs_environment():
     granted = kernel_environment(["--SandboxPolicy.pass_env=DATA_URL"], eg_env)
     assert granted["DATA_URL"] == "u" and "EG_AUTH_TOKEN" not in granted
     assert "DATA_URL" not in kernel_environment(["--SandboxPolicy.pass_env"], eg_env)
+
+
+# Runs EG's own launch_kubernetes.py as EG runs it, with --pod-template (render, write the pod,
+# create nothing), and keeps what its Jinja rendered: the text EG would send to the API.
+EG_RENDER = """
+import jinja2, runpy, sys
+rendered = []
+render = jinja2.Template.render
+def keep(self, *args, **kwargs):
+    rendered.append(render(self, *args, **kwargs))
+    return rendered[-1]
+jinja2.Template.render = keep
+script, keep_in = sys.argv[1], sys.argv[2]
+sys.argv = [script, *sys.argv[3:]]
+try:
+    runpy.run_path(script, run_name="__main__")
+finally:
+    open(keep_in, "w").write("".join(rendered))
+"""
+KUBECONFIG = {"apiVersion": "v1", "kind": "Config", "current-context": "none",
+              "clusters": [{"name": "none", "cluster": {"server": "https://127.0.0.1:9"}}],
+              "users": [{"name": "none", "user": {"token": "none"}}],
+              "contexts": [{"name": "none", "context": {"cluster": "none", "user": "none"}}]}
+# Each a value a client may put in the create request's env, and what each tries.
+HOSTILE_ENV = {
+    "KERNEL_POD_NAME": "{{ 7 * 7 }}-{{ ''.__class__.__mro__[1].__subclasses__() }}",  # #1412
+    "KERNEL_MEMORY_LIMIT": '1Gi"\n    privileged: true\n#',  # GHSA-cfw7-6c5v-2wjq
+    "KERNEL_CPUS": "1\n---\napiVersion: v1\nkind: Secret\nmetadata: {name: planted}\n",
+    "KERNEL_CPUS_LIMIT": "{% for x in range(10) %}{{ x }}{% endfor %}",
+    "KERNEL_MEMORY": "256Mi\n      hostPath: {path: /}",
+    "KERNEL_EPHEMERAL_STORAGE": "1Gi\u2028privileged: true\x85hostPID: true",  # YAML's breaks
+    "KERNEL_EPHEMERAL_STORAGE_LIMIT": "1Gi' }, hostNetwork: true, x: { '",
+}
+
+
+@pytest.fixture(scope="session")
+def eg_kubernetes_launcher(eg_python):
+    from tests import eg_venv
+    from tests.ci_tools import unavailable
+
+    try:
+        return eg_venv.kubernetes_launcher()
+    except (RuntimeError, OSError, subprocess.SubprocessError, tarfile.TarError) as exc:
+        unavailable(f"Enterprise Gateway's launch_kubernetes.py is not at hand: {exc}")
+
+
+def render_with_eg(eg_python, launcher, k8s_spec, where, env, kernel_id):
+    """The documents EG 3.3.0's own launch_kubernetes.py renders from the installed template
+    (as EG runs it: from the kernelspec's scripts/), and the pod it would create."""
+    scripts = where / "scripts"
+    shutil.copytree(k8s_spec / "scripts", scripts)
+    shutil.copy(launcher, scripts / "launch_kubernetes.py")
+    (where / "kubeconfig").write_text(json.dumps(KUBECONFIG))
+    argv = [str(scripts / "launch_kubernetes.py"), str(where / "rendered.yaml"),
+            "--RemoteProcessProxy.kernel-id", kernel_id,
+            "--RemoteProcessProxy.port-range", "40000..41000",
+            "--RemoteProcessProxy.response-address", "127.0.0.1:8877",
+            "--RemoteProcessProxy.public-key", "AAAA",
+            "--RemoteProcessProxy.spark-context-initialization-mode", "none",
+            "--pod-template", str(where / "pod.yaml")]
+    run = subprocess.run([str(eg_python), "-I", "-c", EG_RENDER, *argv], capture_output=True,
+                         text=True, timeout=120, cwd=where,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(where),
+                              "KUBECONFIG": str(where / "kubeconfig"), **env})
+    assert run.returncode == 0, run.stderr
+    rendered = [doc for doc in yaml.safe_load_all((where / "rendered.yaml").read_text()) if doc]
+    return rendered, yaml.safe_load((where / "pod.yaml").read_text())
+
+
+@pytest.mark.parametrize("kernel_id", ["0b4a1c52-7d1e-4c2f-9d7a-2f4f1e0c9a11",
+                                       'k"\nspec: {hostNetwork: true}\n#{{ 6 * 7 }}'])
+def test_egs_own_launcher_renders_hostile_values_as_plain_data(
+        eg_python, eg_kubernetes_launcher, k8s_spec, tmp_path, kernel_id):
+    env = {**CLIENT_ENV, **HOSTILE_ENV}
+    rendered, created = render_with_eg(eg_python, eg_kubernetes_launcher, k8s_spec, tmp_path,
+                                       env, kernel_id)
+    (pod,) = rendered  # one document: no Secret, no second Pod
+    assert pod["kind"] == "Pod"
+    round_trip(pod, "V1Pod")
+    assert pod["metadata"]["name"] == env["KERNEL_POD_NAME"]  # not evaluated: no 49
+    assert pod["metadata"]["labels"]["kernel_id"] == kernel_id
+    assert pod["metadata"]["namespace"] == "enterprise-gateway"
+    (container,) = pod["spec"]["containers"]
+    assert container["resources"] == {
+        "requests": {"cpu": env["KERNEL_CPUS"], "memory": env["KERNEL_MEMORY"],
+                     "ephemeral-storage": env["KERNEL_EPHEMERAL_STORAGE"]},
+        "limits": {"cpu": env["KERNEL_CPUS_LIMIT"], "memory": env["KERNEL_MEMORY_LIMIT"],
+                   "ephemeral-storage": env["KERNEL_EPHEMERAL_STORAGE_LIMIT"]}}
+    # What decides the confinement is the install's, whatever the client sent.
+    assert pod["spec"]["securityContext"]["runAsUser"] == 1000
+    assert pod["spec"]["securityContext"]["runAsGroup"] == 1000
+    assert container["image"] == "registry.example/sandbox-kernel:1.0"
+    assert container["securityContext"]["privileged"] is False
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["scratch"]
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert pod["spec"][key] is False
+    # EG adds its environment to the pod it creates: there, too, only as values.
+    assert {k: v for k, v in created.items() if k != "spec"} == \
+        {k: v for k, v in pod.items() if k != "spec"}
+    passed = {item["name"]: item["value"] for item in created["spec"]["containers"][0]["env"]}
+    assert passed["KERNEL_POD_NAME"] == env["KERNEL_POD_NAME"]
+    assert passed["KERNEL_ID"] == kernel_id
+
+
+@pytest.mark.parametrize("uid, refusal", [
+    ("0", "--k8s-uid 0: the kernel pod runs as this uid and gid, which must be from 1 to "
+          "2147483647, never root's 0 (EG and the pod's runAsNonRoot refuse it); the image's "
+          "user is 1000"),
+    ("-1", "--k8s-uid -1: the kernel pod runs as this uid and gid, which must be from 1 to "
+           "2147483647, never root's 0 (EG and the pod's runAsNonRoot refuse it); the image's "
+           "user is 1000"),
+    ("2147483648", "--k8s-uid 2147483648: the kernel pod runs as this uid and gid, which must "
+                   "be from 1 to 2147483647, never root's 0 (EG and the pod's runAsNonRoot "
+                   "refuse it); the image's user is 1000"),
+    ("root", "--k8s-uid 'root': expected a whole number"),
+    ("1.5", "--k8s-uid '1.5': expected a whole number"),
+])
+def test_install_refuses_a_root_or_malformed_pod_uid(tmp_path, capsys, uid, refusal):
+    from sandbox_kernel import cli
+
+    assert cli.main(["install", "--prefix", str(tmp_path), "--name", "k8s",
+                     "--enterprise-gateway", "kubernetes", f"--k8s-uid={uid}"]) == 2
+    assert capsys.readouterr().err == f"sandbox-kernel install: {refusal}\n"
+    assert not (tmp_path / "share").exists()
+
+
+def test_install_api_refuses_uid_0_too():
+    from traitlets import TraitError
+
+    from sandbox_kernel.launch.eg_kernelspec import EnterpriseGatewaySpec
+
+    with pytest.raises(TraitError, match=r"^--k8s-uid 0: "):
+        EnterpriseGatewaySpec(uid=0)
+    assert EnterpriseGatewaySpec(uid=1).uid == 1

@@ -21,7 +21,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from traitlets import Int, Unicode
+from traitlets import Int, TraitError, Unicode, validate
 from traitlets.config import Configurable
 
 from ..confine import seccomp
@@ -45,6 +45,7 @@ TEMPLATES = Path(__file__).with_name("eg_templates")
 # Where deploy/enterprise-gateway/README.md has operators install deploy/service/seccomp.json,
 # relative to the kubelet's seccomp directory (/var/lib/kubelet/seccomp).
 NODE_PROFILE = "Localhost:profiles/sandbox-kernel.json"
+MAX_POD_ID = 2**31 - 1  # what Kubernetes accepts for runAsUser and runAsGroup
 
 
 class EnterpriseGatewaySpec(Configurable):
@@ -87,6 +88,17 @@ class EnterpriseGatewaySpec(Configurable):
     ).tag(config=True, flag="eg-port-range", metavar="LOW..HIGH")
     response_port = Int(8877, help="EG's response port (EG_RESPONSE_PORT), for the "
                         "NetworkPolicy.").tag(config=True, flag="eg-response-port", metavar="N")
+
+    @validate("uid")
+    def _non_root_uid(self, proposal: dict[str, Any]) -> int:
+        """Refused here, at install: the pod's runAsNonRoot would refuse uid 0 only at each
+        kernel start, and EG (EG_PROHIBITED_UIDS/GIDS) refuses uid and gid 0 too."""
+        uid = proposal["value"]
+        if not 0 < uid <= MAX_POD_ID:
+            raise TraitError(f"--k8s-uid {uid}: the kernel pod runs as this uid and gid, which "
+                             f"must be from 1 to {MAX_POD_ID}, never root's 0 (EG and the "
+                             "pod's runAsNonRoot refuse it); the image's user is 1000")
+        return int(uid)
 
     def seccomp_stanza(self) -> dict[str, str]:
         """The pod's seccompProfile object."""
@@ -169,7 +181,11 @@ def from_arguments(args: argparse.Namespace) -> EnterpriseGatewaySpec:
     for name, trait in EnterpriseGatewaySpec.class_traits(config=True).items():
         given = getattr(args, f"eg_{name}", None)
         if given is not None:
-            values[name] = trait.from_string(given)
+            try:
+                values[name] = trait.from_string(given)
+            except ValueError:  # int("abc"): say which flag wants a number
+                raise TraitError(f"--{trait.metadata['flag']} {given!r}: expected a whole "
+                                 "number") from None
     return EnterpriseGatewaySpec(**values)
 
 
