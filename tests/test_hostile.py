@@ -562,6 +562,23 @@ SPECIAL = [
          "next kernel gets its freed uid (tests/test_identity.py)",
          "open(left), open(left, 'a'), os.unlink(left)", "PermissionError x3 (another uid)",
          "identity: a uid stays out of use while it owns files in a write grant"),
+    Case("F28", "files", "user code with a write grant puts a symlink to a secret's folder where "
+         "a --read-path of the next kernel (ZMQ or one-shot) was (tests/test_grant_links.py)",
+         "os.rmdir(grant); os.symlink(secret_dir, grant)", "next kernel refuses to start; "
+         "secret never read", "grants name real paths: checked at start and on the Landlock "
+         "rule's open file"),
+    Case("F29", "files", "read a secret outside a --read-path folder through symlinks in it: "
+         "absolute, relative, to a folder (tests/test_grant_links.py)", "open(grant + '/link')",
+         "PermissionError (EACCES) x4", "Landlock: checks the link's target"),
+    Case("X25", "processes", "hostile KERNEL_* values (a Jinja expression in KERNEL_POD_NAME, "
+         "quote and newline breaks, a second document, U+2028/U+0085) rendered by EG 3.3.0's own "
+         "launch_kubernetes.py (tests/test_enterprise_gateway_kernelspec.py)",
+         "KERNEL_POD_NAME={{ 7 * 7 }}", "one Pod, each value plain data, confinement the "
+         "install's", "pod template: yaml_safe on every KERNEL_* value"),
+    Case("X26", "processes", "hostile KERNEL_ID, PORT_RANGE, KERNEL_SPARK_CONTEXT_INIT_MODE, "
+         "RESPONSE_ADDRESS to eg-launch (tests/test_enterprise_gateway_launcher.py)",
+         "KERNEL_ID=../../etc/cron.d/x", "exit 2, one line naming the value",
+         "eg-launch: strict parsing before anything is written"),
     Case("R17", "resources", "hold 512 MiB in scratch files and heap in a 256 MiB kernel",
          "write 8 MiB files, then bytearray(8 MiB), until refused", "ENOSPC, then MemoryError; "
          "< 256 MiB held", "memory limit = scratch tmpfs + RLIMIT_DATA (root)"),
