@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +198,11 @@ def _refusal(status: int, text: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+def _text(got: bytes) -> bytes:
+    """got without chunked framing (where a read cut the body is not the point here)."""
+    return re.sub(rb"\r\n[0-9a-f]+\r\n", b"", got)
+
+
 def _records(hostile: Hostile) -> list[dict[str, object]]:
     return [json.loads(line) for line in hostile.audit.read_text().splitlines()]
 
@@ -317,7 +323,7 @@ def test_expect_100_continue_is_answered_by_the_proxy_alone(hostile):
     interim, _, final = got.partition(b"\r\n\r\n")
     assert interim == b"HTTP/1.1 100 "  # the proxy's own: not the host's, which echoed
     assert final.startswith(b"HTTP/1.1 200 OK\r\n")
-    assert f'"auth": "Bearer {hostile.placeholder}"'.encode() in final
+    assert f'"auth": "Bearer {hostile.placeholder}"'.encode() in _text(final)
     assert hostile.origin.asked[-1].body == b"abc"
 
 
@@ -399,13 +405,13 @@ def test_connect_inside_the_tunnel_is_refused(hostile):
 def test_an_http_1_0_request_without_host_gets_the_tunnels(hostile):
     got = hostile.exchange(b"GET /echo HTTP/1.0\r\nAuthorization: Bearer {P}\r\n\r\n")
     assert got.startswith(b"HTTP/1.1 200 OK\r\n")
-    assert f'"auth": "Bearer {hostile.placeholder}"'.encode() in got
+    assert f'"auth": "Bearer {hostile.placeholder}"'.encode() in _text(got)
     assert hostile.origin.asked[-1].headers["host"] == f"localhost:{hostile.origin.port}"
 
 
 def test_pipelined_requests_each_get_the_value_and_never_return_it(hostile):
     got = hostile.exchange(_get("/echo?1", close=False) + _get("/echo?2"))
-    assert got.count(f'"auth": "Bearer {hostile.placeholder}"'.encode()) == 2
+    assert _text(got).count(f'"auth": "Bearer {hostile.placeholder}"'.encode()) == 2
     assert [asked.auth for asked in hostile.origin.asked[-2:]] == [f"Bearer {hostile.value}"] * 2
 
 
