@@ -1,4 +1,4 @@
-"""The tools .ci/run installs: Docker, Debian's chromium, haproxy and python3-venv, and
+"""The tools .ci/run installs: Docker and Compose, Debian's chromium, haproxy and python3-venv, and
 Enterprise Gateway's venv.
 
 A test that needs one skips where it is missing, saying why; in CI (CI=true) .ci/run has

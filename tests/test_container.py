@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -386,6 +387,266 @@ def test_refreshing_the_dependencies_says_the_image_is_read_only(shipped):
     assert shipped.run("print(1)", False)["data"]["stdout"] == "1\n"  # still serving
 
 
+# ---- The container's process limit -------------------------------------------------------
+# Every thread of every process in the container takes one of its pids_limit task slots, and
+# nothing else bounds them together: no cgroup of the service's own, and no capability to make
+# one. So the bound is arithmetic (docs/deploy.md, "The container's process limit"): every
+# kernel the service may hold at its own --max-threads (RLIMIT_NPROC of its uid, its own
+# threads included), plus each kernel's reaper and the service's and fork servers' own tasks,
+# must fit in pids_limit with room to spare.
+# A ZMQ kernel's reaper (root, outside the kernel's RLIMIT_NPROC): its main thread, the log
+# writer, the egress proxy's event loop, and asyncio's resolver threads (at most 32: the default
+# executor's min(32, CPUs + 4)); a one-shot kernel's companion is shared and counted here too.
+REAPER_TASKS = 35
+# The service (its event loop, asyncio's and anyio's worker threads: at most 32 + 40) and the
+# fork servers (a retiring one beside the new, each with its companion and its zygotes).
+SERVICE_TASKS = 256
+# What the arithmetic must leave over, at the least: kernels being torn down, and room for
+# the estimate above to be wrong by a few kernels.
+HEADROOM = 0.10
+
+
+def _max_threads_of_the_image() -> int:
+    """--max-threads of the Dockerfile's CMD (the kernels' RLIMIT_NPROC), or the default."""
+    from sandbox_kernel.policy import SandboxPolicy
+
+    (cmd,) = re.findall(r"^CMD (\[.*\])$", (SERVICE / "Dockerfile").read_text(), re.M)
+    args = json.loads(cmd)
+    if "--max-threads" in args:
+        return int(args[args.index("--max-threads") + 1])
+    return int(SandboxPolicy.max_threads.default_value)
+
+
+def _service_setting(service: dict, name: str) -> int:
+    """A ServiceConfig setting as the compose file's environment gives it, or its default."""
+    from sandbox_kernel.service.config import ServiceConfig
+
+    trait = ServiceConfig.class_traits()[name]
+    given = service.get("environment", {}).get(trait.metadata["env"])
+    return int(_substitute(str(given))) if given is not None else int(trait.default_value)
+
+
+def kernels_at_most(service: dict) -> int:
+    """Kernels the service may hold at once: every session's, both policies' pools of each
+    kind, and the runs executing (a run with its own allowlist gets a kernel of its own)."""
+    return (_service_setting(service, "max_sessions")
+            + 2 * _service_setting(service, "pool_size")
+            + 2 * _service_setting(service, "one_shot_pool_size")
+            + _service_setting(service, "max_workers"))
+
+
+@pytest.mark.parametrize("compose_file", ["compose.yaml", "dify/docker-compose.override.yaml"])
+def test_the_process_limit_holds_every_kernel_at_its_thread_limit(compose_file):
+    service = _compose_file(SERVICE / compose_file)
+    max_threads = _max_threads_of_the_image()
+    assert max_threads > 0, "--max-threads 0 bounds no kernel: the arithmetic cannot hold"
+    needed = kernels_at_most(service) * (max_threads + REAPER_TASKS) + SERVICE_TASKS
+    assert service["pids_limit"] >= needed * (1 + HEADROOM), (
+        f"{compose_file}: pids_limit {service['pids_limit']} < {needed} tasks "
+        f"({kernels_at_most(service)} kernels x ({max_threads} + {REAPER_TASKS}) + "
+        f"{SERVICE_TASKS}) + {HEADROOM:.0%}: raise it, or lower --max-threads in the image")
+    # docs/deploy.md states the same numbers.
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    for number in (kernels_at_most(service), max_threads, REAPER_TASKS, SERVICE_TASKS,
+                   service["pids_limit"]):
+        assert re.search(rf"\b{number:,}\b|\b{number}\b", doc), number
+
+
+# User code that starts threads until it may start no more, and keeps them.
+THREAD_BOMB = """
+import threading
+hold = threading.Event()
+started = 0
+try:
+    while True:
+        threading.Thread(target=hold.wait, daemon=True).start()
+        started += 1
+except RuntimeError as exc:
+    print(started, exc)
+"""
+# Code that needs a few threads of its own.
+SOME_THREADS = """
+import threading
+done = []
+threads = [threading.Thread(target=done.append, args=(n,)) for n in range(16)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(len(done))
+"""
+
+
+def _tasks(container: Container) -> list[tuple[int, int, int, int]]:
+    """(pid, parent pid, real uid, threads) of every process in the container."""
+    listing = _docker("exec", container.name, "python", "-c",
+                      "import os\n"
+                      "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+                      "    try:\n"
+                      "        lines = open(f'/proc/{pid}/status').read().splitlines()\n"
+                      "    except OSError:\n"
+                      "        continue\n"
+                      "    fields = dict(line.split(':', 1) for line in lines if ':' in line)\n"
+                      "    print(pid, fields['PPid'].split()[0], fields['Uid'].split()[0],\n"
+                      "          fields['Threads'].split()[0])\n").stdout
+    return [tuple(map(int, line.split())) for line in listing.splitlines()]  # type: ignore
+
+
+def test_a_thread_bomb_leaves_the_service_and_other_tenants_working(shipped, say):
+    """One tenant's kernels at their thread limit (a native API session and a Dify run) take
+    their RLIMIT_NPROC and no more: the service answers, and the other tenant still gets new
+    kernels whose code may start threads."""
+    max_threads = _max_threads_of_the_image()
+    native = {"Authorization": "Bearer dify-sandbox"}  # the native API's one key (API_KEY)
+
+    def execute(path: str, code: str, **body) -> dict:
+        answer = httpx.post(shipped.url + path, headers=native, timeout=120,
+                            json={"code": code, **body})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def bounded_by_its_own_limit(stdout: str) -> None:
+        started, _, error = stdout.strip().partition(" ")
+        assert error == "can't start new thread", stdout
+        # Stopped by its own RLIMIT_NPROC (its own threads count: 11 at start, ~20 once it has
+        # run code), not by the container.
+        assert max_threads - 32 <= int(started) < max_threads, (started, max_threads)
+
+    session = httpx.post(shipped.url + "/api/v1/sessions", headers=native, timeout=120,
+                         json={"network": False}).json()["id"]
+    try:
+        out = execute(f"/api/v1/sessions/{session}/execute", THREAD_BOMB)
+        bounded_by_its_own_limit("".join(log["text"] for log in out["logs"]))
+        say(f"thread bomb in a session: stopped at its --max-threads ({max_threads})")
+        with ThreadPoolExecutor(1) as background:
+            # The dify route's tenant: a run that bombs and holds its threads for a while.
+            dify_bomb = background.submit(shipped.run, THREAD_BOMB + "\nhold.wait(10)\n", True)
+            deadline = time.monotonic() + 30
+            while sum(threads >= max_threads - 32 for *_, threads in _tasks(shipped)) < 2:
+                assert not dify_bomb.done() and time.monotonic() < deadline, \
+                    dify_bomb.result() if dify_bomb.done() else "the dify run never bombed"
+                time.sleep(0.2)
+            tasks = _tasks(shipped)
+            say(f"both bombs holding: {sum(row[3] for row in tasks)} tasks in the container")
+            assert httpx.get(shipped.url + "/health", timeout=10).status_code == 200
+            # The native key, while the dify route's kernel is at its limit: a fresh one-shot
+            # kernel of each policy and a new session, each starting threads of its own.
+            for network in (False, True):
+                out = execute("/api/v1/execute", SOME_THREADS, network=network)
+                assert out["error"] is None and out["logs"][0]["text"] == "16\n", out
+            other = httpx.post(shipped.url + "/api/v1/sessions", headers=native, timeout=120,
+                               json={"network": True})
+            assert other.status_code == 201, other.text
+            out = execute(f"/api/v1/sessions/{other.json()['id']}/execute", SOME_THREADS)
+            assert out["logs"][0]["text"] == "16\n", out
+            # The dify route, while the session's kernel is at its limit: more runs than its
+            # pools hold, so that kernels are forked meanwhile.
+            for network in (False, True, False, True, False, True):
+                answer = shipped.run(SOME_THREADS, network)
+                assert answer["data"]["stdout"] == "16\n", answer
+            bounded_by_its_own_limit(dify_bomb.result()["data"]["stdout"])
+        # What the arithmetic assumes of the root side, measured here: each reaper and the
+        # service and fork servers together are well within their share.
+        kernels = {pid for pid, _, uid, _ in tasks if uid >= 200000}
+        reapers = [threads for _, parent, uid, threads in tasks
+                   if uid == 0 and parent in kernels]
+        own = sum(threads for _, parent, uid, threads in tasks
+                  if uid == 0 and parent not in kernels)
+        assert reapers and max(reapers) <= REAPER_TASKS and own <= SERVICE_TASKS // 2, tasks
+        httpx.delete(shipped.url + f"/api/v1/sessions/{other.json()['id']}", headers=native,
+                     timeout=60)
+    finally:
+        httpx.delete(shipped.url + f"/api/v1/sessions/{session}", headers=native, timeout=60)
+    assert shipped.ready_state()[0] == 200
+
+
+# ---- docs/deploy.md's compose steps, run by Compose itself ---------------------------------
+
+def _compose_command() -> tuple[list[str], str]:
+    """Compose v2 (`docker compose`) where the plugin is installed, else Debian 12's
+    docker-compose 1.29 (Debian has no Compose v2); its version too."""
+    v2 = subprocess.run([DOCKER, "compose", "version", "--short"], capture_output=True,
+                        text=True, timeout=60)
+    if v2.returncode == 0:
+        return [DOCKER, "compose"], v2.stdout.strip()
+    v1 = shutil.which("docker-compose")
+    if v1:
+        found = subprocess.run([v1, "version", "--short"], capture_output=True, text=True,
+                               timeout=60)
+        return [v1], found.stdout.strip()
+    unavailable("no Compose: neither `docker compose` (Compose v2, Docker's compose plugin) nor "
+                "docker-compose (apt-get install docker-compose) is installed")
+
+
+def _inspected(container: str) -> dict:
+    return json.loads(_docker("inspect", container).stdout)[0]
+
+
+def test_compose_runs_the_documented_steps_with_every_setting(image, say):
+    """docs/deploy.md's steps 2 and 3 as written (from deploy/service), with the Compose this
+    machine has; the container Compose made has every setting of compose.yaml."""
+    compose, version = _compose_command()
+    project = f"sandbox-kernel-test-{uuid.uuid4().hex[:8]}"
+    port = _free_port()
+    env = {**os.environ, "SANDBOX_IMAGE": IMAGE, "SANDBOX_HOST_PORT": str(port)}
+
+    def run(*args: str, cwd: Path = SERVICE, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run([*compose, "-p", project, *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 or not check, done.stdout + done.stderr
+        return done
+
+    say(f"compose: {' '.join(compose)} {version}, from deploy/service")
+    try:
+        done = run("run", "--rm", "sandbox", "check")
+        assert "the service's kernels will start" in done.stdout, done.stdout
+        if compose[0] != DOCKER:
+            # 1.29 reads seccomp.json relative to the working directory: from the repository
+            # root it stops before starting anything, naming the file (docs/deploy.md says so).
+            done = run("-f", "deploy/service/compose.yaml", "run", "--rm", "sandbox", "check",
+                       cwd=ROOT, check=False)
+            assert done.returncode != 0 and "Error reading seccomp profile" in done.stderr \
+                and "seccomp.json" in done.stderr, done.stdout + done.stderr
+        run("up", "-d")
+        (container,) = run("ps", "-q", "sandbox").stdout.split()
+        shipped = Container.__new__(Container)
+        shipped.name, shipped.url = container, f"http://127.0.0.1:{port}"
+        answers = shipped.wait_answering()
+        assert answers[-1][0] == 200, f"{answers[-1]}\n{shipped.logs()}"
+        assert shipped.run("print(6 * 7)", True)["data"]["stdout"] == "42\n"
+        say("compose up: /ready 200, a run with the network answered")
+        # Every setting reached the container: none was dropped on the way.
+        settings, made = _compose_service(), _inspected(container)
+        host, config = made["HostConfig"], made["Config"]
+        assert host["PidsLimit"] == settings["pids_limit"]
+        assert host["Memory"] == 8 * 2**30 and settings["mem_limit"] == "8g"
+        assert host["CapDrop"] == settings["cap_drop"]
+        assert sorted(host["CapAdd"]) == sorted(settings["cap_add"])
+        assert host["ReadonlyRootfs"] is settings["read_only"] is True
+        assert host["Privileged"] is False
+        assert host["Tmpfs"] == dict(mount.split(":", 1) for mount in settings["tmpfs"])
+        assert host["RestartPolicy"]["Name"] == settings["restart"]
+        assert host["PortBindings"] == {"8194/tcp": [{"HostIp": "127.0.0.1",
+                                                      "HostPort": str(port)}]}
+        options = dict(option.replace(":", "=", 1).split("=", 1) if option.startswith("no-new")
+                       else option.split("=", 1) for option in host["SecurityOpt"])
+        assert options["no-new-privileges"] == "true"
+        profile = options["seccomp"]
+        profile = json.loads(profile if profile.lstrip().startswith("{")
+                             else (SERVICE / profile).read_text())
+        assert profile == json.loads((SERVICE / "seccomp.json").read_text())
+        assert config["User"] == settings["user"]
+        assert config["StopTimeout"] == int(settings["stop_grace_period"].rstrip("s"))
+        environment = dict(item.split("=", 1) for item in config["Env"])
+        for name, value in settings["environment"].items():
+            assert environment[name] == _substitute(str(value)), name
+        (state,) = [mount for mount in made["Mounts"]
+                    if mount["Destination"] == "/var/lib/sandbox-kernel"]
+        assert state["Type"] == "volume" and state["RW"] is True, state
+    finally:
+        run("down", "-v", "--timeout", "5", check=False)
+
+
 def test_without_the_seccomp_profile_it_is_not_ready_and_check_says_why(image, say):
     """The runtime's default seccomp profile in place of the shipped one: network kernels
     cannot make their namespace, so the service must not call itself ready."""
@@ -417,12 +678,17 @@ def test_the_dify_overlay_hardens_the_container_the_same_way():
     shipped = _compose_service()
     for key in ("user", "read_only", "tmpfs", "cap_drop", "cap_add", "pids_limit", "mem_limit"):
         assert overlay[key] == shipped[key], key
-    # The same profile: the overlay's is named relative to the Dify directory it is copied to,
-    # beside it (as Compose v2 resolves it), and in this checkout links to the standalone one.
+    # The same profile: the overlay names it relative to Dify's docker/ directory (the project
+    # directory Compose v2 resolves it against), where every place that shows how to add the
+    # overlay copies deploy/service/seccomp.json under that name. There is one profile in this
+    # checkout, no copy of it beside the overlay to drift apart.
     profile = [item for item in overlay["security_opt"] if item.startswith("seccomp")]
     assert profile == ["seccomp=sandbox-kernel-seccomp.json"]
-    assert json.loads((SERVICE / "dify" / "sandbox-kernel-seccomp.json").read_text()) == \
-        json.loads((SERVICE / "seccomp.json").read_text())
+    assert not (SERVICE / "dify" / "sandbox-kernel-seccomp.json").exists()
+    for where in (ROOT / "docs" / "dify.md", ROOT / "README.md",
+                  SERVICE / "dify" / "docker-compose.override.yaml"):
+        assert re.search(r"cp \S*deploy/service/seccomp\.json \S*sandbox-kernel-seccomp\.json\b",
+                         where.read_text()), where
     assert overlay["environment"]["JUPYTER_RUNTIME_DIR"] == shipped["environment"].get(
         "JUPYTER_RUNTIME_DIR", "/run/jupyter")
 
