@@ -12,12 +12,15 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import types
 
 import pytest
+from jupyter_client.manager import start_new_kernel
 
 from sandbox_kernel.client import Sandbox
+from sandbox_kernel.install import install
 from sandbox_kernel.policy import SandboxPolicy
-from tests.helpers import evaluate
+from tests.helpers import evaluate, ok
 
 SECRET = "outside the folder"
 
@@ -181,30 +184,137 @@ def test_read_write_writes_in_the_folder_and_nowhere_past_it(read_write):
     assert (folder.parent / "secret.txt").read_text() == SECRET
 
 
+class NotebookKernel:
+    """A kernel started as Jupyter starts a notebook's: from a kernelspec, in the notebook's
+    folder, by jupyter_client alone (no Sandbox client, which refuses a grant not given)."""
+
+    def __init__(self, folder, mode):
+        name = f"grant-cwd-{mode}"
+        install(SandboxPolicy(grant_cwd=mode), name=name, user=True)
+        self.manager, self.client = start_new_kernel(kernel_name=name, cwd=str(folder),
+                                                     startup_timeout=60)
+
+    def run(self, code):
+        """What Sandbox.run returns, as far as these tests read it: text and error."""
+        found = types.SimpleNamespace(text=None, error=None)
+
+        def keep(msg):
+            if msg["msg_type"] == "execute_result":
+                found.text = msg["content"]["data"]["text/plain"]
+            elif msg["msg_type"] == "error":
+                found.error = types.SimpleNamespace(name=msg["content"]["ename"],
+                                                    value=msg["content"]["evalue"])
+        self.client.execute_interactive(code, output_hook=keep, timeout=60)
+        return found
+
+    def close(self):
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=True)
+
+
 @pytest.mark.parametrize("folder, holds", [
     (tempfile.gettempdir(), "Jupyter's runtime directory (the connection files of every kernel)"),
     (os.path.realpath(pwd.getpwuid(os.getuid()).pw_dir),
      "the home directory of the user who started it (keys, tokens, Jupyter's files)"),
 ], ids=["connection-files", "home"])
 def test_a_folder_holding_secrets_is_never_granted(folder, holds):
-    with started_in(folder, "ro") as sandbox:
+    kernel = NotebookKernel(folder, "ro")
+    try:
         if "runtime" in holds:  # where this client writes its kernels' connection files
-            assert os.path.dirname(sandbox.manager.connection_file) == folder
+            assert os.path.dirname(kernel.manager.connection_file) == folder
             with tempfile.NamedTemporaryFile(dir=folder, suffix=".csv") as beside:
                 os.chmod(beside.name, 0o644)
                 name = os.path.basename(beside.name)
-                error = sandbox.run(f"open({name!r})").error
+                error = kernel.run(f"open({name!r})").error
             assert error.name == "FileNotFoundError"
             assert error.value.endswith(
                 f"which has {name!r}; --grant-cwd could not grant that folder: the folder "
                 f"{folder} holds {holds}, which user code must never see: move the notebook and "
                 "its data into a folder of their own, or open the file by an absolute path "
                 "granted with --read-path")
-        assert evaluate(sandbox, "import os\nos.getcwd() == os.environ['HOME']") is True
-        assert errno_of(sandbox, f"import os\nos.listdir({folder!r})") == "EACCES"
-        banner = sandbox.client.kernel_info(reply=True)["content"]["banner"]
+        assert evaluate(kernel, "import os\nos.getcwd() == os.environ['HOME']") is True
+        assert errno_of(kernel, f"import os\nos.listdir({folder!r})") == "EACCES"
+        banner = kernel.client.kernel_info(reply=True)["content"]["banner"]
+    finally:
+        kernel.close()
     assert (f"the folder the kernel started in: NOT granted (the folder {folder} holds {holds}, "
             "which user code must never see); relative paths resolve in the scratch") in banner
+
+
+# --- runs that ask for the folder: `run`, Sandbox, one-shot or not ----------------------------
+
+REFUSED_AT_ROOT = ("--grant-cwd=ro could not grant the folder the run started in: the kernel "
+                   "was started in /, and granting it would grant the whole host; start it from "
+                   "a folder that holds only the data it needs, or grant files by absolute path "
+                   "with --read-path (--write-path to write)")
+
+
+def run_cli(folder, *argv):
+    return subprocess.run([sys.executable, "-m", "sandbox_kernel", "run", *argv], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("start", [[], ["--cold-start"]], ids=["one-shot", "cold-start"])
+def test_run_reads_beside_it_and_keeps_what_it_writes(tmp_path, start):
+    """`sandbox-kernel run --grant-cwd=rw` on either path: the folder is the working directory,
+    and a file the code writes there is there after the run (it was lost on the one-shot)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    folder.chmod(0o777)
+    (folder / "sales.csv").write_text("month,sales\n1,10\n2,14\n")
+    (tmp_path / "job.py").write_text(
+        "def main():\n    import os\n    rows = open('sales.csv').read().count('\\n')\n"
+        "    open('summary.txt', 'w').write(f'{rows} lines')\n"
+        "    return {'rows': rows, 'here': os.getcwd()}\n")
+    done = run_cli(folder, str(tmp_path / "job.py"), "--grant-cwd=rw", *start)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"rows": 3, "here": str(folder)}
+    assert (folder / "summary.txt").read_text() == "3 lines"
+
+
+@pytest.mark.parametrize("start", [[], ["--cold-start"]], ids=["one-shot", "cold-start"])
+def test_run_refuses_a_folder_it_cannot_grant_and_says_why(tmp_path, start):
+    (tmp_path / "job.py").write_text("print('the job ran')\n")
+    done = run_cli("/", str(tmp_path / "job.py"), "--grant-cwd", *start)
+    assert done.returncode == 3, done.stderr
+    assert "the job ran" not in done.stdout + done.stderr
+    assert done.stderr == f"sandbox-kernel run: the kernel did not start: {REFUSED_AT_ROOT}\n"
+
+
+@pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot", "zmq"])
+def test_a_sandbox_refuses_a_folder_it_cannot_grant(one_shot):
+    with contextlib.chdir("/"):
+        sandbox = Sandbox(None, one_shot=one_shot, policy=SandboxPolicy(grant_cwd="ro"))
+        with pytest.raises(RuntimeError) as refused:
+            sandbox.start()
+            sandbox.run("print('ran')")
+    sandbox.close()
+    assert str(refused.value) == REFUSED_AT_ROOT
+
+
+def test_a_one_shot_sandbox_writes_into_its_folder(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with contextlib.chdir(folder), \
+            Sandbox(None, one_shot=True, policy=SandboxPolicy(grant_cwd="rw")) as sandbox:
+        ok(sandbox.run("open('kept.txt', 'w').write('kept')"))
+    assert (folder / "kept.txt").read_text() == "kept"
+
+
+@pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot", "zmq"])
+def test_a_relative_open_says_where_the_file_is_on_both_transports(tmp_path, one_shot):
+    """Without the grant, a file beside the run is named in the error on both transports (the
+    one-shot once started in /, and said nothing)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    folder.chmod(0o777)
+    (folder / "sales.csv").write_text("month,sales\n")
+    with contextlib.chdir(folder), Sandbox(None, one_shot=one_shot) as sandbox:
+        error = sandbox.run("open('sales.csv')").error
+    assert error.name == "FileNotFoundError"
+    assert f"not the folder it was started in ({folder}" in error.value
+    assert "--grant-cwd" in error.value
 
 
 def test_install_writes_the_flag_and_check_reports_it(tmp_path):

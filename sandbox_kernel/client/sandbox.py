@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from .. import jsonwire
+from ..confine import paths
 from ..install import DEFAULT_NAME
 from ..kernel.snapshot import CHUNK_MESSAGE, DEFAULT_MAX_FILES  # names only: nothing unpickles
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
@@ -167,6 +168,16 @@ def _check_start(alive: bool, deadline: float, timeout: float,
         raise RuntimeError(errors[0])
     if time.monotonic() > deadline:
         raise RuntimeError(errors[1].format(timeout=timeout))
+
+
+def _check_grants(kernel_info: dict[str, Any]) -> None:
+    """Refuse a kernel that could not grant the folder its policy asked for (--grant-cwd), as
+    a one-shot kernel refuses its request: the caller's reads would fail and its writes land
+    in a scratch that is removed. (A notebook's kernel explains each refused open instead.)"""
+    layers = kernel_info.get("sandbox", {}).get("layers", {})
+    cwd = layers.get("cwd") if isinstance(layers, dict) else None
+    if isinstance(cwd, dict) and cwd.get("refused"):
+        raise RuntimeError(paths.cwd_not_granted(str(cwd.get("mode")), str(cwd["refused"])))
 
 
 # --- the two ways of making a step's calls ------------------------------------------------------
@@ -444,10 +455,11 @@ class _SandboxCore:
                 _check_start((yield (self.manager.is_alive,)), deadline, self.startup_timeout)
                 continue
             try:
-                while (yield (self.client.get_shell_msg, 1.0))["parent_header"].get(
-                        "msg_id") != msg_id:
-                    pass
+                reply = yield (self.client.get_shell_msg, 1.0)
+                while reply["parent_header"].get("msg_id") != msg_id:
+                    reply = yield (self.client.get_shell_msg, 1.0)
                 yield (self.client.get_iopub_msg, _IOPUB_JOIN)  # the subscription is live
+                _check_grants(reply["content"])
                 return
             except queue.Empty:
                 pass

@@ -298,6 +298,18 @@ def cwd_refusal(folder: str, connection_file: str, audit_log: str = "") -> str |
     return None
 
 
+def cwd_not_granted(mode: str, refused: str) -> str:
+    """Why a kernel that --grant-cwd asked to start in a folder is refused to its caller.
+
+    A notebook's kernel starts without the grant and explains each refused open; a run that
+    asked for the folder is refused instead, since its reads would fail and its writes land
+    in a scratch that is removed.
+    """
+    return (f"--grant-cwd={mode} could not grant the folder the run started in: {refused}; "
+            "start it from a folder that holds only the data it needs, or grant files by "
+            "absolute path with --read-path (--write-path to write)")
+
+
 def _launching_users_home() -> str:
     """The home of the uid that started the kernel (HOME is the scratch by now)."""
     try:

@@ -48,7 +48,9 @@ import struct
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, NoReturn
 
 import zmq
@@ -329,6 +331,8 @@ class OneShotKernelApp(SandboxKernelApp):
     server_pid = 0  # the fork server: this process dies with it while it waits
     pooled = False  # a pooled process (confine ran), not the zygote
     built_by = 0  # the pid of the process that built this application: the pool's zygote
+    start_up_env: Mapping[str, str] = MappingProxyType({})  # what ipykernel's start-up set
+    not_granted = ""  # why the folder --grant-cwd asks for was refused (each request is)
 
     def initialize(self, argv: Any = None) -> None:
         """In the pool's zygote: the application, the kernel and its shell, built and warmed.
@@ -340,8 +344,11 @@ class OneShotKernelApp(SandboxKernelApp):
         """
         self.launcher_stderr = os.dup(2)  # the server's log, for refuse_to_start
         self.server_pid, self.built_by = os.getppid(), os.getpid()
+        before = dict(os.environ)
         with _kept_without_collection():  # frozen: no pooled process's collection walks it
             IPKernelApp.initialize(self, argv)
+            self.start_up_env = {name: value for name, value in os.environ.items()
+                                 if before.get(name) != value}
             self.warm_up()
             self.warm_grants()
             _file_op()  # made here: a checkout's own files need not be granted to a process
@@ -357,12 +364,15 @@ class OneShotKernelApp(SandboxKernelApp):
         environment.
         """
         self.pooled = True
+        for name, value in self.start_up_env.items():  # e.g. ipykernel's MPLBACKEND: the
+            os.environ.setdefault(name, value)  # pooled process's environment is made anew
         try:
             with _kept_without_collection():
                 self.ipython_dir = get_ipython_dir()  # the scratch's (IPYTHONDIR)
                 self.profile_dir = None  # the zygote's (in a directory removed since)
                 self.init_profile_dir()
                 self.init_confinement()
+                self.note_cwd_refusal()
                 self.capture_fds()
                 self.kernel.profile_dir = self.profile_dir
                 self.kernel.renew()
@@ -372,6 +382,12 @@ class OneShotKernelApp(SandboxKernelApp):
         except ConfinementError as exc:  # every layer's failure: the error names the fix
             self.refuse_to_start(exc.refusal())
         self.hand_to_user_code()
+
+    def note_cwd_refusal(self) -> None:
+        """A one-shot's caller sees no banner: a refused --grant-cwd refuses its request."""
+        cwd = self.layers["cwd"]
+        if cwd["refused"]:
+            self.not_granted = paths.cwd_not_granted(cwd["mode"], cwd["refused"])
 
     # --- the transport: no connection file, sockets, heartbeat or poller --------------------------
 
@@ -526,6 +542,8 @@ class OneShotKernelApp(SandboxKernelApp):
         except MemoryError:
             self.refuse_request(conn, "the kernel's memory limit leaves no room to read the "
                                 "request: raise --memory-limit")
+        if self.not_granted:  # read first: a caller still sending would miss the answer
+            self.refuse_request(conn, self.not_granted)
         for stream in self.channel.streams:  # what the start wrote to the fds is not output
             stream.read_to = os.fstat(stream.fd).st_size
         try:

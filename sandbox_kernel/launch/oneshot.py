@@ -41,6 +41,7 @@ class OneShotPool:
     def __post_init__(self) -> None:
         self.server = ForkServerClient(python=self.python, preload=self.preload)
         self.argv = self.policy.to_argv()
+        self.cwd = launch_folder()
 
     @property
     def pools_path(self) -> str:
@@ -68,7 +69,7 @@ class OneShotPool:
         conn = self._connect_pools()
         with conn:
             request = {"argv": self.argv, "env": request_env(self.argv, os.environ),
-                       "cwd": "/", "size": self.size}
+                       "cwd": self.cwd, "size": self.size}
             try:
                 conn.sendall(frame({"pool": request}))
                 conn.settimeout(self.server.start_timeout)
@@ -130,6 +131,16 @@ class OneShotPool:
                 return _connect(self.pools_path)
             except OSError as exc:
                 raise OneShotUnavailable(f"cannot reach the fork server: {exc}") from exc
+
+
+def launch_folder() -> str:
+    """The folder a pool's kernels start in: the caller's, as a ZMQ kernel's is (kernel/app.py
+    grants it with --grant-cwd, or names it when a relative open fails); a pool is keyed by it.
+    """
+    try:
+        return os.getcwd()
+    except OSError:  # the caller's folder is gone: as a kernel started there, none to grant
+        return "/"
 
 
 def _connect(path: str) -> socket.socket:
