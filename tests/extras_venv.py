@@ -6,7 +6,7 @@ here is `pip install -e` of the checkout with one extra (or none: "base"), cache
 user's ~/.cache/sandbox-kernel/extras-<extra>-<hash>, the hash taken over the pins it installs
 (the project's dependencies and the extra's, its `sandbox-kernel[...]` references followed) and
 Python's version, so a changed pin makes a new venv. A cached venv whose editable install points
-at another checkout, or was made from another pyproject.toml (scripts, entry points), is
+at another checkout, or was made from another [project] table (scripts, entry points), is
 re-installed without its dependencies, which takes seconds. `python tests/extras_venv.py`
 builds them all ahead of time (CI does); `python tests/extras_venv.py mcp` builds one.
 """
@@ -71,8 +71,10 @@ def venv_dir(extra: str) -> Path:
 
 def _stamp() -> str:
     """What an editable install depends on beyond its pins: where the checkout is, and its
-    pyproject.toml (console scripts, entry points)."""
-    digest = hashlib.sha256((CHECKOUT / "pyproject.toml").read_bytes()).hexdigest()
+    pyproject.toml's [project] and [build-system] (console scripts, entry points; not the tools'
+    settings, whose edits would cost every venv a re-install)."""
+    wanted = {key: _project().get(key) for key in ("project", "build-system")}
+    digest = hashlib.sha256(json.dumps(wanted, sort_keys=True).encode()).hexdigest()
     return f"{CHECKOUT}\n{digest}\n"
 
 
