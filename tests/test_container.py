@@ -647,6 +647,21 @@ def test_compose_runs_the_documented_steps_with_every_setting(image, say):
         run("down", "-v", "--timeout", "5", check=False)
 
 
+def test_every_documented_docker_build_turns_buildkit_on():
+    """The Dockerfiles' build secrets need BuildKit, which Debian 12's Docker (20.10) has off:
+    without DOCKER_BUILDKIT=1 there, the build stops at `RUN --mount` ("the --mount option
+    requires BuildKit"). Every `docker build` command a reader may copy says it."""
+    places = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+              *sorted(path for path in (ROOT / "deploy").rglob("*") if path.is_file()
+                      and (path.name == "Dockerfile" or path.suffix in (".md", ".yaml")))]
+    bare = [f"{path.relative_to(ROOT)}: {line.strip()}" for path in places
+            for line in path.read_text().splitlines()
+            if re.match(r"^[#\s]*(?:sudo\s+)?docker build\b", line)]
+    assert not bare, "docker build without DOCKER_BUILDKIT=1:\n" + "\n".join(bare)
+    assert "DOCKER_BUILDKIT=1 docker build -f deploy/service/Dockerfile" in \
+        (ROOT / "README.md").read_text()
+
+
 def test_without_the_seccomp_profile_it_is_not_ready_and_check_says_why(image, say):
     """The runtime's default seccomp profile in place of the shipped one: network kernels
     cannot make their namespace, so the service must not call itself ready."""
