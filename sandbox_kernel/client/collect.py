@@ -8,6 +8,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from .. import jsonwire
+from ..errors import ExecutionTimeout, KernelDied, MessageTooLarge, ResultTooLarge, SandboxError
 from ..resultcheck import CHECK_ELSEWHERE, raw_result
 from .execution import ErrorInfo, Execution, error_from
 from .receive import Budget, CallerLimits, unpack_frames
@@ -18,6 +19,11 @@ _DEATH_WAIT = 1.0  # a dropped connection: how long to watch for the kernel's ex
 Callback = Callable[[Any], None] | None
 # What a step asks its shell to do: a callable and its arguments; the answer is sent back in.
 Call = tuple[Any, ...]
+
+
+def info_of(error: SandboxError) -> ErrorInfo:
+    """The ErrorInfo an Execution carries for one of the sandbox's own errors (errors.py)."""
+    return ErrorInfo(error.code, str(error), error.traceback())
 
 
 class Collector:
@@ -97,7 +103,7 @@ class Collector:
             problem = self.budget.result_problem(size, json_data)
         if problem is not None:
             ex.result = ex.text = None
-            ex.error = ErrorInfo("ResultTooLarge", problem, [f"ResultTooLarge: {problem}"])
+            ex.error = info_of(ResultTooLarge(problem))
             return
         ex.text = data.get("text/plain")
         ex.result = json_data if isinstance(json_data, dict) else None
@@ -117,7 +123,7 @@ class Collector:
                 return
             problem = None if raw is None else self.budget.json_problem(len(raw))
         if problem is not None:
-            ex.error = ErrorInfo("ResultTooLarge", problem, [f"ResultTooLarge: {problem}"])
+            ex.error = info_of(ResultTooLarge(problem))
             return
         ex.result_json, ex.text = raw, text if isinstance(text, str) else None
         self.result_bytes = len(raw) if raw is not None else _result_bytes(None, ex.text)
@@ -168,7 +174,7 @@ class Watchdog:
         # The kernel enforces `timeout` itself; the client steps in only if that did not work.
         self.deadline = None if timeout is None else self.started + timeout + grace
         self.interrupted_at: float | None = None
-        self.oversize = ("MessageTooLarge", "")
+        self.oversize = (MessageTooLarge.code, "")
         self.checked_at = self.started
 
     def due(self) -> bool:
@@ -215,10 +221,10 @@ class Watchdog:
         restarted = "the kernel was restarted and its state (variables, imports) was lost"
         if lost == "died":
             execution.error = ErrorInfo(
-                "KernelDied", f"the kernel process died ({exit_status(manager)}); {restarted}")
+                KernelDied.code, f"the kernel process died ({exit_status(manager)}); {restarted}")
         elif lost == "hung":
             execution.error = ErrorInfo(
-                "ExecutionTimeout", f"the execution ran past its {self.timeout:g} s limit and "
+                ExecutionTimeout.code, f"the execution ran past its {self.timeout:g} s limit and "
                 f"did not stop when interrupted; {restarted}")
         elif lost == "oversize":
             execution.result = execution.text = None
@@ -228,7 +234,7 @@ class Watchdog:
         elif self.interrupted_at is not None and execution.error is not None \
                 and execution.error.name == "KeyboardInterrupt":
             error = execution.error
-            error.name = "ExecutionTimeout"
+            error.name = ExecutionTimeout.code
             error.value = f"the execution ran past its {self.timeout:g} s limit and was " \
                 "interrupted" + ("" if self.one_shot else
                                  "; the kernel and its variables are still there")

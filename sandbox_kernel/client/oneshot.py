@@ -28,11 +28,18 @@ import uuid
 from typing import Any
 
 from .. import jsonwire
+from ..errors import (
+    ExecutionTimeout,
+    KernelDied,
+    KernelRefused,
+    MessageTooLarge,
+    SandboxError,
+)
 from ..kernel import oneshot_wire as wire
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from ..resultcheck import checked_elsewhere
-from .collect import Callback, Collector, exit_description
-from .execution import ErrorInfo, Execution, error_from
+from .collect import Callback, Collector, exit_description, info_of
+from .execution import Execution, error_from
 from .meter import Meter, open_process
 from .receive import MESSAGE_ROOM, SMALL_PART, CallerLimits
 
@@ -40,7 +47,6 @@ GRACE_SECONDS = 2.0
 # Bytes taken off the connection per event-loop turn: a flood of small messages (40,000
 # one-byte prints) is ~220 of them per turn, a few ms, so other requests are answered between.
 READ_STEP = 1 << 16
-ONE_SHOT_TIMEOUT = "ExecutionTimeout"
 DELIMITER = b"<IDS|MSG>"  # ends a Jupyter message's routing identities
 PROTOCOL_VERSION = "5.3"
 _SESSION_ID = uuid.uuid4().hex  # the header's session: this caller process
@@ -163,19 +169,19 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
             await asyncio.wait_for(run.read(loop), deadline)
         except asyncio.TimeoutError:
             run.kill()
-            run.lost = (f"the execution ran past its {timeout:g} s limit and did not stop; "
-                        "its one-shot kernel was killed")
+            run.lost = ExecutionTimeout(f"the execution ran past its {timeout:g} s limit and "
+                                        "did not stop; its one-shot kernel was killed")
         except OSError:
             pass  # the process ended under the run: said below
         if run.refused and not run.messages:  # the process could not take the request
             raise OneShotUnavailable(run.refused)
-        if not (run.done or run.lost) and run.pid:  # it died under the run: say how
+        if not run.done and run.lost is None and run.pid:  # it died under the run: say how
             exit_code = await loop.run_in_executor(None, pool.exit_code, run.pid)
             if not run.messages:  # nothing of the run began: a kernel that could not start
                 raise OneShotUnavailable(
                     f"the one-shot kernel ended before it began the run "
                     f"({exit_description(exit_code)}); {pool.server_log()}")
-            run.lost = f"the kernel process died ({exit_description(exit_code)})"
+            run.lost = KernelDied(f"the kernel process died ({exit_description(exit_code)})")
     finally:
         run.close()
     handle.kept = run.files()
@@ -251,7 +257,7 @@ class _Run:
         self.meter: Meter | None = None
         self.reply: dict[str, Any] | None = None
         self.refused = ""
-        self.lost = ""
+        self.lost: SandboxError | None = None  # why the run was lost, once it was
         self.done = False
         self.metered = False
         self.messages = 0
@@ -265,16 +271,17 @@ class _Run:
                 # can write onto the connection (a length it never sends), the reply with it.
                 unfinished = self.records.unfinished()
                 if unfinished:
-                    self.lost = (f"the one-shot kernel sent a message the caller refuses: "
-                                 f"{unfinished} never ended, and what came after it was "
-                                 "taken for its bytes")
+                    self.lost = MessageTooLarge(
+                        f"the one-shot kernel sent a message the caller refuses: {unfinished} "
+                        "never ended, and what came after it was taken for its bytes")
                 return
             try:
                 for kind, payload in self.records.feed(data):
                     await self._take(kind, payload)
             except wire.WireError as exc:  # larger than the caller takes, or malformed
                 self.kill()
-                self.lost = f"the one-shot kernel sent a message the caller refuses: {exc}"
+                self.lost = MessageTooLarge(
+                    f"the one-shot kernel sent a message the caller refuses: {exc}")
                 return
 
     async def take_pidfd(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -362,12 +369,9 @@ class _Run:
         if ex.error is None and content.get("status") == "error":
             ex.error = error_from(content)
         if self.refused:
-            ex.error = ErrorInfo("KernelRefused", self.refused, [f"KernelRefused: {self.refused}"])
-        elif self.lost:
-            name = ONE_SHOT_TIMEOUT if self.lost.startswith("the execution ran") \
-                else "MessageTooLarge" if self.lost.startswith("the one-shot kernel sent") \
-                else "KernelDied"
-            ex.error = ErrorInfo(name, self.lost, [f"{name}: {self.lost}"])
+            ex.error = info_of(KernelRefused(self.refused))
+        elif self.lost is not None:
+            ex.error = info_of(self.lost)
             ex.state_lost = True
         if self.meter is not None:
             if not self.metered:

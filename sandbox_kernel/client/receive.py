@@ -29,6 +29,7 @@ import zmq
 from zmq.utils import monitor
 
 from .. import jsonwire
+from ..errors import MessageTooLarge
 from ..policy import SandboxPolicy
 
 MESSAGE_ROOM = 1 << 20  # a message's envelope: header, text/plain copy or summary, metadata
@@ -143,7 +144,7 @@ class Refusals:
 
 def oversize_error(limits: CallerLimits) -> tuple[str, str]:
     """The error of a run whose kernel sent a frame the sockets refused."""
-    return ("MessageTooLarge",
+    return (MessageTooLarge.code,
             f"the kernel sent a message larger than the caller accepts "
             f"({limits.max_message:,} bytes: --max-result or --max-output plus "
             f"{MESSAGE_ROOM:,}); the connection refused it")

@@ -18,7 +18,7 @@ class ExecutionTimeout(BaseException):
     """The execution ran past its time limit.
 
     A BaseException, like KeyboardInterrupt, so that `except Exception:` in user code does not
-    swallow it.
+    swallow it. Raised in user code, so not errors.py's class; its name is that class's code.
     """
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..client import ErrorInfo, Execution
 from ..confine import denials
+from ..errors import ExecutionTimeout, KernelDied, MessageTooLarge, ResultTooLarge
 
 log = logging.getLogger("sandbox_kernel.mcp")
 
@@ -84,22 +85,22 @@ def for_model(execution: Execution, timeout: float | None, in_session: bool,
     scope = "lost" if execution.state_lost and in_session else \
         "session" if in_session else "fresh"
     message = {
-        "ExecutionTimeout": lambda: _timeout(error, timeout, scope),
+        ExecutionTimeout.code: lambda: _timeout(error, timeout, scope),
         "KeyboardInterrupt": lambda: "the run was interrupted." + (
             " The session's variables are kept." if scope == "session" else ""),
         "MemoryError": lambda: "the code ran out of memory" + (
             f" (this sandbox allows {memory_limit / 2**20:,.0f} MiB)" if memory_limit else "")
             + ": process the data in smaller pieces or use less memory.",
-        "KernelDied": lambda: "the Python process running the code died (it may have run out "
+        KernelDied.code: lambda: "the Python process running the code died (it may have run out "
             "of memory or crashed)." + (" The session was restarted: its variables and imports "
                                         "are gone, so run your set-up code again."
                                         if in_session else ""),
         "PackageInstallError": lambda: "the package could not be installed in this "
             "sandbox: use the packages that are installed (the sandbox://policy resource lists "
             "them).",
-        "ResultTooLarge": lambda: "the result was too large to return: return a summary, or "
+        ResultTooLarge.code: lambda: "the result was too large to return: return a summary, or "
             "write the data to a file and read the part you need.",
-        "MessageTooLarge": lambda: "the code produced a message too large to return (a huge "
+        MessageTooLarge.code: lambda: "the code produced a message too large to return (a huge "
             "result or display): return a summary, or write the data to a file."
             + (" The session was restarted: its variables are gone." if in_session else ""),
     }.get(error.name)

@@ -22,6 +22,7 @@ from mcp.types import (
 )
 
 from ..client import Execution
+from ..errors import ExecutionTimeout
 from . import messages
 from .config import McpConfig
 from .runs import Run
@@ -146,7 +147,7 @@ def result(run: Run, config: McpConfig) -> CallToolResult:
         if said is not None:
             shape.error = ErrorInfo(name=said.name, value=said.message,
                                     traceback=said.traceback, refused=said.refused)
-            shape.timed_out = said.name == "ExecutionTimeout"
+            shape.timed_out = said.name == ExecutionTimeout.code
         shape.files, file_blocks = _files(run, config)
         blocks += file_blocks
         shape.usage, shape.duration = usage_of(execution), round(execution.duration, 3)

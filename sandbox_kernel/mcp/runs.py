@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client import AsyncSandbox, CallerLimits, ErrorInfo, Execution, oneshot
+from ..client import AsyncSandbox, CallerLimits, Execution, oneshot
+from ..client.collect import info_of
+from ..errors import KernelUnavailable, ServiceStopping
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from . import files
 from .config import McpConfig
@@ -155,13 +157,12 @@ class Runs:
                 await self._fresh(run, code, inputs)
         except Exception as exc:  # the kernel could not be had, or was lost under the run
             log.warning("run %s failed: %s", run.id, exc)
-            run.execution = Execution(error=ErrorInfo(
-                "KernelUnavailable", f"the sandbox could not run the code: {exc}"),
-                state_lost=True)
+            run.execution = Execution(error=info_of(KernelUnavailable(
+                f"the sandbox could not run the code: {exc}")), state_lost=True)
         finally:
             if run.execution is None:  # cancelled at shutdown
-                run.execution = Execution(error=ErrorInfo(
-                    "KernelUnavailable", "the server is shutting down"), state_lost=True)
+                run.execution = Execution(error=info_of(ServiceStopping(
+                    "the server is shutting down")), state_lost=True)
             run.finished_at = time.monotonic()
 
     async def _in_session(self, run: Run, session: Session, code: str,

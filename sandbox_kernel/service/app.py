@@ -13,6 +13,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.responses import JSONResponse, Response
 
 from .. import __version__
+from ..errors import KernelUnavailable
 from ..policy import SandboxPolicy
 from . import dify, native, openapi
 from .access import AccessLog
@@ -20,7 +21,7 @@ from .config import ServiceConfig
 from .core import Service
 from .deps import ServiceDep
 from .errors import kernel_unavailable, session_error
-from .kernels import KernelSource, KernelUnavailable
+from .kernels import KernelSource
 from .limits import BodyLimit
 from .sessions import SessionError
 from .store import StoreError

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from .. import __version__
 from ..client import Execution
+from ..errors import ExecutionTimeout
 from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
 from .access import json_line
@@ -19,7 +20,7 @@ from .config import ServiceConfig, upstream_proxy
 from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
 from .pausing import Pausing
-from .runs import SERVICE_TIMEOUT, OneShots, Runner
+from .runs import OneShots, Runner
 from .sessions import Sessions
 from .store import Quota, Store
 
@@ -122,7 +123,7 @@ class Service:
     def count_run(self, api: str, execution: Execution) -> None:
         """Count a finished run by API and outcome (ok, timeout, lost, error)."""
         error = execution.error
-        outcome = ("ok" if error is None else "timeout" if error.name == SERVICE_TIMEOUT
+        outcome = ("ok" if error is None else "timeout" if error.name == ExecutionTimeout.code
                    else "lost" if execution.state_lost else "error")
         self.metrics.runs.labels(api=api, outcome=outcome).inc()
         self.metrics.observe_usage(api, execution.usage)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .kernels import KernelUnavailable
+from ..errors import KernelUnavailable
 from .sessions import SessionError
 from .store import StoreError
 

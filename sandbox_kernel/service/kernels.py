@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..client import AsyncSandbox
+from ..errors import KernelUnavailable
 from ..launch.forkserver import ForkServerClient
 from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
@@ -69,10 +70,6 @@ def _split(network: Network) -> tuple[bool, tuple[str, ...] | None]:
     if isinstance(network, NetworkChoice):
         return bool(network), network.hosts if network.mode == "hosts" else None
     return bool(network), None
-
-
-class KernelUnavailable(RuntimeError):
-    """No kernel could be had: it did not start, or not in time."""
 
 
 def policy_name(network: Network) -> str:

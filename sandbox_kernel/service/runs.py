@@ -24,30 +24,23 @@ from typing import Any, TypeVar
 import zmq
 from starlette.requests import Request
 
-from ..client import CallerLimits, ErrorInfo, Execution, oneshot
+from ..client import CallerLimits, Execution, oneshot
+from ..client.collect import info_of
+from ..errors import ExecutionTimeout, KernelUnavailable, OutputLimitExceeded, ServiceStopping
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from .admission import Admission, Busy
-from .kernels import Kernels, KernelUnavailable, Network, kernel_id, policy_name
+from .kernels import Kernels, Network, kernel_id, policy_name
 from .oneshots import OneShots
 
 # Admission and Busy: where the routes import them; OneShots: where core.py does.
 __all__ = ["Admission", "Busy", "OneShots", "Runner"]
 
 T = TypeVar("T")
-SERVICE_TIMEOUT = "ExecutionTimeout"
-SERVICE_STOPPING = "ServiceStopping"
 
 
 class KernelClosed(RuntimeError):
     """The kernel was shut down under a run (its session deleted, the service stopping): its
     sockets were closed, which ends the client's pending reads as if they were cancelled."""
-
-
-class OutputLimit(Exception):
-    """The code sent more output than the service takes from one execution."""
-
-
-OUTPUT_LIMIT = "OutputLimitExceeded"
 
 
 class OutputBudget:
@@ -60,7 +53,7 @@ class OutputBudget:
         self.limit, self.left = limit, limit
 
     def spend(self, payload: Any) -> None:
-        """Take payload's size off the budget; OutputLimit once it is spent."""
+        """Take payload's size off the budget; OutputLimitExceeded once it is spent."""
         if isinstance(payload, str):
             size = len(payload)
         elif isinstance(payload, dict):
@@ -70,14 +63,13 @@ class OutputBudget:
             size = len(str(payload))
         self.left -= size
         if self.left < 0:
-            raise OutputLimit(f"the execution sent more than {self.limit} bytes of output "
+            raise OutputLimitExceeded(f"the execution sent more than {self.limit} bytes of output "
                               "(--max-output-total); the rest was dropped")
 
 
-def output_limited(record: RunRecord, message: str, state_lost: bool) -> Execution:
+def output_limited(record: RunRecord, error: OutputLimitExceeded, state_lost: bool) -> Execution:
     """The execution a run gets when its output went past the service's limit."""
-    error = ErrorInfo(OUTPUT_LIMIT, message, [f"{OUTPUT_LIMIT}: {message}"])
-    return Execution(logs=list(record.chunks), state_lost=state_lost, error=error)
+    return Execution(logs=list(record.chunks), state_lost=state_lost, error=info_of(error))
 
 
 @dataclass
@@ -92,16 +84,16 @@ def service_timeout(timeout: float, record: RunRecord) -> Execution:
     """The execution a run gets when the service had to stop it."""
     message = (f"the execution ran past its {timeout:g} s limit and did not stop; the service "
                "shut its kernel down")
-    error = ErrorInfo(SERVICE_TIMEOUT, message, [f"{SERVICE_TIMEOUT}: {message}"])
-    return Execution(logs=list(record.chunks), state_lost=True, error=error)
+    return Execution(logs=list(record.chunks), state_lost=True,
+                     error=info_of(ExecutionTimeout(message)))
 
 
 def service_stopping(record: RunRecord) -> Execution:
     """The execution a run gets when the service shuts down before it ended."""
     message = ("the service is shutting down and the run did not end within its grace period; "
                "its kernel was shut down")
-    error = ErrorInfo(SERVICE_STOPPING, message, [f"{SERVICE_STOPPING}: {message}"])
-    return Execution(logs=list(record.chunks), state_lost=True, error=error)
+    return Execution(logs=list(record.chunks), state_lost=True,
+                     error=info_of(ServiceStopping(message)))
 
 
 async def bounded(run: Awaitable[Execution], timeout: float, grace: float,
@@ -159,8 +151,8 @@ class Runner:
                                 on_stderr=on["stderr"], on_display=on["display"],
                                 raw_result=True, entrypoint=entrypoint),
                     timeout, self.grace, record, self.stopping)
-            except OutputLimit as exc:
-                return output_limited(record, str(exc), state_lost=True), False
+            except OutputLimitExceeded as exc:
+                return output_limited(record, exc, state_lost=True), False
             except zmq.ZMQError as exc:  # e.g. a send no peer takes (see client._never_waiting)
                 raise KernelUnavailable(f"the connection to the {policy_name(network)} kernel "
                                         f"failed: {exc}") from exc
@@ -180,8 +172,8 @@ class Runner:
                             on_stderr=on["stderr"], on_display=on["display"], limits=limits,
                             raw_result=True, grace=self.grace, entrypoint=entrypoint),
                 timeout, self.grace, record, self.stopping)
-        except OutputLimit as exc:
-            return output_limited(record, str(exc), state_lost=True), False
+        except OutputLimitExceeded as exc:
+            return output_limited(record, exc, state_lost=True), False
         except OneShotUnavailable as exc:
             raise KernelUnavailable(f"no {policy_name(network)} one-shot kernel: {exc}") from exc
 
@@ -189,7 +181,7 @@ class Runner:
 def callbacks(record: RunRecord, budget: OutputBudget,
               on_output: Callable[[str, Any], None] | None) -> dict[str, Callable[[Any], None]]:
     """Keep stream chunks (for a run the service must cut short), count output against the
-    budget (raising OutputLimit out of the client's run), and pass output on."""
+    budget (raising OutputLimitExceeded out of the client's run), and pass output on."""
     def stream(name: str) -> Callable[[Any], None]:
         def receive(text: Any) -> None:
             budget.spend(text)

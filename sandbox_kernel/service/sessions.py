@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..client import AsyncSandbox
 from ..client.sessions import KernelSession, SessionLimit, SessionTable
+from ..errors import KernelUnavailable
 from .access import json_line
 from .auth import ApiKey
 from .kernels import (
     Kernels,
-    KernelUnavailable,
     Network,
     NetworkChoice,
     Secrets,

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...client import Execution
-from ..runs import SERVICE_STOPPING, SERVICE_TIMEOUT
+from ...errors import ExecutionTimeout, KernelDied, ServiceStopping
 from .tracebacks import plain, user_lines
 
-TIMEOUT_NAMES = {SERVICE_TIMEOUT}  # the kernel's own limit and the client's use the same name
+TIMEOUT_NAMES = {ExecutionTimeout.code}  # the kernel's own limit and the client's use the same name
 # Python's exit status for an uncaught exception under dify-sandbox's excepthook (sys.exit(-1)).
 UNCAUGHT_EXIT = 255
 _EXIT_HINT = "To exit: use 'exit', 'quit', or Ctrl-D."  # IPython's warning after SystemExit
@@ -48,12 +48,12 @@ def run_data(execution: Execution, code: str = "") -> dict[str, Any]:
     if error.name in TIMEOUT_NAMES:
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(-1, stderr, "error: timeout\n"), "exit_code": -1}
-    if error.name == "KernelDied":  # killed by a signal: Go reports exit code -1
+    if error.name == KernelDied.code:  # killed by a signal: Go reports exit code -1
         # Only how it died: the client's note about restarting means nothing to a one-off run.
         died = error.value.split(";")[0]
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(-1, stderr, f"error: {died}\n"), "exit_code": -1}
-    if error.name == SERVICE_STOPPING:  # its kernel was shut down: a killed process, for Go
+    if error.name == ServiceStopping.code:  # its kernel was shut down: a killed process, for Go
         return {"stdout": stdout, "stderr": stderr,
                 "error": _failure(-1, stderr, f"error: {error.value}\n"), "exit_code": -1}
     if error.name == "SystemExit":

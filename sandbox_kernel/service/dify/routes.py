@@ -12,10 +12,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ... import runtimes
+from ...errors import KernelUnavailable
 from ..access import json_line
 from ..core import Service
 from ..deps import ServiceDep
-from ..kernels import KernelUnavailable
 from ..openapi import DEPENDENCIES_DOC, RUN_DOC
 from ..runs import Busy, RunRecord, unless_disconnected
 from . import dependencies, framing

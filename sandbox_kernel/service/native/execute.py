@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
+from ...errors import OutputLimitExceeded
 from ..admission import tenant_of
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
@@ -19,7 +20,6 @@ from ..openapi import EVENT_STREAM
 from ..runs import (
     Busy,
     OutputBudget,
-    OutputLimit,
     RunRecord,
     bounded,
     callbacks,
@@ -99,9 +99,9 @@ async def _session_run(service: Service, session: Session, sandbox: AsyncSandbox
                         on_stderr=on["stderr"], on_display=on["display"], raw_result=True),
             timeout, 2 * service.config.kernel_grace + service.restart_allowance, record,
             service.runner.stopping)
-    except OutputLimit as exc:
+    except OutputLimitExceeded as exc:
         service.background(sandbox.interrupt())
-        execution, lost = output_limited(record, str(exc), state_lost=False), False
+        execution, lost = output_limited(record, exc, state_lost=False), False
     except Exception as exc:
         service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
         raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "

@@ -16,7 +16,8 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.responses import Response
 
 from ...client import ErrorInfo, Execution
-from ..kernels import KernelUnavailable
+from ...client.collect import info_of
+from ...errors import KernelUnavailable
 from ..sessions import SessionError
 
 SSE = "text/event-stream"
@@ -141,6 +142,6 @@ def _outcome(work: asyncio.Task[Execution]) -> Execution:
     try:
         return work.result()
     except KernelUnavailable as exc:
-        return Execution(error=ErrorInfo("KernelUnavailable", str(exc)))
+        return Execution(error=info_of(exc))
     except SessionError as exc:
         return Execution(error=ErrorInfo("SessionGone", str(exc)), state_lost=True)
