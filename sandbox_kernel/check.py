@@ -67,7 +67,7 @@ def write_warnings(policy: SandboxPolicy, cwd: str | None) -> list[str]:
     elif policy.grant_cwd == "rw" and os.geteuid() == 0 and policy.run_as == "auto":
         said.append("--grant-cwd=rw: user code runs as a uid of its own, which may write only "
                     "in a notebook's folder that lets other users write (a root-owned 0755 "
-                    "folder does not): " + denials.HOST_WRITE_FIX.format(dir="that folder"))
+                    "folder does not): " + denials.host_write_fix("that folder"))
     return said
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from traitlets import TraitError
 
-from . import __version__, check, client, flags, install, policy, secrets
+from . import __version__, advice, check, client, flags, install, policy, secrets
 from .check import SERVICE_VARIABLES
 from .launch import eg_kernelspec
 from .launch.oneshot import OneShotUnavailable
@@ -37,6 +37,9 @@ class _NotStarted(Exception):
 def _install(args: argparse.Namespace) -> int:
     prefix = sys.prefix if args.sys_prefix else args.prefix
     effective = policy.from_arguments(args)
+    # Refusals name this command, in this scope: another scope's kernelspec may shadow it.
+    effective.changed_with = advice.install_command(args.name, install.DEFAULT_NAME, args.user,
+                                                    args.prefix, args.sys_prefix)
     effective.declared_secrets()  # refused now, not at the kernel's start, when unusable
     path = install.install(effective, name=args.name,
                            display_name=args.display_name, user=args.user, prefix=prefix,
@@ -49,7 +52,8 @@ def _install(args: argparse.Namespace) -> int:
         print(f"sandbox-kernel install: the upstream proxy's credentials are not in the "
               f"kernelspec (kernels could read them): set {secrets.UPSTREAM_VAR} to the whole "
               "URL in the environment of the Jupyter server that starts it", file=sys.stderr)
-    for warning in check.write_warnings(effective, cwd=None):
+    for warning in [*install.shadowing(path, args.name),
+                    *check.write_warnings(effective, cwd=None)]:
         print(f"sandbox-kernel install: warning: {warning}", file=sys.stderr)
     return 0
 
@@ -142,6 +146,7 @@ def _run(args: argparse.Namespace) -> int:
         args.timeout = f"{RUN_TIMEOUT:g}"
         timeout_source = f"sandbox-kernel run's default --timeout {RUN_TIMEOUT:g}"
     effective = policy.from_arguments(args)
+    effective.changed_with = advice.RUN  # refusals name run's flags (advice.py)
     effective.declared_secrets()  # refused before any kernel starts, when unusable
     if args.save_displays:
         try:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_core.paths import SYSTEM_JUPYTER_PATH, jupyter_data_dir
+from jupyter_core.paths import SYSTEM_JUPYTER_PATH, jupyter_data_dir, jupyter_path
 
 from .launch import eg_kernelspec
 from .launch.provisioner import NAME as PROVISIONER
@@ -136,6 +136,30 @@ def kernelspec_dir(name: str, user: bool = False, prefix: str | None = None) -> 
     else:
         base = Path(SYSTEM_JUPYTER_PATH[0])
     return base / "kernels" / name
+
+
+def shadowing(path: str, name: str) -> list[str]:
+    """Warnings for the kernelspec just written to path: Jupyter starts the first kernelspec
+    of a name along its search path, so one before it makes the new one change nothing, and
+    the new one makes those after it change nothing (a `--user` install over a
+    `--sys-prefix` set-up: a refusal's advice must reinstall the one Jupyter starts)."""
+    written = Path(path).resolve()
+    found = [Path(folder, name).resolve() for folder in jupyter_path("kernels")
+             if Path(folder, name, "kernel.json").is_file()]
+    if written not in found:
+        return [f"{written} is not on Jupyter's kernel search path (`jupyter --paths`): "
+                "Jupyter does not list it; install with --user or --sys-prefix, or add "
+                f"{written.parent.parent} to JUPYTER_PATH"] if not found else \
+            [f"Jupyter starts kernelspec {name} from {found[0]}, not this one, which is not on "
+             "its kernel search path: remove that one (`jupyter kernelspec remove "
+             f"{name}`) or install with its scope"]
+    at = found.index(written)
+    return [f"Jupyter starts kernelspec {name} from {other}, which comes first in its search "
+            f"path: this one changes nothing until that one is removed (`sandbox-kernel "
+            f"uninstall` with that one's scope) or replaced by installing with its scope"
+            for other in found[:at]] + \
+        [f"this kernelspec {name} shadows the one in {other}, later in Jupyter's search path: "
+         "Jupyter no longer starts that one" for other in found[at + 1:]]
 
 
 def _is_ours(spec_dir: Path) -> bool:

@@ -230,6 +230,14 @@ class SandboxPolicy(Configurable):
         "it goes to the launcher's terminal.",
     ).tag(config=True, flag="audit-log", metavar="PATH")
 
+    changed_with = Unicode(
+        "", help="How whoever started the kernel changes this policy, for the step a refusal's "
+        "explanation ends with (advice.py): the command its flags go after ('sandbox-kernel "
+        "install --sys-prefix', 'sandbox-kernel run'), or 'SandboxPolicy' for a caller of the "
+        "Python client. Set by each launcher; empty: `sandbox-kernel install`. Confines "
+        "nothing.",
+    ).tag(config=True)
+
     require_landlock = Bool(
         True,
         help="Refuse to start when Landlock cannot be applied. Turning this off runs untrusted "

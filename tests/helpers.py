@@ -61,13 +61,14 @@ def refused_folder(path, uid):
     reachable = os.geteuid() != 0 or all(
         folder.stat().st_mode & 0o001 for folder in Path(path).parents)
     readable = reachable and (os.geteuid() != 0 or Path(path).stat().st_mode & 0o005 == 0o005)
-    grant = ("add it to the kernelspec with `sandbox-kernel install --read-path "
-             f"{path if reachable else os.path.dirname(path)}` (--write-path to write there "
-             "too) and restart the kernel")
+    named = path if reachable else os.path.dirname(path)
+    grant = (f"reinstall the kernelspec with `sandbox-kernel install --read-path {named}` "
+             f"(--write-path {named} to write there too), its other flags as before, and "
+             "restart the kernel")
     if readable:
         return ("the sandbox refused it: the path is outside what this kernel was granted; "
                 f"to let user code read it, {grant}")
     return ("the sandbox refused it: the path is outside what this kernel was granted, and the "
             f"host does not let its uid ({uid}) read it either; to let user code read it, make "
-            "it readable by that uid (or install with `--run-as USER`, a user who may read it), "
+            "it readable by that uid (or have it run as a user who may read it: --run-as USER), "
             f"then {grant}")

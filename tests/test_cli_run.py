@@ -298,3 +298,24 @@ def test_saved_displays_are_bounded_in_count(tmp_path):
     assert done.returncode == 1 and len(list((tmp_path / "default").iterdir())) == 100
     done = run(code, "--save-displays", out, "--max-saved-displays", "0")
     assert done.returncode == 2 and "expected a whole number of at least 1, not '0'" in done.stderr
+
+
+def test_a_refusal_names_runs_own_flags(tmp_path, monkeypatch):
+    """A kernel `run` started says `sandbox-kernel run --grant-cwd`, not how to reinstall a
+    kernelspec it never had (#45 item 3); the network refusal names run's flags too."""
+    (tmp_path / "data.csv").write_text("a,b\n")
+    (tmp_path / "read.py").write_text("open('data.csv')\n")
+    (tmp_path / "fetch.py").write_text("import urllib.request\n"
+                                       "urllib.request.urlopen('http://example.com')\n")
+    monkeypatch.chdir(tmp_path)
+    read = run("read.py")
+    assert read.returncode == cli.CODE_FAILED
+    assert "to read it by this name, run it again with `sandbox-kernel run --grant-cwd` " \
+        "(--grant-cwd=rw to write there too): it then starts in that folder" in read.stderr, \
+        read.stderr
+    fetch = run("fetch.py")
+    assert "the network is off in this sandbox (--network off); to let the code reach the " \
+        "hosts it needs, run it again with `sandbox-kernel run --network hosts --allow-host " \
+        "NAME` (--network on for any public address), one --allow-host per host" \
+        in fetch.stderr, fetch.stderr
+    assert "sandbox-kernel install" not in read.stderr + fetch.stderr

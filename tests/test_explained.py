@@ -99,9 +99,9 @@ def test_a_path_outside_the_grants_says_so(kernel, folders, call):
     assert error.name == "PermissionError"
     assert error.value == (
         f"[Errno 13] Permission denied: {target!r}: the sandbox refused it: the path is outside "
-        "what this kernel was granted; to let user code read it, add it to the kernelspec with "
-        f"`sandbox-kernel install --read-path {project}` (--write-path to write there too) and "
-        "restart the kernel")
+        "what this kernel was granted; to let user code read it, start the sandbox with "
+        f'`SandboxPolicy(read_paths=["{project}"])` (write_paths=["{project}"] to write there '
+        "too)")
     # the traceback ends at the user's call, then the one-line reason
     assert error.traceback[-1] == f"PermissionError: {error.value}"
     assert sandbox_frames(error.traceback) == []
@@ -115,10 +115,10 @@ def test_a_path_the_host_refuses_too_does_not_promise_a_grant_helps(kernel, fold
     assert (error.name, error.value) == ("PermissionError", (
         f"[Errno 13] Permission denied: {secret!r}: the sandbox refused it: the path is outside "
         f"what this kernel was granted, and the host does not let its uid ({uid}) read it "
-        "either; to let user code read it, make it readable by that uid (or install with "
-        "`--run-as USER`, a user who may read it), then add it to the kernelspec with "
-        f"`sandbox-kernel install --read-path {project}` (--write-path to write there too) and "
-        "restart the kernel"))
+        "either; to let user code read it, make it readable by that uid (or have it run as a "
+        "user who may read it: --run-as USER), then start the sandbox with "
+        f'`SandboxPolicy(read_paths=["{project}"])` (write_paths=["{project}"] to write there '
+        "too)"))
 
 
 def test_user_code_still_catches_the_same_error(kernel, folders):
@@ -132,8 +132,8 @@ def test_writing_a_read_only_grant_names_write_path(kernel, folders):
     error = error_of(kernel, f"open({str(granted / 'open.txt')!r}, 'a')")
     assert (error.name, error.value) == ("PermissionError", (
         f"[Errno 13] Permission denied: {str(granted / 'open.txt')!r}: the sandbox refused it: "
-        "this kernel was granted the path read-only; to let user code write there, add it with "
-        f"`sandbox-kernel install --write-path {granted}` and restart the kernel"))
+        "this kernel was granted the path read-only; to let user code write there, start the "
+        f'sandbox with `SandboxPolicy(write_paths=["{granted}"])`'))
 
 
 def test_what_the_host_refuses_inside_a_grant_is_left_as_it_is(kernel, folders):
@@ -153,9 +153,9 @@ def test_a_relative_name_points_at_the_notebooks_folder(kernel, folders):
     assert error.value.endswith(
         f"the kernel's working directory is its private scratch ({scratch}), not the folder it "
         f"was started in ({project}: the notebook's folder under Jupyter), which has "
-        "'data.csv'; to read it by this name, reinstall the kernelspec with `sandbox-kernel "
-        "install --grant-cwd` (read-only; --grant-cwd=rw to write there too) and restart the "
-        "kernel: it then starts in that folder")
+        "'data.csv'; to read it by this name, start the sandbox with "
+        '`SandboxPolicy(grant_cwd="ro")` (grant_cwd="rw" to write there too): it then starts in '
+        "that folder")
     # a name that is nowhere stays the plain error
     assert error_of(kernel, "open('nowhere.csv')").value == \
         "[Errno 2] No such file or directory: 'nowhere.csv'"
@@ -240,9 +240,9 @@ def test_a_path_the_view_hides_says_so(kernel):
     error = error_of(kernel, f"open({path!r})")
     assert (error.name, error.value) == ("FileNotFoundError", (
         f"[Errno 2] No such file or directory: {path!r}: the sandbox hides it: the path is "
-        "outside what this kernel was granted; to let user code read it, add it (or a folder "
-        f"above it) to the kernelspec with `sandbox-kernel install --read-path {path}` "
-        "(--write-path to write there too) and restart the kernel"))
+        "outside what this kernel was granted; to let user code read it (or a folder above it), "
+        f'start the sandbox with `SandboxPolicy(read_paths=["{path}"])` '
+        f'(write_paths=["{path}"] to write there too)'))
 
 
 # --- the network off: the cell says so, and which setting opens it (#32 item 3) ----------------
@@ -268,4 +268,5 @@ def test_a_lookup_with_the_network_off_says_so_and_the_narrowest_setting_first(s
     for said in (url_said, lookup_said):
         assert "name resolution: the sandbox blocked a name lookup: the network is off in " \
                "this sandbox (--network off)" in said, said
-        assert said.index("--network hosts --allow-host NAME") < said.index("--allow-network")
+        assert said.index("`sandbox-kernel install --network hosts --allow-host NAME`") < \
+            said.index("--network on")

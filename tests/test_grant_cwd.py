@@ -147,8 +147,8 @@ def test_a_refused_write_names_the_flag_that_allows_it(read_only):
     assert error.name == "PermissionError"
     assert error.value.endswith(
         "the sandbox refused it: this kernel was granted the folder it started in read-only "
-        "(--grant-cwd); to let user code write there, install the kernelspec with "
-        "`sandbox-kernel install --grant-cwd=rw` and restart the kernel")
+        "(--grant-cwd); to let user code write there, start the sandbox with "
+        '`SandboxPolicy(grant_cwd="rw")`')
 
 
 def test_the_banner_and_kernel_info_say_what_is_granted(read_only, project):

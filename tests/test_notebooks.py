@@ -134,8 +134,8 @@ def assert_points_at_the_notebooks_folder(outputs: list, folder: Path) -> None:
     assert outputs[0]["evalue"].endswith(
         f"not the folder it was started in ({folder}: the notebook's folder under Jupyter), "
         f"{seen} to read it by this name, reinstall the kernelspec with `sandbox-kernel "
-        "install --grant-cwd` (read-only; --grant-cwd=rw to write there too) and restart the "
-        "kernel: it then starts in that folder")
+        "install --grant-cwd` (--grant-cwd=rw to write there too), its other flags as before, "
+        "and restart the kernel: it then starts in that folder")
 
 
 def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -302,6 +302,42 @@ def test_warnings_name_the_cell_as_tracebacks_do_and_agg_charts_are_shown(kernel
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="started by root, user code has a uid of its own")
+def test_a_write_into_a_root_owned_folder_granted_read_only_is_explained(kernelspecs):
+    """As root in a root-owned 0755 folder with --grant-cwd, a write once gave a bare
+    "Permission denied" (a 0777 folder got the explanation): it says the folder is granted
+    read-only, how to grant write, and that the host keeps the kernel's uid out too (#45
+    item 4)."""
+    install_cli("--name", "ro-root-folder", "--grant-cwd")
+    base = Path(tempfile.mkdtemp(prefix="sandbox-ro-root-folder-"))
+    try:
+        base.chmod(0o755)
+        folder = base / "project"
+        folder.mkdir(mode=0o755)
+        nb = nbformat.v4.new_notebook(metadata={"language_info": {"name": "python"}})
+        nb.cells = [nbformat.v4.new_code_cell("open('summary.csv', 'w').write('a,b')",
+                                              metadata={"tags": ["raises-exception"]})]
+        nbformat.write(nb, folder / "report.ipynb")
+        result = run(["jupyter", "execute", "--kernel_name=ro-root-folder", "--output=done",
+                      "report.ipynb"], cwd=folder)
+        assert result.returncode == 0, result.stderr
+        [error] = nbformat.read(folder / "done.ipynb", as_version=4).cells[0].outputs
+        assert error.ename == "PermissionError"
+        install = "sandbox-kernel install --user --name ro-root-folder"
+        assert error.evalue.startswith(
+            "[Errno 13] Permission denied: 'summary.csv': the sandbox refused it: this kernel "
+            "was granted the folder it started in read-only (--grant-cwd); to let user code "
+            f"write there, reinstall the kernelspec with `{install} --grant-cwd=rw`, its other "
+            "flags as before, and restart the kernel; but the host would refuse it too: user "
+            "code runs as a uid of its own ("), error.evalue
+        assert f"which {folder} (owner uid 0, mode 0755) does not let write; to let it write " \
+            f"there, have user code run as a user (not root) who may write in {folder}: " \
+            f"reinstall the kernelspec with `{install} --run-as USER`" in error.evalue
+        assert f"`chmod o+w {folder}`" in error.evalue
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="started by root, user code has a uid of its own")
 def test_a_folder_the_host_keeps_the_kernels_uid_out_of_is_said_so_with_what_helps(kernelspecs):
     """As root in a root-owned 0755 folder, --grant-cwd=rw still cannot write: install, check
     and the cell's error say the host refuses the kernel's uid, and what helps (#32 item 2)."""
@@ -325,7 +361,8 @@ def test_a_folder_the_host_keeps_the_kernels_uid_out_of_is_said_so_with_what_hel
         assert error.ename == "PermissionError" and said in error.evalue, error.evalue
         assert error.evalue.startswith("[Errno 13] Permission denied: 'summary.csv': ")
         assert f"which {folder} (owner uid 0, mode 0755) does not let write" in error.evalue
-        assert "`--run-as USER`" in error.evalue and f"`chmod o+w {folder}`" in error.evalue
+        assert "`sandbox-kernel install --user --name root-folder --run-as USER`" in \
+            error.evalue and f"`chmod o+w {folder}`" in error.evalue
         checked = run(["sandbox_kernel", "check", "--grant-cwd=rw"], cwd=folder)
         assert f"  but --grant-cwd=rw here ({folder}): {said}" in checked.stdout
         assert "sandbox-kernel check: warning: --grant-cwd=rw here" in checked.stderr

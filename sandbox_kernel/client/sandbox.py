@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import zmq
 import zmq.asyncio
 
-from .. import jsonwire
+from .. import advice, jsonwire
 from ..confine import paths
 from ..install import DEFAULT_NAME
 from ..kernel.snapshot import CHUNK_MESSAGE, DEFAULT_MAX_FILES  # names only: nothing unpickles
@@ -350,6 +350,7 @@ class _SandboxCore:
         started (see restore(); snapshot_key and snapshot_owner default to the Snapshot's);
         the report is then in `restored`."""
         policy, self._secret_values = _with_secrets(policy, secrets, kernel_name)
+        policy = _advised_as_caller(policy, kernel_name)
         if snapshot is not None and one_shot:
             raise ValueError("a one-shot sandbox keeps no state to restore a snapshot into: "
                              "create the Sandbox without one_shot=True")
@@ -814,6 +815,17 @@ class Sandbox(_SandboxCore):
     _driver = staticmethod(_blocking)
     _complete = staticmethod(asyncio.run)  # a one-shot run, to its end
     _off_loop = staticmethod(lambda call: call())  # a blocking call (asking for the pool)
+
+
+def _advised_as_caller(policy: SandboxPolicy | None, kernel_name: str | None
+                       ) -> SandboxPolicy | None:
+    """The policy, its refusals' advice said as SandboxPolicy(...) unless a launcher (`run`,
+    a server) said its own way: the caller gave it as Python."""
+    if kernel_name is not None or (policy is not None and policy.changed_with):
+        return policy
+    values = (policy or SandboxPolicy()).as_dict()
+    values.pop("allow_network", None)  # network says it
+    return SandboxPolicy(**{**values, "changed_with": advice.PYTHON})
 
 
 def _with_secrets(policy: SandboxPolicy | None, given: Mapping[str, Mapping[str, Any]] | None,

@@ -22,12 +22,15 @@ import fcntl
 import functools
 import os
 import pty
+import shlex
 import socket
 import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
+
+from ..advice import change
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,7 @@ PROCESSES = Rule(
     "no subprocesses in this sandbox: you cannot run programs or shell commands; do the work "
     "in Python (call the library directly instead of its command-line tool)")
 NETWORK_OFF = Rule(
-    "the network is off in this sandbox (--network off); to let the code reach the hosts it "
-    "needs, install the kernelspec (or start the kernel) with --network hosts --allow-host "
-    "NAME, one --allow-host per host, or with --allow-network for any public address",
+    "the network is off in this sandbox (--network off)",
     "the network is off in this sandbox: you cannot download or call web services; use the "
     "files and data you were given")
 NETWORK_KINDS = Rule(
@@ -103,8 +104,16 @@ _F_SETOWN, _F_SETOWN_EX = 8, 15
 _SHELL_FAILED = 127 << 8  # what os.system returns when the shell could not be started
 
 
-def _denied(what: str, rule: Rule) -> PermissionError:
-    message = f"Operation not permitted: the sandbox blocked {what}: {rule.why}"
+def network_fix(launcher: str) -> str:
+    """What NETWORK_OFF's refusals add: the launcher's way to turn the network on."""
+    return ("; to let the code reach the hosts it needs, "
+            + change(launcher, "--network hosts --allow-host NAME",
+                     ("--network on", "for any public address"))
+            + ", one --allow-host per host")
+
+
+def _denied(what: str, rule: Rule, fix: str = "") -> PermissionError:
+    message = f"Operation not permitted: the sandbox blocked {what}: {rule.why}{fix}"
     exc = PermissionError(errno.EPERM, message)
     exc.sandbox_rule = rule.why  # type: ignore[attr-defined]  # marks it as explained, a refusal
     return exc
@@ -115,7 +124,7 @@ def _unexplained(exc: PermissionError, errnos: tuple[int, ...] = (errno.EPERM,))
 
 
 def _explain(original: Callable[..., Any], what: str, why: Rule,
-             errnos: tuple[int, ...] = (errno.EPERM,)) -> Callable[..., Any]:
+             errnos: tuple[int, ...] = (errno.EPERM,), fix: str = "") -> Callable[..., Any]:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -123,7 +132,7 @@ def _explain(original: Callable[..., Any], what: str, why: Rule,
         except PermissionError as exc:
             if not _unexplained(exc, errnos):
                 raise
-            raise _denied(what, why) from None
+            raise _denied(what, why, fix) from None
 
     return wrapper
 
@@ -139,7 +148,7 @@ def _explain_system(original: Callable[[Any], int]) -> Callable[[Any], int]:
     return system
 
 
-def _explain_socket(allow_network: bool) -> Callable[..., None]:
+def _explain_socket(allow_network: bool, fix: str) -> Callable[..., None]:
     original = socket.socket.__init__
 
     @functools.wraps(original)
@@ -150,8 +159,9 @@ def _explain_socket(allow_network: bool) -> Callable[..., None]:
         except PermissionError as exc:
             if not _unexplained(exc):
                 raise
-            why = NETWORK_KINDS if allow_network else NETWORK_OFF
-            raise _denied("creating a socket", why) from None
+            if allow_network:
+                raise _denied("creating a socket", NETWORK_KINDS) from None
+            raise _denied("creating a socket", NETWORK_OFF, fix) from None
 
     return __init__
 
@@ -189,7 +199,8 @@ def _explain_unreachable(original: Callable[..., Any], what: str) -> Callable[..
     return wrapper
 
 
-def _explain_lookup(original: Callable[..., Any], why: Rule) -> Callable[..., Any]:
+def _explain_lookup(original: Callable[..., Any], why: Rule, fix: str = ""
+                    ) -> Callable[..., Any]:
     """Say why a name lookup failed: the resolver's own words ("Temporary failure in name
     resolution") read as a passing fault of the host's DNS, worth retrying."""
     said = "the sandbox resolves no names itself" if why is PROXY_ONLY else \
@@ -202,18 +213,20 @@ def _explain_lookup(original: Callable[..., Any], why: Rule) -> Callable[..., An
         except socket.gaierror as exc:
             if hasattr(exc, "sandbox_rule"):
                 raise
-            explained = socket.gaierror(exc.errno, f"{exc.strerror}: {said}: {why}")
+            explained = socket.gaierror(exc.errno, f"{exc.strerror}: {said}: {why}{fix}")
             explained.sandbox_rule = why.why  # type: ignore[attr-defined]
             raise explained from None
 
     return getaddrinfo
 
 
-def install(allow_network: bool, proxy: bool = False) -> None:
+def install(allow_network: bool, proxy: bool = False, launcher: str = "") -> None:
     """Wrap the usual ways Python creates processes and sockets.
 
     proxy: the network goes through the egress proxy (explain direct attempts).
+    launcher: the policy's changed_with, for the way to turn the network on (advice.py).
     """
+    fix = network_fix(launcher)
     import _posixsubprocess
     import subprocess
 
@@ -231,7 +244,7 @@ def install(allow_network: bool, proxy: bool = False) -> None:
     fork_exec = _explain(_posixsubprocess.fork_exec, "starting a subprocess", PROCESSES)
     _posixsubprocess.fork_exec = fork_exec  # multiprocessing looks it up here
     subprocess._fork_exec = fork_exec  # type: ignore[attr-defined]  # subprocess keeps a copy
-    socket.socket.__init__ = _explain_socket(allow_network)  # type: ignore[method-assign]
+    socket.socket.__init__ = _explain_socket(allow_network, fix)  # type: ignore[method-assign]
     os.truncate = _explain(os.truncate, "os.truncate()", TRUNCATE_BY_PATH)
     fcntl.fcntl = _explain_fcntl(fcntl.fcntl)
     socket.socketpair = _explain(socket.socketpair, "socket.socketpair()", UNIX_DATAGRAMS)
@@ -241,8 +254,8 @@ def install(allow_network: bool, proxy: bool = False) -> None:
     if not allow_network:
         for name in ("connect",):
             setattr(socket.socket, name, _explain(getattr(socket.socket, name),
-                                                  f"socket.{name}()", NETWORK_OFF))
-        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo, NETWORK_OFF)
+                                                  f"socket.{name}()", NETWORK_OFF, fix=fix))
+        socket.getaddrinfo = _explain_lookup(socket.getaddrinfo, NETWORK_OFF, fix)
     if proxy:
         for name in ("connect", "sendto"):
             setattr(socket.socket, name, _explain_unreachable(getattr(socket.socket, name),
@@ -308,12 +321,21 @@ HOST_REFUSES = Rule(
 RULES = (PROCESSES, NETWORK_OFF, NETWORK_KINDS, PROXY_ONLY, FILE_MODES, TRUNCATE_BY_PATH, SERVERS,
          DESCRIPTOR_OWNER, UNIX_DATAGRAMS, DEBUGGER, OUTSIDE_GRANTS, READ_ONLY, HIDDEN,
          NOT_IN_SCRATCH, HOST_REFUSES)
-HOST_WRITE_FIX = ("to let it write there, install the kernelspec with `--run-as USER` naming a "
-                  "user (not root) who may write in {dir}, or let other users write there "
-                  "(`chmod o+w {dir}`); its HOME (the scratch) is always writable")
+HOST_WRITE_FIX = ("to let it write there, have user code run as a user (not root) who may "
+                  "write in {dir}: {how}; or let other users write there (`chmod o+w {dir}`); "
+                  "its HOME (the scratch) is always writable")
 
 
-def host_write_refusal(path: str, uid: int, gid: int) -> str | None:
+def host_write_fix(folder: str, launcher: str = "") -> str:
+    """How to let user code's uid write in folder, which the host's permissions keep it out of."""
+    return HOST_WRITE_FIX.format(dir=folder, how=change(launcher, "--run-as USER"))
+
+
+HOST_TOO = "the host would refuse it too: user code runs as a uid of its own"
+
+
+def host_write_refusal(path: str, uid: int, gid: int, launcher: str = "",
+                       lead: str = HOST_REFUSES.why) -> str | None:
     """Why the host's own permissions keep uid:gid from writing path (a file, or a folder to
     create one in), or None. A grant keeps them: started by root, user code runs as a uid of
     its own, which a root-owned 0755 folder keeps out, --grant-cwd=rw or --write-path or not.
@@ -327,9 +349,9 @@ def host_write_refusal(path: str, uid: int, gid: int) -> str | None:
     if uid == 0 or info.st_mode & bit:
         return None
     folder = target if os.path.isdir(target) else os.path.dirname(target)
-    return (f"{HOST_REFUSES.why} ({uid}), which {target} (owner uid {info.st_uid}, mode "
+    return (f"{lead} ({uid}), which {target} (owner uid {info.st_uid}, mode "
             f"{stat.S_IMODE(info.st_mode):04o}) does not let write; "
-            + HOST_WRITE_FIX.format(dir=folder))
+            + host_write_fix(folder, launcher))
 
 
 def rule_in(text: str) -> Rule | None:
@@ -337,13 +359,17 @@ def rule_in(text: str) -> Rule | None:
     return next((rule for rule in RULES if rule.why in text), None)
 
 
-GRANT_FLAGS = ("add it to the kernelspec with `sandbox-kernel install --read-path {dir}` "
-               "(--write-path to write there too) and restart the kernel")
+def grant_path(path: str, launcher: str) -> str:
+    """The step that grants path read-only (or read-write), said for the launcher."""
+    quoted = shlex.quote(path)
+    return change(launcher, f"--read-path {quoted}",
+                  (f"--write-path {quoted}", "to write there too"))
 
 
-GRANT_CWD = ("reinstall the kernelspec with `sandbox-kernel install --grant-cwd` (read-only; "
-             "--grant-cwd=rw to write there too) and restart the kernel: it then starts in "
-             "that folder")
+def grant_cwd(launcher: str) -> str:
+    """The step that grants the folder a kernel starts in, said for the launcher."""
+    return (change(launcher, "--grant-cwd", ("--grant-cwd=rw", "to write there too"))
+            + ": it then starts in that folder")
 
 
 # Grants' real paths, kept for the process's life (and a pool's zygote works them out for
@@ -363,6 +389,7 @@ class FileAccess:
     hidden: tuple[str, ...] = ()  # directories the kernel's view covers: only grants show there
     cwd_mode: str = ""  # --grant-cwd: "", "ro" or "rw"
     cwd_refused: str = ""  # why --grant-cwd was not honoured here
+    launcher: str = ""  # the policy's changed_with: how its launcher changes it (advice.py)
 
     @classmethod
     def granted(cls, read: Iterable[str], write: Iterable[str], scratch: str,
@@ -387,6 +414,11 @@ def _host_lets_write(path: str) -> bool:
     return os.access(target, os.W_OK)
 
 
+def _existing(path: str) -> str:
+    """path, or the folder a file that is not there yet would be created in."""
+    return path if os.path.lexists(path) else os.path.dirname(path) or "/"
+
+
 def _host_lets_read(path: str) -> bool:
     """Whether this uid could read it (list it, for a folder) were it granted."""
     return os.access(path, os.R_OK | os.X_OK if os.path.isdir(path) else os.R_OK)
@@ -402,37 +434,44 @@ def _refusal(exc: OSError, path: str, access: FileAccess) -> OSError | None:
     if not _under(path, access.read) and not _host_lets_read(path):
         # A grant keeps the host's permissions: --read-path alone would not help.
         return _explained(exc, f"{OUTSIDE_GRANTS.why}, and the host does not let its uid "
-                          f"({os.getuid()}) read "
-                          "it either; to let user code read it, make it readable by that uid "
-                          "(or install with `--run-as USER`, a user who may read it), then "
-                          + GRANT_FLAGS.format(dir=_folder(path)))
+                          f"({os.getuid()}) read it either; to let user code read it, make it "
+                          "readable by that uid (or have it run as a user who may read it: "
+                          f"--run-as USER), then " + grant_path(_folder(path), access.launcher))
     if not _under(path, access.read):
         return _explained(exc, f"{OUTSIDE_GRANTS.why}; to let user code read it, "
-                          + GRANT_FLAGS.format(dir=_folder(path)))
-    if not _under(path, access.write) and _host_lets_write(path) and access.cwd_mode == "ro" \
-            and _under(path, [os.path.realpath(access.launch_dir)]):
-        return _explained(exc, "the sandbox refused it: this kernel was granted the folder it "
-                          "started in read-only (--grant-cwd); to let user code write there, "
-                          "install the kernelspec with `sandbox-kernel install --grant-cwd=rw` "
-                          "and restart the kernel")
-    if not _under(path, access.write) and _host_lets_write(path):
-        return _explained(exc, f"{READ_ONLY.why}; to let user code write there, add it with "
-                          f"`sandbox-kernel install --write-path {_folder(path)}` and restart "
-                          "the kernel")
-    if _under(path, access.write) and not _host_lets_write(path):
-        said = host_write_refusal(path, os.getuid(), os.getgid())
-        if said is not None:
-            return _explained(exc, said)
-    return None  # inside a grant: the host itself refused (an ACL, a read)
+                          + grant_path(_folder(path), access.launcher))
+    if not _under(path, access.write) and _host_lets_read(_existing(path)):
+        # What the host lets this uid read, Landlock refused: a write (a read the host
+        # refuses, a 0600 file of another uid, is the host's own answer, left as it is).
+        return _explained(exc, _read_only(path, access))
+    if not _under(path, access.write):
+        return None
+    said = None if _host_lets_write(path) else \
+        host_write_refusal(path, os.getuid(), os.getgid(), access.launcher)
+    return None if said is None else _explained(exc, said)  # None: the host's own (an ACL)
+
+
+def _read_only(path: str, access: FileAccess) -> str:
+    """Why a write inside a read-only grant was refused, and what would allow it: the grant's
+    mode, and the host's permissions too where they keep the kernel's uid out anyway (a
+    root-owned 0755 folder, for a kernel root started)."""
+    if access.cwd_mode == "ro" and _under(path, [os.path.realpath(access.launch_dir)]):
+        said = ("the sandbox refused it: this kernel was granted the folder it started in "
+                "read-only (--grant-cwd); to let user code write there, "
+                + change(access.launcher, "--grant-cwd=rw"))
+    else:
+        said = (f"{READ_ONLY.why}; to let user code write there, "
+                + change(access.launcher, f"--write-path {shlex.quote(_folder(path))}"))
+    host = None if _host_lets_write(path) else \
+        host_write_refusal(path, os.getuid(), os.getgid(), access.launcher, HOST_TOO)
+    return said if host is None else f"{said}; but {host}"
 
 
 def _hidden(exc: OSError, path: str, access: FileAccess) -> OSError | None:
     if not _under(path, access.hidden) or _under(path, access.read):
         return None  # not found on the host either, or inside a grant: the host's answer
-    return _explained(exc, f"{HIDDEN.why}; to let user code read it, add it (or a folder "
-                      "above it) to the "
-                      f"kernelspec with `sandbox-kernel install --read-path {path}` (--write-path "
-                      "to write there too) and restart the kernel")
+    return _explained(exc, f"{HIDDEN.why}; to let user code read it (or a folder above it), "
+                      + grant_path(path, access.launcher))
 
 
 def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | None:
@@ -447,7 +486,8 @@ def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | No
             return hidden
         # The host keeps the kernel's uid out (a 0700 directory above it): it cannot tell.
         return _explained(exc, f"{started}, which this kernel's uid cannot look into; if "
-                          f"{name!r} is there, to read it by this name, " + GRANT_CWD)
+                          f"{name!r} is there, to read it by this name, "
+                          + grant_cwd(access.launcher))
     where = f"{started}, which has {name!r}"
     if access.cwd_refused:
         return _explained(exc, f"{where}; --grant-cwd could not grant that folder: "
@@ -455,7 +495,7 @@ def _not_in_scratch(exc: OSError, name: str, access: FileAccess) -> OSError | No
                           "of their own, or open the file by an absolute path granted with "
                           "--read-path")
     if access.landlock and not _under(os.path.realpath(elsewhere), access.read):
-        return _explained(exc, f"{where}; to read it by this name, " + GRANT_CWD)
+        return _explained(exc, f"{where}; to read it by this name, " + grant_cwd(access.launcher))
     return _explained(exc, f"{where}; open {elsewhere!r}")
 
 

@@ -177,10 +177,14 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         self.close_handovers()
         apply_policy_env(self.policy.env)  # user code's variables, now that it is confined
         denials.install(self.policy.allow_network,
-                        proxy=bool(self.layers.get("network", {}).get("egress")))
+                        proxy=bool(self.layers.get("network", {}).get("egress")),
+                        launcher=self.policy.changed_with)
         self.kernel.file_access = self.file_access
         self.kernel.usage.refusals = self.refusals
-        self.kernel.sandbox_info = {"policy": self.policy.as_dict(), "layers": dict(self.layers)}
+        # changed_with is how its launcher words advice, not what confines the kernel
+        policy = {name: value for name, value in self.policy.as_dict().items()
+                  if name != "changed_with"}
+        self.kernel.sandbox_info = {"policy": policy, "layers": dict(self.layers)}
 
     def _configure_logging(self) -> None:
         """traitlets' logging set-up; then the logger drops records no handler shows."""
@@ -325,7 +329,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
                 f"({self.layers['landlock'].get('reason', 'Landlock is off')})"]
         self.file_access = dataclasses.replace(
             self.file_access, cwd_mode=self.policy.grant_cwd,
-            cwd_refused=self.layers["cwd"]["refused"] or "")
+            cwd_refused=self.layers["cwd"]["refused"] or "", launcher=self.policy.changed_with)
 
     def init_cwd_grant(self, launch_dir: str) -> dict[str, Any]:
         """The folder the kernel started in, granted as --grant-cwd asks (unless unsafe)."""

@@ -115,6 +115,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> McpConfig:
     """The server's settings from its flags."""
     effective = policy.from_arguments(args)
+    effective.changed_with = "sandbox-kernel mcp"  # what refusals tell to change (advice.py)
     effective.declared_secrets()  # refused now, not at each kernel's start, when unusable
     return McpConfig(
         policy=effective, preload=list(args.preload), runtime=args.runtime,

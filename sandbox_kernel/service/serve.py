@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
                          "request ask for it; drop --allow-network")
     config = service_config.from_arguments(args)
     effective = policy.from_arguments(args)
+    effective.changed_with = "sandbox-kernel serve"  # what refusals tell to change (advice.py)
     with_network(effective, True).declared_secrets()  # for its network kernels: refused now
     _logging(config.log_level)
     return_large_blocks()
