@@ -140,3 +140,20 @@ def test_sandbox_install_is_pip_install_in_the_session(index):
         assert sb.run("import testdep; print(testdep.X)").stdout == "1\n"
         with pytest.raises(ValueError, match="options are not available"):
             sb.install("--target=/tmp")
+
+
+@pytest.mark.parametrize("cold_start", [False, True], ids=["fork-served", "cold"])
+def test_pips_output_is_one_text_stream_as_in_stock_ipykernel(index, cold_start):
+    """pip's console (rich) took the kernel for a notebook and sent each line as an HTML
+    display; stock ipykernel's %pip runs pip with its output on a pipe: plain text, in order,
+    on stdout (#45 item 8)."""
+    with Sandbox(kernel_name=None, policy=pip_policy(index), cold_start=cold_start) as sb:
+        done = sb.run("%pip install testpkg")
+    assert done.error is None, done.error
+    assert done.displays == [], done.displays
+    lines = done.stdout.splitlines()
+    collected = [line for line in lines if line.startswith("Collecting ")]
+    assert collected[:2] == ["Collecting testpkg", "Collecting testdep (from testpkg)"], lines
+    assert lines.index(collected[0]) < lines.index(next(
+        line for line in lines if line.startswith("Successfully installed")))
+    assert lines[-1].startswith("Installed into this session: testdep==0.1, testpkg==1.0")
