@@ -57,7 +57,18 @@ def _interpreter_paths() -> tuple[str, ...]:
     roots = [os.path.realpath(p) for p in candidates]
     candidates += import_path_grants([entry for entry in sys.path if entry], roots)
     candidates += editable_finder_paths()
+    candidates += site_hook_files()
     return tuple(existing(dict.fromkeys(os.path.realpath(p) for p in candidates)))
+
+
+def site_hook_files() -> list[str]:
+    """The sitecustomize/usercustomize the interpreter ran at start, where they are links:
+    Debian's /usr/lib/python3.X/sitecustomize.py is one into /etc/python3.X. The folder of
+    the link is granted, its target (made real with the rest) is not, and whatever reads a
+    loaded module's source (autoreload, inspect, tracebacks) was refused it."""
+    files = (getattr(sys.modules.get(name), "__file__", None)
+             for name in ("sitecustomize", "usercustomize"))
+    return [file for file in files if isinstance(file, str) and os.path.islink(file)]
 
 
 def _inside(path: str, roots: Iterable[str]) -> bool:
