@@ -158,8 +158,24 @@ def check_reachable(hosts_by_name: Mapping[str, Sequence[str]], network: str,
             if policy.check_name(*_probe(host)) is not None:
                 raise SecretError(f"secret {name} is for {host}, which the network policy does "
                                   f"not reach (--network {network}, --allow-host "
-                                  f"{', '.join(allow_hosts) or 'none'}): add --allow-host "
-                                  f"{host}, or drop the secret's host")
+                                  f"{', '.join(allow_hosts) or 'none'}): "
+                                  + _reach_advice(name, host, allow_hosts))
+
+
+def _reach_advice(name: str, host: str, allow_hosts: Sequence[str]) -> str:
+    """What makes a secret's host reachable: the port an --allow-host of its name grants
+    (narrower than granting the host on every port), else that --allow-host."""
+    from .confine.egress import rules
+
+    rule = rules.parse_host_entry(host)
+    if isinstance(rule, rules.NameRule) and rule.port is None:
+        for entry in allow_hosts:
+            allowed = rules.parse_host_entry(entry)
+            if isinstance(allowed, rules.NameRule) and allowed.port is not None \
+                    and (allowed.name, allowed.wildcard) == (rule.name, rule.wildcard):
+                return (f"{host} without a port is every port of it, and --allow-host grants "
+                        f"one: name that port, --secret {name}={entry.strip()}")
+    return f"add --allow-host {host}, or drop the secret's host"
 
 
 def _probe(host: str) -> tuple[str, int]:

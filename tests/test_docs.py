@@ -1,7 +1,8 @@
 """The docs' commands work as a newcomer types them.
 
 Shell blocks marked `<!-- runnable ... -->` in README.md and docs/deploy.md are run as written, in
-a copy of the checkout, with a fresh HOME, each file's blocks in order in one directory. The
+a copy of the checkout, with a fresh HOME, each file's blocks in order in one directory; the one
+in docs/secrets.md with this checkout's installed command, in a folder of its own. The
 README's set-up runs on Debian's own /usr/bin/python3 where it exists (the interpreter a new user
 of a Debian or Ubuntu machine has). Every `pip install` of this package in any doc installs it
 from the checkout or a wheel built there: it is on no package index.
@@ -95,6 +96,21 @@ def python_for_newcomers() -> Path:
 def test_every_runnable_doc_has_blocks():
     assert len(runnable_blocks(ROOT / "README.md")) == 2
     assert len(runnable_blocks(ROOT / "docs" / "deploy.md")) == 2
+    assert len(runnable_blocks(ROOT / "docs" / "secrets.md")) == 1
+
+
+def test_the_local_secret_recipe_runs_as_written(tmp_path):
+    """docs/secrets.md: a secret end to end on this machine, with the installed command (five
+    tries without a recipe, #45 item 7). User code holds the placeholder; the server gets the
+    value."""
+    [recipe] = runnable_blocks(ROOT / "docs" / "secrets.md")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = run_block(recipe, tmp_path, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == "Bearer my-local-test-value\n", done.stdout
+    assert re.search(r"^user code holds: sk-sandbox-API_KEY-\w+\nthe server answered: ok\n",
+                     done.stderr, re.M), done.stderr
+    assert "my-local-test-value" not in done.stderr
 
 
 @pytest.mark.timeout(SETUP_TIMEOUT + 60)

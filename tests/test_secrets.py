@@ -401,6 +401,13 @@ def _cli(*args: str, env: dict[str, str] | None = None, stdin: str = "1\n"
     (["--network", "hosts", "--allow-host", "other.example.com", "--secret",
       "KEY=api.example.com"], "which the network policy does not reach (--network hosts, "
      "--allow-host other.example.com)"),
+    # A host granted on one port: the narrower fix is the secret's port, not a wider grant
+    # (#45 item 7).
+    (["--network", "hosts", "--allow-host", "localhost:8443", "--allow-address",
+      "127.0.0.1:8443", "--secret", "KEY=localhost"],
+     "which the network policy does not reach (--network hosts, --allow-host localhost:8443): "
+     "localhost without a port is every port of it, and --allow-host grants one: name that "
+     "port, --secret KEY=localhost:8443\n"),
     (["--network", "hosts", "--allow-host", "api.example.com", "--secret",
       "LD_PRELOAD=api.example.com"], "not a name a secret can have"),
     (["--network", "hosts", "--allow-host", "api.example.com", "--secret",
