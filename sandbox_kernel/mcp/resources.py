@@ -53,7 +53,7 @@ def policy(state: State) -> dict[str, Any]:
         "sessions": {"max_open": config.max_sessions,
                      "idle_timeout_seconds": config.session_idle_timeout or None},
         "runtime": config.runtime or None,
-        "preloaded_modules": state.source.preload,
+        "preloaded_modules": state.preload,
         "packages": _installed(config.runtime),
         "installing_packages": (
             "create_session(packages=[...]) installs wheels from the package index into the "

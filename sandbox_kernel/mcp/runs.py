@@ -4,26 +4,31 @@
 then is answered with the output so far and its id; `wait_run` collects the rest, each answer
 carrying what the previous ones did not. A run that ends unasked-for is kept a while for its
 caller, then forgotten.
+
+A run in a session runs on its kernel here; a run without one is hosting's fresh run
+(hosting/fresh.py: its kernel, its deadline, the owner's share of --max-runs by hosting's
+admission), which keeps the files it wrote for the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..client import AsyncSandbox, CallerLimits, Execution, oneshot
+from ..client import AsyncSandbox, Execution, oneshot
 from ..client.collect import info_of
 from ..errors import KernelUnavailable, ServiceStopping
-from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from ..hosting.admission import Admission, Busy
+from ..hosting.fresh import Runner, RunRecord
 from . import files
 from .config import McpConfig
-from .kernels import KernelSource, Session, SessionProblem, Sessions
+from .kernels import Session, SessionProblem, Sessions
 
 log = logging.getLogger("sandbox_kernel.mcp")
 KEEP_FINISHED = 600.0  # seconds a finished run waits to be collected
@@ -46,8 +51,8 @@ class Run:
     execution: Execution | None = None
     written: list[tuple[str, int, float]] = field(default_factory=list)
     embedded: dict[str, bytes] = field(default_factory=dict)  # a fresh kernel's files, kept
-    sandbox: AsyncSandbox | None = None
-    one_shot: oneshot.RunHandle | None = None  # a run without a session on a one-shot kernel
+    sandbox: AsyncSandbox | None = None  # a session's kernel, while the run is on it
+    fresh: RunRecord | None = None  # a run without a session: hosting's record of it
     task: asyncio.Task[None] | None = None
     finished_at: float | None = None
 
@@ -66,15 +71,11 @@ class Run:
 class Runs:
     """Every run not yet collected, by id; an owner sees only its own."""
 
-    def __init__(self, config: McpConfig, source: KernelSource, sessions: Sessions) -> None:
+    def __init__(self, config: McpConfig, runner: Runner, sessions: Sessions) -> None:
         self.config = config
-        self.source = source
+        self.runner = runner
         self.sessions = sessions
         self._runs: dict[str, Run] = {}
-        self._closing: set[asyncio.Future[None]] = set()  # fresh kernels being shut down
-        # Per owner, fresh kernels not yet shut down: from a run's start until its kernel is
-        # gone (collected or not, a run keeps its kernel up to its timeout).
-        self._fresh_live: collections.Counter[str] = collections.Counter()
 
     def get(self, owner: str, run_id: str) -> Run:
         """The caller's run of that id; SessionProblem when it is not theirs or gone."""
@@ -84,37 +85,43 @@ class Runs:
                                  "once its result was returned)")
         return run
 
+    @property
+    def admission(self) -> Admission:
+        """Hosting's admission of runs without a session (--max-runs, a share per key)."""
+        return self.runner.admission
+
     def start(self, owner: str, code: str, inputs: dict | None, session: Session | None,
-              timeout: float, fresh_limit: int | None = None) -> Run:
-        """Begin a run in the session's kernel, or in a fresh one (at most `fresh_limit` of
-        the owner's, and the server's max_runs, at once)."""
+              timeout: float) -> Run:
+        """Begin a run in the session's kernel, or in a fresh one (within the owner's share
+        and the server's --max-runs at once)."""
         if session is not None and session.busy:
             doing = f"run {session.run_id}" if session.run_id else "a file operation"
             raise SessionProblem(f"session {session.id} is still busy with {doing}: collect a "
                                  "run with wait_run, or stop it with interrupt")
-        if session is None:
-            self._check_fresh(owner, fresh_limit)
+        release = None if session is not None else self._admit(owner)
         run = Run(secrets.token_hex(8), owner, session, timeout)
         if session is not None:
             session.run_id = run.id  # busy from now, before the run's task takes the lock
-        else:
-            self._fresh_live[owner] += 1  # until its kernel is shut down (_fresh_ended)
         self._runs[run.id] = run
         run.task = asyncio.ensure_future(self._execute(run, code, inputs))
+        if release is not None:
+            run.task.add_done_callback(lambda _: release())
         return run
 
-    def _check_fresh(self, owner: str, limit: int | None) -> None:
-        if sum(self._fresh_live.values()) >= self.config.max_runs:
-            raise SessionProblem(f"this server is running its limit of {self.config.max_runs} "
-                                 "runs without a session: try again in a moment, or run in a "
-                                 "session (create_session)")
-        if limit is not None and self._fresh_live[owner] >= limit:
-            raise SessionProblem(f"you have {self._fresh_live[owner]} runs without a session "
-                                 f"still going (at most {limit} at once): collect them with "
-                                 "wait_run or stop them with interrupt, then try again")
-
-    def _fresh_ended(self, owner: str) -> None:
-        self._fresh_live[owner] -= 1
+    def _admit(self, owner: str) -> Callable[[], None]:
+        """A place for a run without a session, or why there is none, said for a model."""
+        try:
+            return self.admission.enter(owner)
+        except Busy as busy:
+            if not busy.per_tenant:
+                raise SessionProblem(
+                    f"this server is running its limit of {self.config.max_runs} runs "
+                    "without a session: try again in a moment, or run in a session "
+                    "(create_session)") from None
+            raise SessionProblem(
+                f"you have {self.admission.in_flight_of(owner)} runs without a session still "
+                f"going (at most {self.admission.requests_cap} at once): collect them with "
+                "wait_run or stop them with interrupt, then try again") from None
 
     async def wait(self, run: Run, seconds: float) -> None:
         """Wait until the run ends or `seconds` pass, whichever is first."""
@@ -139,8 +146,8 @@ class Runs:
 
     async def interrupt(self, run: Run) -> None:
         """Interrupt the run's code (a session's kernel stays)."""
-        if run.one_shot is not None:
-            run.one_shot.interrupt()
+        if run.fresh is not None and not run.done:
+            await run.fresh.interrupt()
         elif run.sandbox is not None and not run.done:
             await run.sandbox.interrupt()
 
@@ -180,56 +187,31 @@ class Runs:
                 session.run_id, session.last_used = None, time.monotonic()
 
     async def _fresh(self, run: Run, code: str, inputs: dict | None) -> None:
-        """A run without a session: on a one-shot kernel, else on a ZMQ kernel of its own."""
-        try:
-            one_shot = await self.source.one_shot(self.config.policy.allow_network)
-            ran = one_shot is not None and await self._on_one_shot(run, *one_shot, code, inputs)
-        except BaseException:
-            self._fresh_ended(run.owner)
-            raise
-        if ran:
-            self._fresh_ended(run.owner)  # its process ended with the run
-        else:
-            await self._on_zmq_kernel(run, code, inputs)
+        """A run without a session, on the kernel hosting's rule gives it; the files it wrote
+        are kept (a one-shot kernel sends them before it ends; a ZMQ kernel is asked)."""
+        run.fresh = RunRecord(one_shot=oneshot.RunHandle(
+            files.keep_request(run.started, WRITTEN_LIMIT, self.config.embed_bytes)))
 
-    async def _on_one_shot(self, run: Run, pool: OneShotPool, limits: CallerLimits, code: str,
-                           inputs: dict | None) -> bool:
-        """The run on a one-shot kernel, which sends the files it wrote before it ends; False
-        when none took it (nothing ran: a ZMQ kernel runs it instead)."""
-        run.one_shot = oneshot.RunHandle(files.keep_request(run.started, WRITTEN_LIMIT,
-                                                            self.config.embed_bytes))
-        try:
-            run.execution = await oneshot.run(pool, code, inputs, run.timeout, limits=limits,
-                                              handle=run.one_shot, **self._callbacks(run))
-        except OneShotUnavailable as exc:
-            log.warning("run %s: no one-shot kernel took it (%s): a ZMQ kernel runs it", run.id,
-                        exc)
-            run.one_shot = None
-            return False
-        if not run.execution.state_lost:
+        def on_output(kind: str, payload: Any) -> None:
+            if kind == "display":
+                run.displays.append(payload)
+            else:
+                run.chunks.append({"stream": kind, "text": payload})
+
+        async def keep(sandbox: AsyncSandbox, execution: Execution) -> None:
+            await self._keep_files(run, sandbox)
+
+        run.execution, _ = await self.runner.run(
+            code, network=self.config.policy.allow_network, timeout=run.timeout,
+            tenant=run.owner, inputs=inputs, record=run.fresh, on_output=on_output,
+            raw_result=False, keep=keep)
+        if run.fresh.on_one_shot and run.fresh.one_shot is not None \
+                and not run.execution.state_lost:
             try:
-                run.written, run.embedded = files.kept(run.one_shot.kept, WRITTEN_LIMIT,
+                run.written, run.embedded = files.kept(run.fresh.one_shot.kept, WRITTEN_LIMIT,
                                                        self.config.embed_bytes)
             except files.FileError as exc:
                 log.info("run %s: could not keep its files: %s", run.id, exc)
-        return True
-
-    async def _on_zmq_kernel(self, run: Run, code: str, inputs: dict | None) -> None:
-        try:
-            sandbox = run.sandbox = await self.source.get(self.config.policy.allow_network)
-        except BaseException:
-            self._fresh_ended(run.owner)
-            raise
-        try:
-            run.execution = await sandbox.run(code, inputs, timeout=run.timeout,
-                                              **self._callbacks(run))
-            if not run.execution.state_lost:
-                await self._keep_files(run, sandbox)
-        finally:  # the answer need not wait for the kernel's end
-            closing = asyncio.ensure_future(_close_quietly(sandbox))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-            closing.add_done_callback(lambda _: self._fresh_ended(run.owner))
 
     async def _find_written(self, run: Run, sandbox: AsyncSandbox) -> None:
         """The files the run wrote or changed (not worth failing the run over)."""
@@ -254,9 +236,3 @@ class Runs:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*self._closing, return_exceptions=True)
-
-
-async def _close_quietly(sandbox: AsyncSandbox) -> None:
-    with contextlib.suppress(Exception):
-        await sandbox.close(now=True)

@@ -17,10 +17,10 @@ import time
 from typing import Any
 
 from ..client.sessions import SessionLimit
-from ..launch.pool import start_sandbox
+from ..hosting.sources import Kernels
 from ..service.snapshots import Taken, restore_options, take
 from ..service.store import QuotaError, SizeError, Store, Stored, StoreError
-from .kernels import KernelSource, Session, SessionProblem, Sessions
+from .kernels import Session, SessionProblem, Sessions
 
 log = logging.getLogger("sandbox_kernel.mcp")
 
@@ -47,9 +47,9 @@ def for_model(refused: StoreError) -> str:
 class Snapshots:
     """The MCP server's snapshots and paused sessions."""
 
-    def __init__(self, store: Store, sessions: Sessions, source: KernelSource,
+    def __init__(self, store: Store, sessions: Sessions, kernels: Kernels,
                  runtime: str) -> None:
-        self.store, self.sessions, self.source, self.runtime = store, sessions, source, runtime
+        self.store, self.sessions, self.kernels, self.runtime = store, sessions, kernels, runtime
         self._resuming: dict[str, asyncio.Lock] = {}
 
     async def _take(self, session: Session, kept: bool = False) -> Taken:
@@ -99,14 +99,14 @@ class Snapshots:
             raise SessionProblem(f"snapshot {item.id} was made on another Python runtime than "
                                  "this server's: it cannot be opened here")
         network = bool(item.record["network"])
-        options = {**self.source.options(network),
-                   **restore_options(item.payload, self.store.key, owner)}
+        options = restore_options(item.payload, self.store.key, owner)
 
         async def make(new_id: str) -> Session:
             try:
-                sandbox = await start_sandbox(**options)
-            except Exception as exc:
-                raise SessionProblem(f"the snapshot could not be restored: {exc}") from None
+                sandbox = await self.kernels.get(network, **options)
+            except Exception as exc:  # the kernel's own reason, not hosting's wrapping
+                raise SessionProblem(f"the snapshot could not be restored: "
+                                     f"{exc.__cause__ or exc}") from None
             return Session(new_id, owner, sandbox, self.sessions.config.session_idle_timeout,
                            network=network)
 

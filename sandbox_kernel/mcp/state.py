@@ -1,4 +1,5 @@
-"""What the tools share: the settings, the kernels, the sessions, the runs, and who is asking."""
+"""What the tools share: the settings, hosting's kernels, runner and admission, the sessions,
+the runs, and who is asking."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from dataclasses import dataclass, field
 
 from mcp.server.auth.middleware.auth_context import get_access_token
 
-from ..service.admission import fair_share
+from ..client.sandbox import GRACE_SECONDS
+from ..hosting.admission import Admission, fair_share
+from ..hosting.fresh import Runner
+from ..hosting.oneshots import OneShots
+from ..hosting.sources import Kernels, PoolSource, make_source
 from .config import McpConfig
-from .kernels import KernelSource, Sessions
+from .kernels import Sessions
 from .runs import Runs
 from .snapshots import Snapshots
 
@@ -23,27 +28,52 @@ class State:
 
     config: McpConfig
     key_limits: dict[str, int | None] = field(default_factory=dict)  # per key id (HTTP)
-    source: KernelSource = field(init=False)
+    source: PoolSource = field(init=False)
+    kernels: Kernels = field(init=False)
+    runner: Runner = field(init=False)
     sessions: Sessions = field(init=False)
     runs: Runs = field(init=False)
     snapshots: Snapshots | None = field(default=None, init=False)  # with --state-dir
     _culler: asyncio.Task[None] | None = field(default=None, init=False)
+    _starting: asyncio.Future[None] | None = field(default=None, init=False)
+    _asking: asyncio.Future[bool] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.source = KernelSource(self.config)
-        self.sessions = Sessions(self.config, self.source)
-        self.runs = Runs(self.config, self.source, self.sessions)
+        config = self.config
+        # Both network settings, the policy's own filled from the start (hosting/network.py
+        # makes each policy); no probe: this server has no /ready to prove its kernels to.
+        self.source = make_source(config.policy, (False, True), config.pool_size,
+                                  runtime=config.runtime, preload=config.preload,
+                                  cold_start=config.cold_start,
+                                  filled=(config.policy.allow_network,), probe=False)
+        self.kernels = Kernels(self.source)
+        one_shots = (OneShots(self.source.options, config.one_shot_pool_size)
+                     if config.one_shot_pool_size > 0 and not config.cold_start else None)
+        runs_per_key = self.run_limit(LOCAL)
+        # Runs without a session are refused past their caps, never queued (a model is told
+        # to collect or interrupt): as many workers as places.
+        admission = Admission(config.max_runs, config.max_runs, runs_per_key, runs_per_key)
+        # The client's own deadline (interrupt at timeout + grace, give up a grace later)
+        # answers first; hosting's bound is the backstop.
+        self.runner = Runner(self.kernels, admission, 2 * GRACE_SECONDS, None, one_shots)
+        self.sessions = Sessions(config, self.kernels)
+        self.runs = Runs(config, self.runner, self.sessions)
         if self.config.state_dir:
             from ..service.store import Quota, Store
 
             store = Store(self.config.state_dir, self.config.max_snapshot_size,
                           Quota(self.config.max_snapshots_per_key,
                                 self.config.max_snapshot_bytes_per_key))
-            self.snapshots = Snapshots(store, self.sessions, self.source, self.config.runtime)
+            self.snapshots = Snapshots(store, self.sessions, self.kernels, self.config.runtime)
 
     def start(self) -> None:
         """Begin filling the pool and culling idle sessions and uncollected runs."""
-        self.source.start()
+        self._starting = asyncio.ensure_future(self.source.start())
+        one_shots = self.runner.one_shots
+        if one_shots is not None and self.config.policy.allow_network in one_shots.pools:
+            # asked for now, so that the first run finds its pool full
+            self._asking = asyncio.ensure_future(
+                one_shots.had(self.config.policy.allow_network))
         self._culler = asyncio.ensure_future(self._cull_forever())
 
     async def _cull_forever(self, interval: float = 30.0) -> None:
@@ -65,7 +95,9 @@ class State:
                 await self._culler
         await self.runs.close()
         await self.sessions.close_all()
-        await self.source.close()
+        if self.runner.one_shots is not None:
+            await self.runner.one_shots.close()
+        await self.kernels.close()
 
     def owner(self) -> str:
         """Who is asking: the API key's id over HTTP, LOCAL over stdio."""
@@ -81,6 +113,11 @@ class State:
             return own
         return config.max_sessions_per_key or fair_share(config.max_sessions,
                                                          len(self.key_limits))
+
+    @property
+    def preload(self) -> list[str]:
+        """The modules kernels start with (the runtime's and --preload's)."""
+        return list(self.source.options[False].get("preload", ()))
 
     def run_limit(self, owner: str) -> int:
         """How many runs without a session (each a fresh kernel) this owner may have at once."""

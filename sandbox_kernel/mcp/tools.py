@@ -92,8 +92,7 @@ def register(server: MCPServer, state: State) -> None:
         limit = _check(lambda: config.timeout(timeout))
         held = await session_of(session) if session is not None else None
         owner = state.owner()
-        run = _check(lambda: state.runs.start(owner, code, inputs, held, limit,
-                                              state.run_limit(owner)))
+        run = _check(lambda: state.runs.start(owner, code, inputs, held, limit))
         return await answer(run, config.patience)
 
     async def wait_run(

@@ -6,22 +6,19 @@ The line says who (the key id, never the key), what (method, route template), ho
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # types only: json_line serves the MCP server, which has neither installed
+from ..hosting.events import json_line
+
+if TYPE_CHECKING:  # types only: the MCP server imports hosting/, which has neither installed
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
     from .metrics import Metrics
 
 log = logging.getLogger("sandbox_kernel.service.access")
-
-
-def json_line(**fields: object) -> str:
-    """A compact JSON log line."""
-    return json.dumps(fields, default=str, separators=(",", ":"))
+__all__ = ["AccessLog", "json_line", "route_of"]
 
 
 def route_of(scope: Scope) -> str:

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from .. import __version__
 from ..errors import KernelUnavailable
+from ..hosting.sources import KernelSource
 from ..policy import SandboxPolicy
 from . import dify, native, openapi
 from .access import AccessLog
@@ -21,7 +22,6 @@ from .config import ServiceConfig
 from .core import Service
 from .deps import ServiceDep
 from .errors import kernel_unavailable, session_error
-from .kernels import KernelSource
 from .limits import BodyLimit
 from .sessions import SessionError
 from .store import StoreError

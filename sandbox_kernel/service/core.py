@@ -11,16 +11,17 @@ from typing import Any, TypeVar
 from .. import __version__
 from ..client import Execution
 from ..errors import ExecutionTimeout
+from ..hosting.admission import DIFY_TENANT, Admission, fair_share, tenant_of
+from ..hosting.fresh import Runner
+from ..hosting.oneshots import OneShots
+from ..hosting.sources import Kernels, KernelSource, make_source
 from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
 from .access import json_line
-from .admission import DIFY_TENANT, Admission, fair_share, tenant_of
 from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, upstream_proxy
-from .kernels import Kernels, KernelSource, make_source
 from .metrics import Metrics
 from .pausing import Pausing
-from .runs import OneShots, Runner
 from .sessions import Sessions
 from .store import Quota, Store
 
@@ -167,6 +168,8 @@ class Service:
         if self.pausing is not None:
             await self.pausing.pause_all(max(deadline - loop.time(), PAUSE_AT_LEAST))
         self.sessions.close()
+        if self.runner.one_shots is not None:
+            await self.runner.one_shots.close()
         await self.kernels.close()
         log.info(json_line(event="stopped"))
 

@@ -28,27 +28,15 @@ import logging
 import time
 from typing import Any
 
+from ..hosting.network import Network, NetworkChoice, network_of, network_record, policy_name
 from .access import json_line
 from .auth import ApiKey
-from .kernels import Network, NetworkChoice, policy_name
 from .sessions import Session, SessionError, Sessions
 from .snapshots import Taken, restore_options, take
 from .store import Store, Stored, StoreError
 
 log = logging.getLogger("sandbox_kernel.service")
 EXPIRE_INTERVAL = 30.0  # seconds between sweeps of expired paused sessions (a directory read)
-
-
-def network_record(network: Network) -> dict[str, Any]:
-    """A session's network as the store keeps it."""
-    if isinstance(network, NetworkChoice):
-        return {"mode": network.mode, "hosts": list(network.hosts)}
-    return {"mode": "on" if network else "off", "hosts": []}
-
-
-def network_of(record: dict[str, Any]) -> NetworkChoice:
-    """The network a stored record ran on."""
-    return NetworkChoice(record["mode"], tuple(record["hosts"]))
 
 
 def describe_paused(item: Stored) -> dict[str, Any]:

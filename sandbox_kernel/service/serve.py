@@ -53,7 +53,8 @@ def _logging(level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     # Each message is one JSON object; others (an exception's text) kept to one printable line.
     handler.setFormatter(PrintableFormatter("%(message)s"))
-    for name in ("sandbox_kernel.service", "sandbox_kernel.service.access"):
+    for name in ("sandbox_kernel.service", "sandbox_kernel.service.access",
+                 "sandbox_kernel.hosting"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.propagate = False
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"sandbox-kernel serve: {exc.name} is missing: install the [server] extra: "
               f"{install_hint('server')}", file=sys.stderr)
         return 2
+    from ..hosting.network import with_network
     from .auth import KeyFileError
-    from .kernels import with_network  # the server extra's: imported once it is known here
 
     if getattr(args, "allow_network", None):
         raise TraitError("serve decides network access per request: --enable-network lets a "

@@ -13,16 +13,10 @@ from typing import TYPE_CHECKING, Any
 from ..client import AsyncSandbox
 from ..client.sessions import KernelSession, SessionLimit, SessionTable
 from ..errors import KernelUnavailable
+from ..hosting.network import Network, NetworkChoice, Secrets, policy_name
+from ..hosting.sources import Kernels, kernel_id
 from .access import json_line
 from .auth import ApiKey
-from .kernels import (
-    Kernels,
-    Network,
-    NetworkChoice,
-    Secrets,
-    kernel_id,
-    policy_name,
-)
 from .snapshots import refused_restore
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sandbox_kernel.service.admission import Admission
+from sandbox_kernel.hosting.admission import Admission
 
 from .helpers import DIFY_KEY, KEY_A, KEY_B, RUN, Server, auth, http, httpx
 

@@ -13,11 +13,13 @@ from starlette.responses import Response
 
 from ... import runtimes
 from ...errors import KernelUnavailable
+from ...hosting.admission import Busy
+from ...hosting.fresh import RunRecord
 from ..access import json_line
 from ..core import Service
 from ..deps import ServiceDep
+from ..disconnects import unless_disconnected
 from ..openapi import DEPENDENCIES_DOC, RUN_DOC
-from ..runs import Busy, RunRecord, unless_disconnected
 from . import dependencies, framing
 from .answers import run_data
 from .gin import GoJSON, bind, error_answer, success

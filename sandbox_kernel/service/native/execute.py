@@ -13,20 +13,12 @@ from starlette.responses import Response
 from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
 from ...errors import OutputLimitExceeded
-from ..admission import tenant_of
+from ...hosting.admission import Busy, tenant_of
+from ...hosting.fresh import OutputBudget, RunRecord, bounded, callbacks, output_limited
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
+from ..disconnects import client_left, unless_disconnected
 from ..openapi import EVENT_STREAM
-from ..runs import (
-    Busy,
-    OutputBudget,
-    RunRecord,
-    bounded,
-    callbacks,
-    client_left,
-    output_limited,
-    unless_disconnected,
-)
 from ..sessions import Session, SessionError
 from .schemas import (
     ExecuteRequest,

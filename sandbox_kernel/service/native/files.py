@@ -15,11 +15,11 @@ from fastapi import APIRouter, HTTPException, Request
 from starlette.responses import Response
 
 from ...client.files import file_op
+from ...hosting.fresh import RunRecord, bounded
 from ..auth import ApiKey
 from ..core import Service
 from ..deps import Key, ServiceDep, session_of
 from ..openapi import UPLOAD_BODY
-from ..runs import RunRecord, bounded
 from ..sessions import SessionError
 from ..validation import sendable
 from .schemas import FileShape

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
-from ..kernels import NetworkChoice
+from ...hosting.network import NetworkChoice
 from ..validation import sendable
 
 

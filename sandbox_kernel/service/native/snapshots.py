@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from starlette.responses import Response
 
+from ...hosting.network import policy_name
 from ..core import Service
 from ..deps import Key, OwnedSession, ServiceDep
-from ..kernels import policy_name
 from ..pausing import Pausing, network_of
 from ..store import Stored
 from .schemas import PausedShape, SnapshotShape

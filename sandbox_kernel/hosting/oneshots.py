@@ -1,8 +1,10 @@
 """The fork server's pools of one-shot kernels, one per network policy, and their readiness.
 
-Shared by the service's runs (runs.py) and the MCP server (mcp/kernels.py): it imports nothing
-of the [server] extra, so `sandbox-kernel mcp` runs with the [mcp] extra alone
-(tests/test_extras.py installs each extra by itself to keep it so).
+Which runs may take a one-shot kernel is decided here (`pool_for`), and whether the pool can be
+had (`had`: asked of the fork server off the event loop, once at a time; a pool that could not
+be had is not asked for again for ASK_AGAIN seconds, its runs take ZMQ kernels meanwhile).
+fresh.py's runner is the one caller. Like all of hosting/ it imports nothing of the [server]
+extra, so `sandbox-kernel mcp` runs with the [mcp] extra alone (tests/test_extras.py).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..client import CallerLimits, oneshot
-from ..launch.oneshot import OneShotPool
-from .kernels import Network, NetworkChoice, policy_name
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from .events import json_line, log
+from .network import Network, policy_name, split
 
 PROBE_TIMEOUT = 30.0  # s: readiness's `pass` on a one-shot kernel
+ASK_AGAIN = 30.0  # s: a pool the fork server could not give is asked for again after this
 
 
 class OneShots:
@@ -36,17 +40,49 @@ class OneShots:
         # probe's error; readiness counts these beside the ZMQ kernels' starts.
         self.health: dict[str, dict[str, Any]] = {
             policy_name(network): {"started": False, "error": None} for network in self.pools}
+        self._asking: dict[bool, asyncio.Future[bool]] = {}
+        self._refused_at: dict[bool, float] = {}  # when the fork server last could not give it
 
     def pool_for(self, network: Network) -> OneShotPool | None:
-        """The pool for this run, or None when it needs a ZMQ kernel (its own allowlist)."""
-        if isinstance(network, NetworkChoice) and network.mode == "hosts":
-            return None
-        return self.pools.get(bool(network))
+        """The pool for this run, or None when it needs a ZMQ kernel: its own allowlist, or a
+        policy with credentials (no pool is made for it)."""
+        allowed, hosts = split(network)
+        return None if hosts is not None else self.pools.get(allowed)
 
     def prepare(self) -> None:
         """Ask for every pool now (starting the fork server), so the first run finds it full."""
         for pool in self.pools.values():
             pool.path = pool.ask()
+
+    async def had(self, network: bool) -> bool:
+        """Whether the network's pool is had from the fork server, asking for it if not (once
+        at a time; not again within ASK_AGAIN seconds of a refusal)."""
+        pool = self.pools[network]
+        if pool.path:
+            return True
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._refused_at.get(network, -ASK_AGAIN) < ASK_AGAIN:
+            return False
+        if network not in self._asking or self._asking[network].done():
+            self._asking[network] = asyncio.ensure_future(self._ask(network))
+        return await asyncio.shield(self._asking[network])
+
+    async def _ask(self, network: bool) -> bool:
+        pool = self.pools[network]
+        try:
+            pool.path = await asyncio.to_thread(pool.ask)
+            return True
+        except OneShotUnavailable as exc:
+            self._refused_at[network] = asyncio.get_running_loop().time()
+            log.warning(json_line(event="one_shot_unavailable", policy=policy_name(network),
+                                  error=str(exc), retry_after=ASK_AGAIN))
+            return False
+
+    async def close(self) -> None:
+        """Stop asking for pools (the fork server, stopped by the kernel source, ends them)."""
+        for asking in self._asking.values():
+            asking.cancel()
+        await asyncio.gather(*self._asking.values(), return_exceptions=True)
 
     async def probe(self, stopped: Callable[[], bool], retry: float = 2.0) -> None:
         """Run `pass` on a one-shot kernel of each pool until one has answered (proof that its

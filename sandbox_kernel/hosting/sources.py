@@ -1,20 +1,20 @@
-"""Where fresh kernels come from, and the record of every kernel the service holds.
+"""Where fresh ZMQ kernels come from, and the record of every kernel a face holds.
 
-`KernelSource` is the one seam between the service and the ways to get a kernel: `get(network)`
+`KernelSource` is the one seam between a face and the ways to get a kernel: `get(network)`
 returns a started AsyncSandbox of that network policy that no one has used. `PoolSource` takes
-them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it.
+them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it
+for the service and the MCP server alike (network policies by hosting/network.py's rule).
 
 `Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, kills them
-in the background so a response never waits for a shutdown, and at shutdown closes them all.
+in the background so an answer never waits for a shutdown, and at shutdown closes them all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,9 +24,8 @@ from ..launch.forkserver import ForkServerClient
 from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
 from ..secrets import SecretError
-from .access import json_line
-
-log = logging.getLogger("sandbox_kernel.service")
+from .events import json_line, log
+from .network import Network, policy_name, split, with_network
 
 
 class KernelSource(Protocol):
@@ -50,60 +49,6 @@ class KernelSource(Protocol):
         """Shut down every kernel not handed out."""
 
 
-@dataclass(frozen=True)
-class NetworkChoice:
-    """What a run or session asked of the network: off, on, or only the names in hosts."""
-
-    mode: str = "off"
-    hosts: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return self.mode != "off"
-
-
-Network = bool | NetworkChoice
-Secrets = Mapping[str, Any] | None  # a caller's {NAME: {"value": ..., "hosts": [...]}}
-
-
-def _split(network: Network) -> tuple[bool, tuple[str, ...] | None]:
-    """(network at all, the allowlist when only some hosts), from a bool or a NetworkChoice."""
-    if isinstance(network, NetworkChoice):
-        return bool(network), network.hosts if network.mode == "hosts" else None
-    return bool(network), None
-
-
-def policy_name(network: Network) -> str:
-    """The name metrics and sessions give a kernel's network: offline, network or hosts."""
-    allowed, hosts = _split(network)
-    return "hosts" if hosts is not None else "network" if allowed else "offline"
-
-
-def with_network(base: SandboxPolicy, network: bool, upstream_proxy: str = "",
-                 hosts: tuple[str, ...] | None = None) -> SandboxPolicy:
-    """The base policy with the network off, on (any public host) or only hosts, egress
-    chained to the deployment's upstream proxy when there is one.
-
-    When the operator started the service with --network hosts, network kernels get the
-    operator's allowlist, and a request's own list keeps only the names on it.
-    """
-    values = base.as_dict()
-    values.pop("allow_network", None)  # an alias of network; network decides
-    if base.network == "hosts":  # the operator's allowlist: a request narrows it, never widens
-        hosts = tuple(base.allow_hosts) if hosts is None else \
-            tuple(host for host in hosts if host in base.allow_hosts)
-    values["network"] = "off" if not network else "hosts" if hosts is not None else "on"
-    if hosts is not None:
-        values["allow_hosts"] = list(hosts)
-    if network and upstream_proxy:
-        values["upstream_proxy"] = upstream_proxy
-    if not network:  # the operator's secrets are for network kernels only
-        values.update(secrets=[], secrets_file="")
-    elif hosts is not None:  # and for the hosts a request keeps
-        values["secrets"] = [entry for entry in base.secrets
-                             if entry.partition("=")[2].strip() in hosts]
-    return SandboxPolicy(**values)
-
-
 @dataclass
 class Starts:
     """The latest kernel starts of one policy without a pool: readiness rests on them."""
@@ -125,24 +70,31 @@ class PoolSource:
     rather than waiting behind other runs for the refill, so a burst of runs starts kernels
     side by side. Without a pool (--pool-size 0) one kernel per policy is started at once and
     closed again, and started again every PROBE_RETRY seconds until one has started: the proof
-    /ready waits for.
+    /ready waits for (`probe`; the MCP server has no /ready and starts none).
+
+    `filled`: the policies whose pools fill from the start (all by default); another's pool
+    fills from its first kernel asked for.
     """
 
     PROBE_RETRY = 2.0
 
-    def __init__(self, options: dict[bool, dict[str, Any]], pool_size: int) -> None:
+    def __init__(self, options: dict[bool, dict[str, Any]], pool_size: int,
+                 filled: Iterable[bool] | None = None, probe: bool = True) -> None:
         self.options = options  # AsyncSandbox's keyword arguments, per network policy
         self.pools = {network: KernelPool(pool_size, **kwargs)
                       for network, kwargs in options.items()} if pool_size > 0 else {}
+        self.filled = set(options if filled is None else filled)
         self.starts = {network: Starts() for network in options if network not in self.pools}
+        self.probe = probe
         self._probes: set[asyncio.Task[None]] = set()
         self.diagnoses: dict[bool, str] = {}  # per policy, once a start failed: check's words
 
     async def start(self) -> None:
         """Start filling the pools, and prove the policies without one."""
-        for pool in self.pools.values():
-            pool.start()
-        for network in self.starts:
+        for network, pool in self.pools.items():
+            if network in self.filled:
+                pool.start()
+        for network in self.starts if self.probe else ():
             probe = asyncio.get_running_loop().create_task(self._probe(network))
             self._probes.add(probe)
             probe.add_done_callback(self._probes.discard)
@@ -168,7 +120,7 @@ class PoolSource:
         extra: more AsyncSandbox options (a snapshot to restore, the caller's own secrets):
         such a kernel is started for its caller, never pooled.
         """
-        allowed, hosts = _split(network)
+        allowed, hosts = split(network)
         if allowed not in self.options:
             raise RuntimeError(f"no {policy_name(network)} kernels are configured")
         options = {**self.options[allowed], **extra}
@@ -177,6 +129,7 @@ class PoolSource:
             pool = None
             options = {**options, "policy": with_network(options["policy"], True, hosts=hosts)}
         if pool is not None:
+            pool.start()  # a policy not filled from the start fills from now
             return await pool.get_soonest()
         if hosts is not None or extra:  # the caller's choice, not the policy, might be what fails
             return await start_sandbox(**options)
@@ -235,29 +188,36 @@ class PoolSource:
             probe.cancel()
         await asyncio.gather(*self._probes, *(pool.close() for pool in self.pools.values()),
                              return_exceptions=True)
-        # No process outlives the service: the fork server its kernels came from ends too (a
+        # No process outlives the face: the fork server its kernels came from ends too (a
         # later kernel of this interpreter, from anyone, starts a new one).
         for python, preload in {(kwargs.get("python"), tuple(kwargs.get("preload", ())))
-                                for kwargs in self.options.values()}:
+                                for kwargs in self.options.values()
+                                if not kwargs.get("cold_start")}:
             ForkServerClient(python=python or sys.executable, preload=preload).stop_server()
 
 
 def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
-                grace: float, upstream_proxy: str = "",
-                runtime: str = "") -> KernelSource:
-    """The kernel source the service uses: the one place to change how it gets kernels.
+                grace: float | None = None, upstream_proxy: str = "", runtime: str = "",
+                preload: Iterable[str] = (), cold_start: bool = False,
+                filled: Iterable[bool] | None = None, probe: bool = True) -> PoolSource:
+    """The kernel source a face uses: the one place to change how it gets kernels.
 
-    With a runtime, kernels run on its current build with its modules preloaded.
+    With a runtime, kernels run on its current build with its modules preloaded (and
+    `preload`'s); cold_start: each kernel exec'd, no fork server.
     """
-    on_runtime: dict[str, Any] = {}
+    on_runtime: dict[str, Any] = {"python": sys.executable, "preload": list(preload)}
     if runtime:
         from ..runtimes import find
 
         record = find(runtime)
-        on_runtime = {"python": str(record.python()), "preload": record.preload}
-    return PoolSource({network: {"kernel_name": None, "grace": grace, **on_runtime,
+        on_runtime = {"python": str(record.python()),
+                      "preload": list(dict.fromkeys([*record.preload, *preload]))}
+    extra = {"grace": grace} if grace is not None else {}
+    if cold_start:
+        extra["cold_start"] = True
+    return PoolSource({network: {"kernel_name": None, **extra, **on_runtime,
                                  "policy": with_network(base, network, upstream_proxy)}
-                       for network in networks}, pool_size)
+                       for network in networks}, pool_size, filled, probe)
 
 
 def kernel_id(sandbox: AsyncSandbox) -> str:
@@ -303,6 +263,11 @@ class Kernels:
         except Exception as exc:
             raise KernelUnavailable(f"the {policy_name(network)} kernel did not start: "
                                     f"{exc}") from exc
+
+    async def close_now(self, sandbox: AsyncSandbox) -> None:
+        """Shut a kernel down and wait for it (a caller that answers once it is gone)."""
+        self.live.discard(sandbox)
+        await self._close(sandbox)
 
     def discard(self, sandbox: AsyncSandbox) -> None:
         """Shut a kernel down in the background; safe to call from a cancelled task."""
