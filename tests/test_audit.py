@@ -81,10 +81,11 @@ def test_each_refused_call_is_recorded_once_with_the_kernel_id(audited):
     sandbox, path = audited
     assert evaluate(sandbox, ATTACKS) == ("EPERM", "EPERM", "EPERM")
     found = records(path, at_least=3)
-    forks = [r for r in found if r["syscall"] == "clone" and int(r["args"][0], 16) & 0xFF
+    forks = [r for r in found if r.get("syscall") == "clone" and int(r["args"][0], 16) & 0xFF
              == signal.SIGCHLD]
-    sockets = [r for r in found if r["syscall"] == "socket" and r["args"][:2] == ["0xa", "0x80002"]]
-    raws = [r for r in found if r["syscall"] == "acct" and r["args"][0] == hex(MARKER)]
+    sockets = [r for r in found
+               if r.get("syscall") == "socket" and r["args"][:2] == ["0xa", "0x80002"]]
+    raws = [r for r in found if r.get("syscall") == "acct" and r["args"][0] == hex(MARKER)]
     assert (len(forks), len(sockets), len(raws)) == (1, 1, 1), found
     for entry in (forks[0], sockets[0], raws[0]):
         assert entry["kernel"] == kernel_id(sandbox)
@@ -165,7 +166,9 @@ def test_refused_calls_still_fail_without_the_reaper(tmp_path):
 
 def test_rate_limit_counts_what_it_does_not_record(tmp_path):
     path = tmp_path / "denials.jsonl"
-    flood = RAW_SYSCALL + f"set(raw({SYS_ACCT}, {MARKER}) for _ in range(1000))"
+    # Each call after some work of the kernel's own: its CPU pays for the answers (share.py).
+    flood = RAW_SYSCALL + f"set((raw({SYS_ACCT}, {MARKER}), sum(range(20_000)))[0] " \
+                          "for _ in range(1000))"
     with Sandbox(None, policy=SandboxPolicy(audit_log=str(path))) as sb:
         assert evaluate(sb, flood) == {(-1, 1)}
         assert evaluate(sb, RAW_SYSCALL + f"raw({SYS_ACCT}, 1)") == (-1, 1)

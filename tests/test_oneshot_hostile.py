@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import errno
+import time
+from collections import Counter
 
 import pytest
 
 from sandbox_kernel.client import oneshot
 from sandbox_kernel.launch.oneshot import OneShotPool
 from sandbox_kernel.policy import SandboxPolicy
+from tests.helpers import RAW_SYSCALL
 from tests.test_hostile import CASES, HOSTILE_POLICY, PRELUDE, _applies, world  # noqa: F401
 
 # What the one-shot path answers differently, by design (none of these is a weaker outcome).
@@ -150,3 +154,63 @@ def test_a_record_length_user_code_never_sends_ends_the_run_saying_so(pools):
         "the one-shot kernel sent a message the caller refuses: a record said to be of "
         "4,294,967,295 bytes never ended, and what came after it was taken for its bytes")
     assert execution.stdout == ""
+
+
+# Eight threads calling refused system calls (acct, syslog) as fast as they can for 2 s, each
+# counting its calls and the outcomes it saw.
+FLOOD = RAW_SYSCALL + """
+import os, threading, time
+from collections import Counter
+
+def flood(stop, seen, calls):
+    while time.monotonic() < stop:
+        for nr in (163, 103):
+            seen.add(raw(nr, 10 if nr == 103 else 0))
+            calls[nr] += 1
+
+stop = time.monotonic() + 2.0
+work = [(set(), Counter()) for _ in range(8)]
+threads = [threading.Thread(target=flood, args=(stop, *w)) for w in work]
+for t in threads: t.start()
+for t in threads: t.join()
+seen = set().union(*(s for s, _ in work))
+calls = sum((c for _, c in work), Counter())
+(sorted(seen), calls[163], calls[103], os.getpid())
+"""
+
+
+def _denials_of(path, kernel, calls):
+    """Per system call, the denials of `kernel` the audit file accounts for (its records and
+    the counts of its summaries), once they add up to `calls` or after 30 s."""
+    from tests.test_audit import records
+
+    deadline = time.monotonic() + 30
+    while True:
+        found = [r for r in records(path) if r.get("kernel") == kernel]
+        counted = Counter(r["syscall"] for r in found if "syscall" in r)
+        for summary in (r for r in found if "suppressed" in r):
+            counted.update(summary.get("syscalls", {}))
+        if counted == calls or time.monotonic() > deadline:
+            return counted, found
+
+
+def test_a_refused_call_flood_is_paced_summarised_and_charged_to_the_run(tmp_path):
+    """Issue #44 item 3. The flood's calls all fail EPERM; the companion answers a flooding ward
+    only as far as the ward's own CPU pays for (its share: confine/share.py; the ratio is
+    bench.companion's), and says in the audit that it paced it; what it spent is charged to the
+    run's usage; the denials the record's rate limit left out are counted per system call in
+    summary records, none lost; and the companion then serves the next run at once."""
+    path = tmp_path / "audit.jsonl"
+    pool = OneShotPool(SandboxPolicy(audit_log=str(path), **HOSTILE_POLICY), size=1)
+    flood = asyncio.run(oneshot.run(pool, FLOOD, None, 60.0))
+    assert flood.error is None, flood.error
+    seen, accts, syslogs, pid = ast.literal_eval(flood.text)
+    assert seen == [(-1, errno.EPERM)]
+    assert flood.usage.companion_cpu_seconds > 0, flood.usage
+    assert flood.usage.refused_syscalls == accts + syslogs
+    counted, found = _denials_of(path, f"one-shot-{pid}", {"acct": accts, "syslog": syslogs})
+    assert counted == {"acct": accts, "syslog": syslogs}
+    assert sum(r.get("paced", 0) for r in found) >= 1, found[-3:]
+    after = asyncio.run(oneshot.run(pool, RAW_SYSCALL + "raw(163, 0)", None, 30.0))
+    assert after.error is None and ast.literal_eval(after.text) == (-1, errno.EPERM)
+    assert after.usage.refused_syscalls == 1

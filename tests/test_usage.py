@@ -13,7 +13,8 @@ from tests.helpers import evaluate, ok
 MiB = 2**20
 HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
         "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
-        "refused_syscalls": "kernel", "egress_cpu_seconds": "kernel"}
+        "refused_syscalls": "kernel", "egress_cpu_seconds": "kernel",
+        "companion_cpu_seconds": "kernel"}
 # Spins until the kernel process has used `cpu` seconds of CPU, whatever else the machine runs
 # (two cores shared by many processes: its wall time may be longer, never shorter).
 # It looks at the clock every 10^5 iterations: a CPU clock read is a system call.

@@ -47,6 +47,9 @@ class Usage:
     spent, in the kernel's unconfined companion, on the kernel's connections (reading and judging
     request heads, TLS hellos, splicing): outside the kernel, so not in its CPU figures, and
     billable beside them; reported by the kernel from the companion's count ("kernel").
+    `companion_cpu_seconds` is the CPU the companion spent answering and recording the calls
+    the execution had refused (billable the same way; a flood of refusals is answered only as
+    far as a share of the kernel's own CPU pays for, docs/SECURITY.md).
     `secret_uses`: with secrets (`--secret`), how many requests the proxy added each one to, by
     name, also from the companion's count.
     """
@@ -59,6 +62,7 @@ class Usage:
     result_bytes: int = 0
     refused_syscalls: int | None = None
     egress_cpu_seconds: float | None = None
+    companion_cpu_seconds: float | None = None
     secret_uses: dict[str, int] | None = None
     source: dict[str, str] = field(default_factory=dict)
 

@@ -29,7 +29,7 @@ from .execution import Usage
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _KERNEL_FIGURES = ("cpu_user_seconds", "cpu_system_seconds", "peak_memory_bytes",
-                   "refused_syscalls", "egress_cpu_seconds")
+                   "refused_syscalls", "egress_cpu_seconds", "companion_cpu_seconds")
 
 
 class KernelProcess:
@@ -89,14 +89,15 @@ def open_process(pid: Any) -> KernelProcess | None:
 class SessionTotal:
     """What a sandbox's kernels spent in all: the host's CPU ticks of each kernel process from
     its first execution on, billed or not; the CPU of one-shot runs (each kernel ends with its
-    run, so its execution's figures are all it spent); the egress proxy's CPU its executions
-    were charged. A kernel replaced (a restart, a lost kernel) adds what it spent up to its
-    last reading."""
+    run, so its execution's figures are all it spent); the companion's CPU its executions were
+    charged (the egress proxy's, and answering refused calls). A kernel replaced (a restart,
+    a lost kernel) adds what it spent up to its last reading."""
 
     def __init__(self) -> None:
         self.ended = (0.0, 0.0)  # CPU seconds of kernels no longer current, and one-shot runs
         self.local = False  # some kernel's CPU was read from the host
         self.egress: float | None = None
+        self.companion: float | None = None
 
     def spent(self, process: KernelProcess | None) -> tuple[int, int]:
         """The current kernel's ticks since its first execution (its last ones, if it is gone)."""
@@ -119,6 +120,8 @@ class SessionTotal:
         """An execution's figures; own_kernel: it had a kernel of its own (a one-shot run)."""
         if usage.egress_cpu_seconds is not None:
             self.egress = (self.egress or 0.0) + usage.egress_cpu_seconds
+        if usage.companion_cpu_seconds is not None:
+            self.companion = (self.companion or 0.0) + usage.companion_cpu_seconds
         if own_kernel and usage.cpu_user_seconds is not None \
                 and usage.cpu_system_seconds is not None:
             self._add(usage.cpu_user_seconds, usage.cpu_system_seconds)
@@ -127,9 +130,11 @@ class SessionTotal:
     def usage(self, process: KernelProcess | None) -> Usage:
         """The totals so far, the current kernel's ticks included; CPU None where no kernel of
         the sandbox was ever a local process (its executions' own figures are all there is)."""
-        total = Usage(egress_cpu_seconds=self.egress)
+        total = Usage(egress_cpu_seconds=self.egress, companion_cpu_seconds=self.companion)
         if self.egress is not None:
             total.source["egress_cpu_seconds"] = "kernel"
+        if self.companion is not None:
+            total.source["companion_cpu_seconds"] = "kernel"
         self.local = self.local or (process is not None and process.first is not None)
         if self.local:
             user, system = self.spent(process)

@@ -8,6 +8,11 @@ terminal, where the user's own output goes; only when no audit file can be opene
 go to the launcher's log, so the record is never lost silently). Should the reaper be gone,
 the kernel's pending and later refused calls fail with ENOSYS: still refused.
 
+Answering costs the reaper CPU, outside every limit of the kernel's: each kernel's answers are
+paid from a share of the kernel's own CPU (share.py) and charged to it (the tally carries the
+figure to its usage); past its share a kernel's calls wait, answered one at a time. The records
+are rate-limited too, and the ones left out are counted per system call in a summary record.
+
 Raw ioctls rather than libseccomp's seccomp_notify_*: those are tied to the filter context of
 the process that loaded it, and the reaper is another process holding only the descriptor.
 """
@@ -22,10 +27,12 @@ import os
 import pwd
 import select
 import time
+from collections import Counter
 from typing import Any
 
 from .denials import library_probe, uncounted
 from .logrelay import LineSink, TokenBucket, escaped
+from .share import PAUSE, CpuShare
 from .tally import Tally
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
@@ -38,6 +45,7 @@ SECCOMP_IOCTL_NOTIF_SEND = (3 << 30) | (_RESP_SIZE << 16) | (ord("!") << 8) | 1
 AUDIT_BURST = 100  # denials recorded at once ...
 AUDIT_RATE = 10.0  # ... and per second after that; the rest are counted, not lost silently
 FLUSH_AFTER = 1.0  # seconds after the first denial left out, the count of them is written
+BATCH = 16  # answers in one turn of the reaper's loop: other kernels' turns come in between
 ROOT_AUDIT_LOG = "/var/log/sandbox-kernel/audit.jsonl"
 
 
@@ -71,14 +79,6 @@ def receive(listener: int) -> Notification | None:
     return Notification.from_buffer_copy(buffer)
 
 
-def orphaned(listener: int) -> bool:
-    """Whether no process uses the listener's filter any more (its last one is exiting or
-    gone): no call will wait there again, and poll reports the hang-up (POLLHUP)."""
-    poller = select.poll()
-    poller.register(listener, select.POLLIN)
-    return any(events & select.POLLHUP for _, events in poller.poll(0))
-
-
 def refuse(listener: int, notification: Notification, error: int = errno.EPERM) -> None:
     """Make the waiting call fail with error."""
     response = Response(id=notification.id, val=0, error=-error, flags=0)
@@ -110,15 +110,16 @@ def thread_name(tid: int) -> str:
     return "".join(c if c.isprintable() else "?" for c in name)  # user code names threads
 
 
-def record(notification: Notification, kernel_id: str, uid: int | None) -> dict[str, Any]:
-    """One denial as a JSON-able record of bounded size."""
+def record(notification: Notification, kernel_id: str, uid: int | None,
+           name: str | None = None) -> dict[str, Any]:
+    """One denial as a JSON-able record of bounded size (name: the call's, when known)."""
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "kernel": kernel_id[:128],
         "pid": notification.pid,
         "thread": thread_name(notification.pid),
         "uid": uid,
-        "syscall": syscall_name(notification.nr),
+        "syscall": name or syscall_name(notification.nr),
         "nr": notification.nr,
         "args": [hex(value) for value in notification.args],
         "errno": "EPERM",
@@ -126,33 +127,77 @@ def record(notification: Notification, kernel_id: str, uid: int | None) -> dict[
 
 
 class Auditor:
-    """Answers the kernel's refused calls and records each one, rate-limited."""
+    """Answers the kernel's refused calls as far as its CPU share pays, and records each one,
+    rate-limited."""
 
     def __init__(self, listener: int, audit_file: int | None, log: LineSink,
-                 kernel_id: str, uid: int | None, tally: Tally | None = None) -> None:
+                 kernel_id: str, uid: int | None, tally: Tally | None = None,
+                 pid: int | None = None) -> None:
         self.listener, self.audit_file, self.log = listener, audit_file, log
         self.tally = tally  # the kernel reads it for each execution's usage
         self.kernel_id, self.uid = kernel_id, uid
+        self.share = CpuShare(pid)  # pid: the kernel's, whose CPU pays for its answers
+        self.paused_until: float | None = None  # past its share: when one more is answered
+        self.hung_up = False  # no process uses the filter any more: nothing will wait again
+        self.poller = select.poll()
+        self.poller.register(listener, select.POLLIN)
+        self.names = {0: syscall_name(0)}  # the names' library loaded now, not in an answer
         self.budget = TokenBucket(AUDIT_BURST, AUDIT_RATE)
+        self.left_out: Counter[str] = Counter()  # denials not recorded, per system call
+        self.pauses = 0  # times the kernel went past its share since the last summary
         self.suppressed = 0
         self.suppressed_since = 0.0
 
-    def answer_one(self) -> None:
-        """Refuse the next pending call (EPERM), then record it."""
+    def answer(self, since: float, floor: bool = False) -> None:
+        """Answer the calls waiting (EPERM), at most BATCH and while the kernel's share allows,
+        else one if floor (its pause is over); charge the kernel this thread's CPU from `since`
+        (its CPU clock, time.thread_time(), when the work for it began)."""
+        for _ in range(BATCH if self.share.allows() else int(floor)):
+            if not self._waiting():
+                break
+            self._answer_one()
+        spent = time.thread_time() - since
+        if not floor:  # an answer per pause is the kernel's whatever its share: paid by time
+            self.share.spend(spent)
+        if self.tally is not None:
+            self.tally.charge_answers(spent)
+        if self.share.allows():
+            self.paused_until = None
+        else:
+            self.pauses += self.paused_until is None  # counted in the next summary record
+            self.paused_until = time.monotonic() + PAUSE
+
+    def _waiting(self) -> bool:
+        """Whether a call waits for its answer (a receive would block otherwise).
+
+        The listener of a process that is exiting reports its hang-up as readable until the
+        process is gone (~5 ms after its exit): that is noted, for the loop to stop watching."""
+        for _, events in self.poller.poll(0):
+            if events & select.POLLIN:
+                return True
+            self.hung_up = bool(events & select.POLLHUP)
+        return False
+
+    def _answer_one(self) -> None:
+        """Refuse the next pending call (EPERM), then record it or count it as left out."""
         notification = receive(self.listener)
         if notification is None:
             return
-        if self.tally is not None and not uncounted(syscall_name(notification.nr)):
+        name = self.names.get(notification.nr)
+        if name is None:
+            name = self.names[notification.nr] = syscall_name(notification.nr)
+        if self.tally is not None and not uncounted(name):
             self.tally.add()  # before the answer: counted by the time the call returns
         refuse(self.listener, notification)
         if not self.budget.take():
             if not self.suppressed:
                 self.suppressed_since = time.monotonic()
             self.suppressed += 1
+            self.left_out[name] += 1
             return
         self.report_suppressed()
-        entry = record(notification, self.kernel_id, self.uid)
-        probe = library_probe(entry["syscall"], list(notification.args))
+        entry = record(notification, self.kernel_id, self.uid, name)
+        probe = library_probe(name, list(notification.args))
         if probe is not None:  # a library's attempt it copes without: marked as such
             entry["probe"] = probe
         self._write(entry, f"refused {entry['syscall']}({', '.join(entry['args'])}) "
@@ -164,12 +209,26 @@ class Auditor:
             time.monotonic() - self.suppressed_since >= FLUSH_AFTER
 
     def report_suppressed(self) -> None:
-        """Record how many denials the rate limit left out since the last record."""
-        if self.suppressed:
+        """Record how many denials the rate limit left out since the last record, per call,
+        and how many times the kernel's answers were paced meanwhile (past its CPU share)."""
+        if self.suppressed or self.pauses:
+            calls = dict(self.left_out.most_common())
             self._write({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                         "kernel": self.kernel_id[:128], "suppressed": self.suppressed},
-                        f"{self.suppressed} more denials not recorded (rate limit)")
-            self.suppressed = 0
+                         "kernel": self.kernel_id[:128], "suppressed": self.suppressed,
+                         "syscalls": calls, "paced": self.pauses},
+                        f"{self.suppressed} more denials not recorded (rate limit): "
+                        + ", ".join(f"{name} x{count}" for name, count in calls.items())
+                        + f"; answers paced {self.pauses} times (past the CPU share)")
+            self.suppressed = self.pauses = 0
+            self.left_out.clear()
+
+    def close(self) -> None:
+        """The kernel is gone: write the last count, close the listener and the audit file."""
+        self.report_suppressed()
+        self.share.close()
+        os.close(self.listener)
+        if self.audit_file is not None:
+            os.close(self.audit_file)
 
     def _write(self, entry: dict[str, Any], summary: str) -> None:
         if self.audit_file is not None:

@@ -12,10 +12,11 @@ SOCK_SEQPACKET socket its processes share until they close it, before any user c
 over a pidfd of itself and one end of a channel of its own, and names its scratch directory.
 Over that channel come the same handovers a reaper takes (handover.py): the uid lock (held until
 the process is gone), the seccomp listener with the refusal count and audit file (refused calls
-answered and recorded, audit.py), the egress listener (served by the egress proxy,
-egress/proxy.py, on one event loop for all, in a thread). When the pidfd says the process is
-gone, the companion releases the uid, stops its proxy and removes its scratch. It ends once its
-server is gone and every process it serves is too.
+answered and recorded, audit.py, each process's answers paid from its CPU share, share.py: one
+process's flood slows down that process, not the others), the egress listener (served by the
+egress proxy, egress/proxy.py, on one event loop for all, in a thread). When the pidfd says
+the process is gone, the companion releases the uid, stops its proxy and removes its scratch.
+It ends once its server is gone and every process it serves is too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -105,6 +107,8 @@ class Companion:
         self.selector = selectors.DefaultSelector()
         self.wards: dict[int, Ward] = {}  # by pidfd
         self.loop: asyncio.AbstractEventLoop | None = None  # the egress proxies', once needed
+        self.paused: set[audit.Auditor] = set()  # wards past their CPU share (share.py)
+        self.mark = time.thread_time()  # this thread's CPU when the last callback ended
         try:
             self.server = os.pidfd_open(server_pid)
         except OSError:
@@ -114,7 +118,15 @@ class Companion:
             self._watch(self.server, self._server_gone)
 
     def _watch(self, fd: int, handler: Callable[[int], None]) -> None:
-        self.selector.register(fd, selectors.EVENT_READ, handler)
+        self.selector.register(fd, selectors.EVENT_READ, lambda ready: self._timed(handler, ready))
+
+    def _timed(self, handler: Callable[[int], None], fd: int) -> None:
+        """Run a callback and mark where its CPU ends: from there on, the CPU (the next
+        select's included) is the next callback's, charged to a ward if it answers one."""
+        try:
+            handler(fd)
+        finally:
+            self.mark = time.thread_time()
 
     def _unwatch(self, fd: int) -> None:
         with contextlib.suppress(KeyError):
@@ -124,13 +136,32 @@ class Companion:
         """Run until the server is gone and so is every ward."""
         try:
             while self.registry.fileno() >= 0 or self.wards:
-                run_round(self.selector, 1.0 if self.server < 0 else None)
+                run_round(self.selector, self._wait())
+                self._resume_paused()
                 if self.server < 0 and os.getppid() == 1:
                     self._server_gone(0)
         finally:
             for pidfd in list(self.wards):
                 self._ward_gone(pidfd)
             self.out.close()
+
+    def _wait(self) -> float | None:
+        """How long select may wait: until the first paused ward's next answer is due."""
+        wait = 1.0 if self.server < 0 else None
+        for auditor in self.paused:
+            due = max(0.0, (auditor.paused_until or 0.0) - time.monotonic())
+            wait = due if wait is None else min(wait, due)
+        return wait
+
+    def _resume_paused(self) -> None:
+        """Answer one call of each paused ward whose pause is over; watch again the listener
+        of any ward whose own CPU has paid for more meanwhile."""
+        for auditor in [a for a in self.paused if (a.paused_until or 0.0) <= time.monotonic()]:
+            auditor.answer(self.mark, floor=True)
+            self.mark = time.thread_time()
+            if auditor.paused_until is None:
+                self.paused.discard(auditor)
+                self._watch_answers(auditor)
 
     def _server_gone(self, _: int) -> None:
         """No more registrations: the processes already registered are still served."""
@@ -170,8 +201,8 @@ class Companion:
         if request.get("hold"):
             ward.held += fds
         elif "audit" in request and fds and ward.auditor is None:
-            auditor = ward.auditor = auditor_for(request["audit"], fds, self.out)
-            self._watch(auditor.listener, lambda _: self._answer(auditor))
+            ward.auditor = auditor_for(request["audit"], fds, self.out, ward.pid)
+            self._watch_answers(ward.auditor)
         elif "egress" in request and fds and ward.egress is None and ward.proxy is None:
             listener, *files = fds
             ward.egress = (request["egress"], listener, files[0] if files else None)
@@ -181,18 +212,24 @@ class Companion:
             for fd in fds:
                 os.close(fd)
 
-    def _answer(self, auditor: audit.Auditor) -> None:
-        """Answer the next refused call, unless the filter has no process left.
+    def _watch_answers(self, auditor: audit.Auditor) -> None:
+        self._watch(auditor.listener, lambda _: self._answer(auditor))
 
-        The listener of a process that is exiting reports its hang-up as readable until the
-        ward's pidfd says the process is gone, once its exit freed its memory (~5 ms): each
-        receive meanwhile finds nothing, a thousand of them spinning while the next run wants
-        the CPU. The listener is closed with the ward (_ward_gone).
+    def _answer(self, auditor: audit.Auditor) -> None:
+        """Answer the ward's refused calls waiting, as far as its CPU share allows.
+
+        Not watched any more: a ward past its share (answered one call at a time by
+        _resume_paused), and the listener of a process that is exiting, which reports its
+        hang-up as readable until the ward's pidfd says the process is gone, once its exit freed
+        its memory (~5 ms): each round meanwhile finds nothing, a thousand of them spinning
+        while the next run wants the CPU. The listener is closed with the ward (_ward_gone).
         """
-        if audit.orphaned(auditor.listener):
+        auditor.answer(self.mark)
+        if auditor.hung_up:
             self._unwatch(auditor.listener)
-        else:
-            auditor.answer_one()
+        elif auditor.paused_until is not None:
+            self._unwatch(auditor.listener)
+            self.paused.add(auditor)
 
     def _serve_egress(self, ward: Ward) -> None:
         assert ward.egress is not None
@@ -229,10 +266,8 @@ class Companion:
         if ward.auditor is not None:  # what the reaper's exit would free, freed here
             auditor = ward.auditor
             self._unwatch(auditor.listener)
-            auditor.report_suppressed()
-            os.close(auditor.listener)
-            if auditor.audit_file is not None:
-                os.close(auditor.audit_file)
+            self.paused.discard(auditor)
+            auditor.close()
             tally = auditor.tally
             if tally is not None and ward.proxy is not None:  # unmapped in the proxy's thread,
                 ward.proxy.add_done_callback(lambda _: tally.map.close())  # its last writer

@@ -75,7 +75,8 @@ class LauncherLog:
 
 
 class TokenBucket:
-    """At most `burst` units at once and `rate` per second after that."""
+    """At most `burst` units at once and `rate` per second after that (per second of `clock`:
+    the monotonic one, or another, such as a process's CPU time)."""
 
     def __init__(self, burst: float, rate: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -95,6 +96,10 @@ class TokenBucket:
             return False
         self.tokens -= amount
         return True
+
+    def spend(self, amount: float) -> None:
+        """Spend amount units already used, going into debt if need be (paid back first)."""
+        self.tokens -= amount
 
 
 class LogRelay:

@@ -23,6 +23,7 @@ import select
 import shutil
 import socket
 import threading
+import time
 from typing import Any
 
 from . import audit, handover, vault
@@ -101,6 +102,7 @@ class Reaper:
         self.egress: tuple[dict[str, Any], int, int | None] | None = None  # until a connection
         self.proxy: tuple[Any, threading.Thread] | None = None  # the egress proxy, once serving
         self.ca: Any = None  # the kernel's CA (egress/ca.py), made here for a kernel with secrets
+        self.mark = time.thread_time()  # this thread's CPU when the last event was handled
         self.poller = select.poll()
         for fd in (log_read, channel) + ((kernel,) if kernel >= 0 else ()):
             self.poller.register(fd, select.POLLIN)
@@ -111,8 +113,11 @@ class Reaper:
             while self._kernel_alive():
                 for fd, events in self.poller.poll(self._wait()):
                     self._ready(fd, events)
-                if self.auditor is not None and self.auditor.due():
-                    self.auditor.report_suppressed()
+                    self.mark = time.thread_time()  # the CPU after this is the next event's
+                if self.auditor is not None:
+                    self._resume_answers(self.auditor)
+                    if self.auditor.due():
+                        self.auditor.report_suppressed()
             self._drain_log()
         finally:
             self._stop_egress()
@@ -122,10 +127,25 @@ class Reaper:
             self.out.close()
 
     def _wait(self) -> int | None:
-        """How long poll may wait (ms): the count of unrecorded denials is written within 1 s."""
+        """How long poll may wait (ms): the count of unrecorded denials is written within 1 s,
+        and a kernel past its CPU share has its next call answered when its pause ends."""
+        wait = None if self.kernel >= 0 else 1000
         if self.auditor is not None and self.auditor.suppressed:
-            return 1000
-        return None if self.kernel >= 0 else 1000
+            wait = 1000
+        if self.auditor is not None and self.auditor.paused_until is not None:
+            due = max(0, round((self.auditor.paused_until - time.monotonic()) * 1000))
+            wait = due if wait is None else min(wait, due)
+        return wait
+
+    def _resume_answers(self, auditor: audit.Auditor) -> None:
+        """Past its pause, answer one call of a kernel past its share; watch its listener
+        again once the kernel's own CPU has paid for more (audit.py, share.py)."""
+        if auditor.paused_until is None or auditor.paused_until > time.monotonic():
+            return
+        auditor.answer(self.mark, floor=True)
+        self.mark = time.thread_time()
+        if auditor.paused_until is None and not auditor.hung_up:
+            self.poller.register(auditor.listener, select.POLLIN)
 
     def _stop_egress(self, timeout: float = 5.0) -> None:
         """Close the proxy's open connections, recording each, and write what it counted."""
@@ -151,7 +171,9 @@ class Reaper:
         elif fd == self.channel:
             self._receive()
         elif self.auditor is not None and fd == self.auditor.listener:
-            self.auditor.answer_one()
+            self.auditor.answer(self.mark)
+            if self.auditor.paused_until is not None:  # past its share: answered when due
+                self.poller.unregister(fd)
         elif self.egress is not None and fd == self.egress[1]:
             self._serve_egress_now()
 
@@ -226,12 +248,14 @@ class Reaper:
         thread.start()
 
     def _start_audit(self, settings: dict[str, Any], fds: list[int]) -> None:
-        self.auditor = auditor_for(settings, fds, self.out)
+        self.auditor = auditor_for(settings, fds, self.out, self.kernel_pid)
         self.poller.register(self.auditor.listener, select.POLLIN)
 
 
-def auditor_for(settings: dict[str, Any], fds: list[int], out: LauncherLog) -> audit.Auditor:
-    """The auditor of a kernel's `audit` handover: its listener, refusal count, audit file."""
+def auditor_for(settings: dict[str, Any], fds: list[int], out: LauncherLog,
+                pid: int | None = None) -> audit.Auditor:
+    """The auditor of a kernel's `audit` handover: its listener, refusal count, audit file;
+    pid: the kernel's process, whose CPU pays for the answers (share.py)."""
     listener, *files = fds
     counted = None
     if settings.get("tally") and files:  # the count of refused calls comes first
@@ -241,7 +265,7 @@ def auditor_for(settings: dict[str, Any], fds: list[int], out: LauncherLog) -> a
         os.close(tally_fd)
     return audit.Auditor(listener, files[0] if files else None, out,
                          kernel_id=str(settings.get("kernel", "")),
-                         uid=settings.get("uid"), tally=counted)
+                         uid=settings.get("uid"), tally=counted, pid=pid)
 
 
 def egress_proxy(settings: dict[str, Any], audit_file: int | None, out: LauncherLog,

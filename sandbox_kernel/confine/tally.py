@@ -2,8 +2,9 @@
 
 The reaper (or the one-shots' companion) answers every refused call (audit.py) and serves the
 egress proxy, outside the kernel; the kernel reports each execution's cost in its execute_reply.
-One shared page carries the counts between them: the calls refused, the CPU the egress proxy
-spent on the kernel's connections (egress/cputime.py), and how many requests each of the
+One shared page carries the counts between them: the calls refused, the CPU the companion
+spent answering and recording them (audit.py), the CPU the egress proxy spent on the kernel's
+connections (egress/cputime.py), and how many requests each of the
 kernel's secrets was added to (egress/secret.py; the companion names the slots, since only it
 knows every secret's name, e.g. those of a --secrets-file). It is a memfd the kernel creates before
 its filter is loaded, maps read-only and hands to the reaper, which maps it writable; a refused
@@ -23,18 +24,19 @@ import os
 import struct
 
 _COUNT = struct.Struct("=Q")
-_REFUSALS, _CPU_NS = 0, _COUNT.size  # the first two counts' offsets in the page
+_REFUSALS, _CPU_NS, _ANSWERS_NS = 0, _COUNT.size, 2 * _COUNT.size  # the counts' offsets
 _NAME = 56  # bytes of a secret's name in its slot (names are environment variable names)
 _SLOT = struct.Struct(f"={_NAME}sQ")  # a secret's name, then its uses
-_SECRETS, SECRET_SLOTS = 2 * _COUNT.size, 32  # where the slots start; how many secrets count
+_SECRETS, SECRET_SLOTS = 3 * _COUNT.size, 32  # where the slots start; how many secrets count
 _SIZE = _SECRETS + SECRET_SLOTS * _SLOT.size
 _MAX = 2**64 - 1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class Tally:
-    """The shared counts: refused calls, and the egress proxy's CPU in nanoseconds (each an
-    unsigned 64-bit integer, each with one writer: the auditor's thread, the proxy's)."""
+    """The shared counts: refused calls, the CPU answering them and the egress proxy's CPU in
+    nanoseconds (each an unsigned 64-bit integer, each with one writer: the auditor's thread,
+    the proxy's)."""
 
     def __init__(self, fd: int, writable: bool) -> None:
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
@@ -43,6 +45,7 @@ class Tally:
         # there (it can make its read-only view writable) reaches only the kernel's report.
         self.count = 0
         self.cpu_ns = 0
+        self.answers_ns = 0
         self.slots: dict[str, int] = {}  # a secret's slot (the companion's side)
         self.uses: list[int] = []
 
@@ -79,6 +82,13 @@ class Tally:
             return
         self.cpu_ns += max(0, round(seconds * 1e9))
         _COUNT.pack_into(self.map, _CPU_NS, self.cpu_ns & _MAX)
+
+    def charge_answers(self, seconds: float) -> None:
+        """Add CPU the companion spent answering and recording refused calls (its auditor)."""
+        if self.map.closed:
+            return
+        self.answers_ns += max(0, round(seconds * 1e9))
+        _COUNT.pack_into(self.map, _ANSWERS_NS, self.answers_ns & _MAX)
 
     def name_secrets(self, names: list[str]) -> None:
         """Give the kernel's secrets their slots, once, before any is used (the companion).
@@ -117,3 +127,7 @@ class Tally:
     def egress_seconds(self) -> float:
         """The CPU the egress proxy has spent for the kernel so far."""
         return int(_COUNT.unpack_from(self.map, _CPU_NS)[0]) / 1e9
+
+    def answers_seconds(self) -> float:
+        """The CPU the companion has spent answering the kernel's refused calls so far."""
+        return int(_COUNT.unpack_from(self.map, _ANSWERS_NS)[0]) / 1e9

@@ -7,7 +7,9 @@ CPU and refusals count from the end of the previous execution (see client/meter.
 thread left running spent between executions is in the next one's figures. The egress proxy's
 CPU for this kernel's connections (spent in its companion, outside the kernel) comes from the
 companion's tally, counted the same way: a step still running when the execution ends is in
-the next execution's figure. So do the requests each secret was added to (`secret_uses`).
+the next execution's figure. So do the requests each secret was added to (`secret_uses`), and
+the companion's CPU answering and recording the kernel's refused calls (`companion_cpu_seconds`,
+confine/audit.py): a flood of refusals is billed to the execution that made it.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ class _Figures(NamedTuple):
     rusage: Any
     refused: int
     egress: float
+    answers: float
     uses: dict[str, int]
 
 
 class SelfUsage:
-    """The kernel's own CPU, peak memory and refused calls around each execution, and the
-    egress proxy's CPU for it."""
+    """The kernel's own CPU, peak memory and refused calls around each execution, and its
+    companion's CPU for it (answering refused calls, the egress proxy)."""
 
     def __init__(self) -> None:
         self.refusals: Tally | None = None  # set by the application when the reaper counts
@@ -51,6 +54,7 @@ class SelfUsage:
             "peak_memory_bytes": now.rusage.ru_maxrss * 1024,
             "refused_syscalls": now.refused - was.refused if counted else None,
             "egress_cpu_seconds": round(now.egress - was.egress, 6) if counted else None,
+            "companion_cpu_seconds": round(now.answers - was.answers, 6) if counted else None,
             "secret_uses": {name: uses - was.uses.get(name, 0)
                             for name, uses in now.uses.items()} if now.uses else None,
         }
@@ -60,4 +64,5 @@ class SelfUsage:
         return _Figures(resource.getrusage(resource.RUSAGE_SELF),
                         0 if tally is None else tally.value(),
                         0.0 if tally is None else tally.egress_seconds(),
+                        0.0 if tally is None else tally.answers_seconds(),
                         {} if tally is None else tally.secret_uses())
