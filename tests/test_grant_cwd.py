@@ -314,7 +314,8 @@ def test_a_relative_open_says_where_the_file_is_on_both_transports(tmp_path, one
         error = sandbox.run("open('sales.csv')").error
     assert error.name == "FileNotFoundError"
     assert f"not the folder it was started in ({folder}" in error.value
-    assert "--grant-cwd" in error.value
+    # said as the caller gave the policy, on both transports (#45 item 3)
+    assert 'start the sandbox with `SandboxPolicy(grant_cwd="ro")`' in error.value
 
 
 def test_install_writes_the_flag_and_check_reports_it(tmp_path):

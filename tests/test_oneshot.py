@@ -29,7 +29,8 @@ POLICY = dict(max_output_bytes=10_000)
 
 @pytest.fixture(scope="module")
 def pool():
-    return OneShotPool(SandboxPolicy(**POLICY), size=2)
+    # as Sandbox(None) starts its kernels: refusals advise SandboxPolicy(...) (advice.py)
+    return OneShotPool(SandboxPolicy(**POLICY, changed_with="SandboxPolicy"), size=2)
 
 
 def one_shot(pool, code, inputs=None, timeout=10.0):
