@@ -16,7 +16,8 @@ import shlex
 from typing import Any
 
 INSTALL = "sandbox-kernel install"
-RUN = "sandbox-kernel run"
+# Flags after the file: before it, a bare `--grant-cwd` would take the file for its value.
+RUN = "sandbox-kernel run FILE"
 PYTHON = "SandboxPolicy"  # the launcher is a caller of the Python client
 
 

@@ -310,12 +310,12 @@ def test_a_refusal_names_runs_own_flags(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     read = run("read.py")
     assert read.returncode == cli.CODE_FAILED
-    assert "to read it by this name, run it again with `sandbox-kernel run --grant-cwd` " \
+    assert "to read it by this name, run it again with `sandbox-kernel run FILE --grant-cwd` " \
         "(--grant-cwd=rw to write there too): it then starts in that folder" in read.stderr, \
         read.stderr
     fetch = run("fetch.py")
     assert "the network is off in this sandbox (--network off); to let the code reach the " \
-        "hosts it needs, run it again with `sandbox-kernel run --network hosts --allow-host " \
-        "NAME` (--network on for any public address), one --allow-host per host" \
+        "hosts it needs, run it again with `sandbox-kernel run FILE --network hosts " \
+        "--allow-host NAME` (--network on for any public address), one --allow-host per host" \
         in fetch.stderr, fetch.stderr
     assert "sandbox-kernel install" not in read.stderr + fetch.stderr
