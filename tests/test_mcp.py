@@ -25,7 +25,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.auth import OAuthClientMetadata
 
 from sandbox_kernel.confine import denials
-from sandbox_kernel.service.auth import PUBLISHED_KEYS
+from sandbox_kernel.hosting.keys import PUBLISHED_KEYS
 from tests.mcp_clients import SERVER, Connected, HttpServer, stdio
 
 EXAMPLE_KEYS = Path(__file__).parent.parent / "examples" / "mcp" / "keys.json"

@@ -213,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
         print("sandbox-kernel mcp: --http needs --keys FILE: every request must carry one of "
               "its keys (see docs/mcp.md)", file=sys.stderr)
         return 2
-    from ..service.auth import KeyFileError, load_keys
+    from ..hosting.keys import KeyFileError, load_keys
 
     try:
         keys = load_keys(args.keys)

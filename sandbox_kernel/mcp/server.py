@@ -14,7 +14,7 @@ from mcp.server.mcpserver import MCPServer
 from pydantic import AnyHttpUrl
 
 from .. import __version__
-from ..service.auth import ApiKey, BearerKeys
+from ..hosting.keys import ApiKey, BearerKeys
 from . import resources, tools
 from .config import McpConfig
 from .state import State

@@ -17,9 +17,9 @@ import time
 from typing import Any
 
 from ..client.sessions import SessionLimit
+from ..hosting.snapshots import Taken, restore_options, take
 from ..hosting.sources import Kernels
-from ..service.snapshots import Taken, restore_options, take
-from ..service.store import QuotaError, SizeError, Store, Stored, StoreError
+from ..hosting.store import QuotaError, SizeError, Store, Stored, StoreError
 from .kernels import Session, SessionProblem, Sessions
 
 log = logging.getLogger("sandbox_kernel.mcp")

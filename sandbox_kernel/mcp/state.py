@@ -59,7 +59,7 @@ class State:
         self.sessions = Sessions(config, self.kernels)
         self.runs = Runs(config, self.runner, self.sessions)
         if self.config.state_dir:
-            from ..service.store import Quota, Store
+            from ..hosting.store import Quota, Store
 
             store = Store(self.config.state_dir, self.config.max_snapshot_size,
                           Quota(self.config.max_snapshots_per_key,

@@ -14,7 +14,9 @@ from starlette.responses import JSONResponse, Response
 
 from .. import __version__
 from ..errors import KernelUnavailable
+from ..hosting.sessions import SessionError
 from ..hosting.sources import KernelSource
+from ..hosting.store import StoreError
 from ..policy import SandboxPolicy
 from . import dify, native, openapi
 from .access import AccessLog
@@ -23,8 +25,6 @@ from .core import Service
 from .deps import ServiceDep
 from .errors import kernel_unavailable, session_error
 from .limits import BodyLimit
-from .sessions import SessionError
-from .store import StoreError
 from .validation import invalid_request
 
 

@@ -17,8 +17,8 @@ from traitlets import Bool, Float, Int, TraitError, Unicode
 from traitlets.config import Configurable
 
 from .. import flags
+from ..hosting import keys as auth
 from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
-from . import auth
 
 
 class ServiceConfig(Configurable):

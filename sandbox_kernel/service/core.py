@@ -13,17 +13,17 @@ from ..client import Execution
 from ..errors import ExecutionTimeout
 from ..hosting.admission import DIFY_TENANT, Admission, fair_share, tenant_of
 from ..hosting.fresh import Runner
+from ..hosting.keys import ApiKey, BearerKeys, dify_key, load_keys, same
 from ..hosting.oneshots import OneShots
+from ..hosting.pausing import Pausing
+from ..hosting.sessions import Sessions
 from ..hosting.sources import Kernels, KernelSource, make_source
+from ..hosting.store import Quota, Store
 from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
 from .access import json_line
-from .auth import ApiKey, BearerKeys, dify_key, load_keys, same
 from .config import ServiceConfig, upstream_proxy
 from .metrics import Metrics
-from .pausing import Pausing
-from .sessions import Sessions
-from .store import Quota, Store
 
 log = logging.getLogger("sandbox_kernel.service")
 T = TypeVar("T")

@@ -11,9 +11,9 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .auth import ApiKey
+from ..hosting.keys import ApiKey
+from ..hosting.sessions import Session
 from .core import Service
-from .sessions import Session
 
 bearer = HTTPBearer(auto_error=False, description="An API key from the keys file.")
 
@@ -51,7 +51,7 @@ async def session_of(request: Request, service: Service, key: ApiKey,
     Routes with a body or a path to check call it after those checks, so a bad request is told
     so before the session is looked up.
     """
-    pausing = service.sessions.pausing
+    pausing = service.pausing
     if pausing is not None and service.sessions.find(key.id, session_id) is None:
         await pausing.resume(key, session_id)
     session = service.sessions.get(key, session_id)

@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..errors import KernelUnavailable
-from .sessions import SessionError
-from .store import StoreError
+from ..hosting.sessions import SessionError
+from ..hosting.store import StoreError
 
 KERNEL_RETRY_AFTER = "5"  # seconds: about what a fresh kernel takes to start on a busy host
 

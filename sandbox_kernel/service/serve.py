@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"sandbox-kernel serve: {exc.name} is missing: install the [server] extra: "
               f"{install_hint('server')}", file=sys.stderr)
         return 2
+    from ..hosting.keys import KeyFileError
     from ..hosting.network import with_network
-    from .auth import KeyFileError
 
     if getattr(args, "allow_network", None):
         raise TraitError("serve decides network access per request: --enable-network lets a "
@@ -109,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _warn_about_keys(config: service_config.ServiceConfig) -> None:
     """Say loudly, before serving, when the keys let anyone in or leave a route off."""
+    from ..hosting.keys import dify_key, insecure_key_warning
     from .access import json_line
-    from .auth import dify_key, insecure_key_warning
 
     warning = insecure_key_warning(dify_key(config.api_key, config.api_keys_file),
                                    config.api_keys_file, config.host)

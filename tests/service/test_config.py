@@ -77,7 +77,7 @@ def test_a_key_that_anyone_could_guess_is_refused(argv, environ, says):
 
 
 def test_which_key_the_dify_routes_take_and_what_start_up_says():
-    from sandbox_kernel.service.auth import dify_key, insecure_key_warning
+    from sandbox_kernel.hosting.keys import dify_key, insecure_key_warning
 
     assert dify_key(None, "") == "dify-sandbox"
     assert "can run code" in insecure_key_warning("dify-sandbox", "", "0.0.0.0")

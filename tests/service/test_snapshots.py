@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sandbox_kernel.service.store import Quota, QuotaError, Store, StoreError
+from sandbox_kernel.hosting.store import Quota, QuotaError, Store, StoreError
 
 OWNER, OTHER = "team-a", "team-b"
 
@@ -142,7 +142,7 @@ def test_a_keys_snapshot_bytes_are_bounded_before_and_after_the_kernel_is_asked(
 
 COUNTING_REPLICA = """
 import sys, time
-from sandbox_kernel.service.store import Quota, Store, Stored
+from sandbox_kernel.hosting.store import Quota, Store, Stored
 store = Store(sys.argv[1], 4096, Quota(count=1))
 with store._quota_lock("team-a"):  # a replica between its count and its write
     print("counting", flush=True)
@@ -167,7 +167,7 @@ def test_a_replica_saving_at_the_same_instant_never_passes_the_keys_quota(store,
 
 HOLD = """
 import sys, time
-from sandbox_kernel.service.store import Store
+from sandbox_kernel.hosting.store import Store
 Store(sys.argv[1], 4096).lease(sys.argv[2], "team-a")
 print("held", flush=True)
 time.sleep(60)

@@ -15,11 +15,11 @@ from ...client.sandbox import install_code
 from ...errors import OutputLimitExceeded
 from ...hosting.admission import Busy, tenant_of
 from ...hosting.fresh import OutputBudget, RunRecord, bounded, callbacks, output_limited
+from ...hosting.sessions import Session, SessionError
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
 from ..disconnects import client_left, unless_disconnected
 from ..openapi import EVENT_STREAM
-from ..sessions import Session, SessionError
 from .schemas import (
     ExecuteRequest,
     ExecutionShape,

@@ -16,11 +16,11 @@ from starlette.responses import Response
 
 from ...client.files import file_op
 from ...hosting.fresh import RunRecord, bounded
-from ..auth import ApiKey
+from ...hosting.keys import ApiKey
+from ...hosting.sessions import SessionError
 from ..core import Service
 from ..deps import Key, ServiceDep, session_of
 from ..openapi import UPLOAD_BODY
-from ..sessions import SessionError
 from ..validation import sendable
 from .schemas import FileShape
 

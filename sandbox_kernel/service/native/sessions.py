@@ -7,10 +7,10 @@ from typing import Any
 from fastapi import APIRouter, HTTPException, Request
 from starlette.responses import Response
 
+from ...hosting.pausing import describe_paused
+from ...hosting.sessions import SessionError
 from ...secrets import SecretError
 from ..deps import Key, ServiceDep
-from ..pausing import describe_paused
-from ..sessions import SessionError
 from .schemas import SessionRequest, SessionShape, network_choice
 
 router = APIRouter()
@@ -55,7 +55,7 @@ async def create_session(body: SessionRequest, request: Request, key: Key,
 async def list_sessions(key: Key, service: ServiceDep) -> Any:
     """The sessions this API key holds, live and paused."""
     live = service.sessions.owned_by(key.id)
-    pausing = service.sessions.pausing
+    pausing = service.pausing
     paused = [] if pausing is None else pausing.store.paused_of(key.id)
     known = {s.id for s in live}
     return [s.describe() for s in live] + [describe_paused(p) for p in paused
@@ -65,7 +65,7 @@ async def list_sessions(key: Key, service: ServiceDep) -> Any:
 @router.get("/sessions/{session_id}", response_model=SessionShape, summary="One session")
 async def get_session(session_id: str, key: Key, service: ServiceDep) -> Any:
     """One session of this API key (a paused one is described, not resumed)."""
-    pausing = service.sessions.pausing
+    pausing = service.pausing
     if service.sessions.find(key.id, session_id) is None and pausing is not None:
         paused = pausing.paused(key, session_id)
         if paused is not None:
@@ -76,7 +76,7 @@ async def get_session(session_id: str, key: Key, service: ServiceDep) -> Any:
 @router.delete("/sessions/{session_id}", status_code=204, summary="Close a session")
 async def delete_session(session_id: str, key: Key, service: ServiceDep) -> Response:
     """Close a session and shut its kernel down (a paused one: its snapshot is deleted)."""
-    pausing = service.sessions.pausing
+    pausing = service.pausing
     if service.sessions.find(key.id, session_id) is None and pausing is not None \
             and pausing.paused(key, session_id) is not None:
         pausing.store.lease(session_id, key.id)  # 409 while another instance runs it
@@ -91,7 +91,7 @@ async def delete_session(session_id: str, key: Key, service: ServiceDep) -> Resp
 async def interrupt(session_id: str, key: Key, service: ServiceDep) -> Response:
     """Interrupt the session's running execution (KeyboardInterrupt in the code); a paused
     session runs nothing and stays paused."""
-    pausing = service.sessions.pausing
+    pausing = service.pausing
     if service.sessions.find(key.id, session_id) is None and pausing is not None \
             and pausing.paused(key, session_id) is not None:
         pausing.store.lease(session_id, key.id)  # 409 if another instance runs it now

@@ -7,11 +7,11 @@ from typing import Any
 from fastapi import APIRouter, HTTPException
 from starlette.responses import Response
 
-from ...hosting.network import policy_name
+from ...hosting.network import network_of, policy_name
+from ...hosting.pausing import Pausing
+from ...hosting.store import Stored
 from ..core import Service
 from ..deps import Key, OwnedSession, ServiceDep
-from ..pausing import Pausing, network_of
-from ..store import Stored
 from .schemas import PausedShape, SnapshotShape
 
 router = APIRouter()
@@ -19,10 +19,10 @@ router = APIRouter()
 
 def pausing_of(service: Service) -> Pausing:
     """The service's pausing; 404 naming the flag when it has no state dir."""
-    if service.sessions.pausing is None:
+    if service.pausing is None:
         raise HTTPException(404, "snapshots and pausing are off on this service: the operator "
                             "enables them with --state-dir")
-    return service.sessions.pausing
+    return service.pausing
 
 
 def snapshot_shape(item: Stored) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 from ...client import ErrorInfo, Execution
 from ...client.collect import info_of
 from ...errors import KernelUnavailable
-from ..sessions import SessionError
+from ...hosting.sessions import SessionError
 
 SSE = "text/event-stream"
 

@@ -1,29 +1,28 @@
-"""Sessions: a kernel held for one API key, its state kept between executions, culled when idle."""
+"""Sessions: a kernel held for one API key, its state kept between executions, culled when idle.
+
+With a state dir, a session holds its lease in the store while it runs here, and its key's
+paused sessions count against its limit (the store says which); pausing and resuming are
+pausing.py's, which calls this module and is never called back by it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..client import AsyncSandbox
 from ..client.sessions import KernelSession, SessionLimit, SessionTable
 from ..errors import KernelUnavailable
-from ..hosting.network import Network, NetworkChoice, Secrets, policy_name
-from ..hosting.sources import Kernels, kernel_id
-from .access import json_line
-from .auth import ApiKey
+from .events import json_line, log
+from .keys import ApiKey
+from .network import Network, NetworkChoice, Secrets, policy_name
 from .snapshots import refused_restore
-
-if TYPE_CHECKING:
-    from .pausing import Pausing
-    from .store import Stored
-
-log = logging.getLogger("sandbox_kernel.service")
+from .sources import Kernels, kernel_id
+from .store import Store
 
 
 class SessionError(Exception):
@@ -67,7 +66,7 @@ class Sessions(SessionTable[Session]):
         super().__init__(max_sessions)
         self.kernels = kernels
         self.per_key = per_key  # a key's limit unless its entry in the keys file sets one
-        self.pausing: Pausing | None = None  # with --state-dir (pausing.py sets itself)
+        self.store: Store | None = None  # with --state-dir: leases and paused sessions
 
     async def create(self, key: ApiKey, network: Network, idle_timeout: float,
                      restore: dict[str, Any] | None = None,
@@ -98,25 +97,17 @@ class Sessions(SessionTable[Session]):
                                    "delete one first") from None
             raise SessionError(429, f"the service holds its limit of {full.limit} sessions; "
                                "delete one or try again later") from None
-        if self.pausing is not None:  # it runs here: another instance sharing the dir is refused
-            self.pausing.store.lease(session.id, key.id)
+        if self.store is not None:  # it runs here: another instance sharing the dir is refused
+            self.store.lease(session.id, key.id)
         return session
 
     def _paused_elsewhere(self, key: ApiKey, resuming: str | None) -> int:
         """The key's paused sessions (not the one resuming, nor those running here): they
         count against its limit."""
-        if self.pausing is None:
+        if self.store is None:
             return 0
-        return len([p for p in self.pausing.store.paused_of(key.id)
+        return len([p for p in self.store.paused_of(key.id)
                     if p.id != resuming and self.find(key.id, p.id) is None])
-
-    async def resume(self, key: ApiKey, item: Stored, pausing: Pausing) -> Session:
-        """A paused session back in the table, same id, on a kernel restored from its pause."""
-        record = item.record
-        session = await self.create(key, pausing.check_restorable(item, None),
-                                    record["idle_timeout"], pausing.restore_extra(item), item.id)
-        session.created = record["created"]
-        return session
 
     def get(self, key: ApiKey, session_id: str) -> Session:
         """The key's session; 404 for another key's, so ids of others cannot be probed."""
@@ -181,8 +172,9 @@ class Sessions(SessionTable[Session]):
         self.forget(session)
         session.dead = session.dead or why
         self.kernels.discard(session.sandbox)
-        if self.pausing is not None and for_good:
-            self.pausing.drop(session.id)
+        if self.store is not None and for_good:
+            self.store.drop_paused(session.id)
+            self.store.forget_lease(session.id)
 
     def cull(self) -> list[str]:
         """Close sessions idle past their timeout (dead ones too, after the same time)."""

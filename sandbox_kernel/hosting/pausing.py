@@ -24,18 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from typing import Any
 
-from ..hosting.network import Network, NetworkChoice, network_of, network_record, policy_name
-from .access import json_line
-from .auth import ApiKey
+from .events import json_line, log
+from .keys import ApiKey
+from .network import Network, NetworkChoice, network_of, network_record, policy_name
 from .sessions import Session, SessionError, Sessions
 from .snapshots import Taken, restore_options, take
 from .store import Store, Stored, StoreError
 
-log = logging.getLogger("sandbox_kernel.service")
 EXPIRE_INTERVAL = 30.0  # seconds between sweeps of expired paused sessions (a directory read)
 
 
@@ -69,7 +67,7 @@ class Pausing:
     def __init__(self, sessions: Sessions, store: Store, runtime: str) -> None:
         self.sessions, self.store, self.runtime = sessions, store, runtime
         self._resuming: dict[str, asyncio.Lock] = {}
-        sessions.pausing = self
+        sessions.store = store  # leases and paused counts; sessions never call pausing
 
     # --- snapshots ---
 
@@ -171,7 +169,10 @@ class Pausing:
             if item is None:  # deleted or expired meanwhile
                 self.store.release(session_id)
                 return None
-            session = await self.sessions.resume(key, item, self)
+            session = await self.sessions.create(
+                key, self.check_restorable(item, None), item.record["idle_timeout"],
+                self.restore_extra(item), item.id)
+            session.created = item.record["created"]
         except BaseException:
             self.store.release(session_id)
             raise
