@@ -17,12 +17,14 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
 from sandbox_kernel.client import Sandbox
 from sandbox_kernel.policy import SandboxPolicy
 from tests import mcp_clients
+from tests.packages import make_wheel
 from tests.service.helpers import DIFY_KEY, RUN, Server, http
 
 KEY = "parity-key-0123456789abcdef"
@@ -30,7 +32,8 @@ SECRET_VALUE = "sk-parity-9f8e7d6c5b4a"
 
 PROBE = r'''
 def main():
-    import errno, json, os, resource, socket
+    import errno, json, os, resource, socket, sys, sysconfig
+    preloaded = sorted(name for name in ("rtpkg", "numpy", "pandas") if name in sys.modules)
 
     def outcome(call):
         try:
@@ -87,6 +90,11 @@ def main():
         "connect to the host's loopback": outcome(connect),
         "proxy variables": sorted(name for name in os.environ if name.endswith("_PROXY")),
         "policy": policy,
+        "interpreter": sys.prefix,
+        "preloaded": preloaded,
+        "the runtime's package": outcome(lambda: __import__("rtpkg").VERSION),
+        "write the interpreter's packages": outcome(
+            lambda: write(sysconfig.get_paths()["purelib"] + "/probe")),
     }
 '''
 
@@ -128,7 +136,10 @@ POLICIES = {
     "network on": dict(network="on"),
     "a secret": dict(network="hosts", allow_hosts=["api.parity.test"],
                      secrets=["PROBE_TOKEN=api.parity.test"]),
+    "a runtime": dict(grant_cwd="ro"),  # and kernels on RUNTIME, with its module preloaded
 }
+ON_A_RUNTIME = {"a runtime"}
+RUNTIME = "parity-rt"
 
 
 def policy_kwargs(name: str, places: dict[str, str]) -> dict:
@@ -184,28 +195,47 @@ def normalised(report: dict, settings: dict) -> dict:
 
 # --- the faces -------------------------------------------------------------------------------
 
-def on_zmq_kernel(kwargs, code, places):
-    with contextlib.chdir(places["FOLDER"]), Sandbox(None, policy=SandboxPolicy(**kwargs)) as sb:
+@dataclass
+class Launch:
+    """What every face is started with: the policy's settings, the places, and the runtime
+    its kernels run on (None: the interpreter the tests run on)."""
+
+    settings: dict
+    places: dict[str, str]
+    runtime: dict | None = None
+
+    def sandbox(self, **kwargs) -> Sandbox:
+        on_runtime = {"python": self.runtime["python"], "preload": self.runtime["preload"]} \
+            if self.runtime else {}
+        return Sandbox(None, policy=SandboxPolicy(**self.settings), **on_runtime, **kwargs)
+
+    def flags(self) -> list[str]:
+        """serve's and mcp's flags: the policy's, and --runtime."""
+        return flags_of(self.settings) + (["--runtime", RUNTIME] if self.runtime else [])
+
+
+def on_zmq_kernel(launch, code):
+    with contextlib.chdir(launch.places["FOLDER"]), launch.sandbox() as sb:
         ex = sb.run(code, inputs={})
     assert ex.error is None, ex.error
     return ex.result
 
 
-def on_one_shot(kwargs, code, places):
-    with contextlib.chdir(places["FOLDER"]), \
-            Sandbox(None, one_shot=True, policy=SandboxPolicy(**kwargs)) as sb:
+def on_one_shot(launch, code):
+    with contextlib.chdir(launch.places["FOLDER"]), launch.sandbox(one_shot=True) as sb:
         ex = sb.run(code, inputs={})
     assert ex.error is None, ex.error
     return ex.result
 
 
-def on_cli(kwargs, code, places):
-    script = os.path.join(places["FOLDER"], "..", "probe.py")
+def on_cli(launch, code):
+    """`sandbox-kernel run` (which has no --runtime: it runs on the interpreter it is in)."""
+    script = os.path.join(launch.places["FOLDER"], "..", "probe.py")
     with open(script, "w") as file:
         file.write(code)
     done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "run", script,
-                           *flags_of(kwargs)], cwd=places["FOLDER"], capture_output=True,
-                          text=True, timeout=120, env=launcher_env())
+                           *flags_of(launch.settings)], cwd=launch.places["FOLDER"],
+                          capture_output=True, text=True, timeout=120, env=launcher_env())
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -220,41 +250,63 @@ def launcher_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reports(places, listener, tmp_path_factory):
+def reports(places, listener, tmp_path_factory, request):
     """Each policy's probe report by face, made when a test first asks for the policy."""
     found: dict[str, dict[str, dict]] = {}
 
     def of(name: str) -> dict[str, dict]:
         if name not in found:
+            runtime = request.getfixturevalue("runtime") if name in ON_A_RUNTIME else None
+            launch = Launch(policy_kwargs(name, places), places, runtime)
             with pytest.MonkeyPatch.context() as patch:  # what the launcher's environment holds
                 for variable, value in LAUNCHER_VARIABLES.items():
                     patch.setenv(variable, value)
-                found[name] = all_faces(policy_kwargs(name, places), places, listener,
-                                        tmp_path_factory)
+                found[name] = all_faces(launch, listener, tmp_path_factory)
         return found[name]
     return of
 
 
-def all_faces(kwargs, places, port, tmp_path_factory) -> dict[str, dict]:
-    code = probe_code(places, port)
-    by_face = {face: run(kwargs, code, places) for face, run in (
-        ("zmq kernel", on_zmq_kernel), ("Sandbox(one_shot=True)", on_one_shot),
-        ("sandbox-kernel run", on_cli))}
-    by_face.update(service_reports(kwargs, places, port, tmp_path_factory))
-    by_face.update(mcp_report(kwargs, code, places, tmp_path_factory))
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """Runtime RUNTIME, built by `sandbox-kernel runtime create` with rtpkg preloaded."""
+    base = tmp_path_factory.mktemp("runtimes")
+    make_wheel(base, "rtpkg", "1.0", {"rtpkg/__init__.py": "VERSION = '1.0'\n"})
+    (base / "requirements.txt").write_text(f"--find-links {base}\nrtpkg==1.0\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SANDBOX_KERNEL_RUNTIMES", str(base / "store"))
+        cli = [sys.executable, "-m", "sandbox_kernel", "runtime"]
+        made = subprocess.run([*cli, "create", RUNTIME, "-r", str(base / "requirements.txt"),
+                               "--preload", "rtpkg", "--user"], capture_output=True, text=True,
+                              timeout=300)
+        assert made.returncode == 0, made.stderr[-2000:]
+        shown = json.loads(subprocess.run([*cli, "show", RUNTIME], capture_output=True,
+                                          text=True, timeout=60, check=True).stdout)
+        yield {"python": shown["python"], "preload": shown["preload"]}
+        subprocess.run([*cli, "remove", RUNTIME, "--force"], capture_output=True, timeout=120)
+
+
+def all_faces(launch, port, tmp_path_factory) -> dict[str, dict]:
+    code = probe_code(launch.places, port)
+    faces = [("zmq kernel", on_zmq_kernel), ("Sandbox(one_shot=True)", on_one_shot)]
+    if launch.runtime is None:
+        faces.append(("sandbox-kernel run", on_cli))
+    by_face = {face: run(launch, code) for face, run in faces}
+    by_face.update(service_reports(launch, port, tmp_path_factory))
+    by_face.update(mcp_report(launch, code, tmp_path_factory))
     return by_face
 
 
-def service_reports(kwargs, places, port, tmp_path_factory) -> dict[str, dict]:
+def service_reports(launch, port, tmp_path_factory) -> dict[str, dict]:
     """The dify route and the native one-shot execute of a service started with the policy."""
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     keys.write_text(json.dumps({"keys": [{"id": "parity", "key": KEY}]}))
+    places = launch.places
     with contextlib.chdir(places["FOLDER"]):
         server = Server(tmp_path_factory.mktemp("serve"), "--api-keys-file", str(keys),
-                        "--pool-size", "0", "--one-shot-pool-size", "1", *flags_of(kwargs),
+                        "--pool-size", "0", "--one-shot-pool-size", "1", *launch.flags(),
                         env=launcher_env())
     try:
-        network = kwargs.get("network", "off") != "off"
+        network = launch.settings.get("network", "off") != "off"
         dify = http.post(server.url + RUN, headers={"X-Api-Key": DIFY_KEY}, timeout=120,
                          json={"language": "python3", "preload": "", "enable_network": network,
                                "code": probe_code(places, port, printed=True)}).json()
@@ -262,7 +314,7 @@ def service_reports(kwargs, places, port, tmp_path_factory) -> dict[str, dict]:
         native = http.post(server.url + "/api/v1/execute", timeout=120,
                            headers={"Authorization": f"Bearer {KEY}"},
                            json={"code": probe_code(places, port), "inputs": {},
-                                 "network": network_request(kwargs)}).json()
+                                 "network": network_request(launch.settings)}).json()
         assert native["error"] is None, native
     finally:
         server.stop()
@@ -276,11 +328,11 @@ def network_request(kwargs) -> dict:
     return {"mode": mode, "allow_hosts": kwargs.get("allow_hosts", []) if mode == "hosts" else []}
 
 
-def mcp_report(kwargs, code, places, tmp_path_factory) -> dict[str, dict]:
+def mcp_report(launch, code, tmp_path_factory) -> dict[str, dict]:
     """An MCP fresh run (run_python without a session) of a server started with the policy."""
     errlog = tmp_path_factory.mktemp("mcp") / "stderr.log"
-    with contextlib.chdir(places["FOLDER"]):
-        mcp = mcp_clients.stdio(errlog, "--preload", "", *flags_of(kwargs))
+    with contextlib.chdir(launch.places["FOLDER"]):
+        mcp = mcp_clients.stdio(errlog, "--preload", "", *launch.flags())
     try:
         answer = mcp.tool("run_python", {"code": code, "inputs": {}})
     finally:
@@ -328,3 +380,8 @@ def test_the_probe_sees_each_setting(reports):
         assert reports(name)["zmq kernel"]["connect to the host's loopback"] != "allowed"
     secret = reports("a secret")["zmq kernel"]
     assert secret["PROBE_TOKEN is set"] and not secret["PROBE_TOKEN holds the value"]
+    assert defaults["the runtime's package"] == "ModuleNotFoundError"
+    on_runtime = reports("a runtime")["zmq kernel"]
+    assert on_runtime["the runtime's package"] == "1.0" and on_runtime["preloaded"] == ["rtpkg"]
+    assert on_runtime["interpreter"] != defaults["interpreter"]
+    assert on_runtime["write the interpreter's packages"] in ("EACCES", "EROFS", "ENOENT")
