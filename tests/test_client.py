@@ -188,7 +188,7 @@ def test_to_dict_is_the_whole_execution_as_json():
     as_dict = _execution().to_dict()
     assert json.loads(json.dumps(as_dict)) == as_dict
     assert set(as_dict) == {"result", "text", "logs", "displays", "error", "duration",
-                            "state_lost", "usage", "stdout", "stderr"}
+                            "state_lost", "usage", "stdout", "stderr", "tool_calls"}
     assert as_dict["error"] == {"name": "ValueError", "value": "bad",
                                 "traceback": ["ValueError: bad"]}
     assert (as_dict["stdout"], as_dict["stderr"], as_dict["state_lost"]) == ("x\n", "y\n", False)

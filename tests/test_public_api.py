@@ -7,7 +7,7 @@ import pytest
 import sandbox_kernel.client as client
 
 PUBLIC = ["GRACE_SECONDS", "AsyncSandbox", "CallerLimits", "ErrorInfo", "Execution", "Sandbox",
-          "Snapshot", "SnapshotError", "Usage"]
+          "Snapshot", "SnapshotError", "ToolCall", "ToolLimits", "Usage"]
 METHODS = ["start", "close", "restart", "interrupt", "kernel_info", "warm_up", "run", "install",
            "snapshot", "restore"]
 
@@ -46,13 +46,14 @@ def test_both_sandboxes_have_each_method_with_one_signature(name):
 def test_run_keeps_its_arguments():
     parameters = list(inspect.signature(client.Sandbox.run).parameters)
     assert parameters == ["self", "code", "inputs", "timeout", "on_stdout", "on_stderr",
-                          "on_display", "entrypoint", "raw_result"]
+                          "on_display", "entrypoint", "raw_result", "tools"]
 
 
 def test_settings_are_constructor_arguments():
     parameters = inspect.signature(client.Sandbox).parameters
     for name in ("kernel_name", "policy", "startup_timeout", "grace", "max_output",
-                 "max_result", "cold_start", "preload", "timeout_source", "one_shot"):
+                 "max_result", "cold_start", "preload", "timeout_source", "one_shot", "tools",
+                 "tool_limits", "approve_tool", "audit_tool_payloads"):
         assert name in parameters, name
     assert inspect.signature(client.AsyncSandbox).parameters == parameters
     sandbox = client.Sandbox(None, timeout_source="my --limit", one_shot=True)

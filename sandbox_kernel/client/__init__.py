@@ -12,9 +12,10 @@ from .execution import ErrorInfo, Execution, Usage
 from .receive import CallerLimits
 from .sandbox import GRACE_SECONDS, AsyncSandbox, Sandbox
 from .snapshot import Snapshot, SnapshotError
+from .tools import ToolCall, ToolLimits
 
 __all__ = ["GRACE_SECONDS", "AsyncSandbox", "CallerLimits", "ErrorInfo", "Execution", "Sandbox",
-           "Snapshot", "SnapshotError", "Usage"]
+           "Snapshot", "SnapshotError", "ToolCall", "ToolLimits", "Usage"]
 
 
 def __getattr__(name: str) -> Any:

@@ -52,6 +52,9 @@ class Usage:
     far as a share of the kernel's own CPU pays for, docs/SECURITY.md).
     `secret_uses`: with secrets (`--secret`), how many requests the proxy added each one to, by
     name, also from the companion's count.
+    `tool_calls`: the tool calls the caller took from the run (client/tools.py), whatever their
+    outcome; `tool_seconds`: the time they took, summed (concurrent calls each count), both
+    counted by the caller.
     """
 
     wall_seconds: float = 0.0
@@ -64,6 +67,8 @@ class Usage:
     egress_cpu_seconds: float | None = None
     companion_cpu_seconds: float | None = None
     secret_uses: dict[str, int] | None = None
+    tool_calls: int = 0
+    tool_seconds: float = 0.0
     source: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,6 +87,9 @@ class Execution:
     # With run(..., raw_result=True): the main() result as the kernel's JSON bytes, checked to
     # be one well-formed JSON object but never turned into Python objects (`result` stays None).
     result_json: bytes | None = field(default=None, repr=False)
+    # Each tool call the run made (client/tools.py's ToolCall): tool, bytes each way, duration,
+    # outcome; arguments and result only with audit_tool_payloads.
+    tool_calls: list[Any] = field(default_factory=list)
 
     @property
     def stdout(self) -> str:
@@ -100,6 +108,7 @@ class Execution:
                   if name != "result_json"}
         fields["error"] = None if self.error is None else asdict(self.error)
         fields["usage"] = asdict(self.usage)
+        fields["tool_calls"] = [asdict(call) for call in self.tool_calls]
         return {**fields, "stdout": self.stdout, "stderr": self.stderr}
 
     def save_displays(self, directory: str | Path) -> list[str]:

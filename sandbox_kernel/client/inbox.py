@@ -1,4 +1,9 @@
-"""A client's IOPub socket read frame by frame, and whether libzmq refused a frame."""
+"""A client's IOPub socket read frame by frame, and whether libzmq refused a frame.
+
+While a run grants tools, the inbox also serves its tool calls (client/tools.py's StdinDesk):
+the stdin socket and the desk's wake-up fd join the poll, requests are taken and answers sent
+between IOPub messages, on the thread (or loop) that reads IOPub.
+"""
 
 from __future__ import annotations
 
@@ -51,6 +56,24 @@ class Inbox:
         self.monitor = watch_connection(self.socket)
         self.refusals = Refusals()
         self.poller = self._poller()
+        self.desk: Any = None  # the run's tool calls (client/tools.py), while it has tools
+
+    def serve(self, desk: Any) -> None:
+        """Serve a run's tool calls while receiving (None: stop serving them)."""
+        if self.desk is not None:
+            self.poller.unregister(self.desk.socket)
+            self.poller.unregister(self.desk.wake_fd)
+        self.desk = desk
+        if desk is not None:
+            self.poller.register(desk.socket, zmq.POLLIN)
+            self.poller.register(desk.wake_fd, zmq.POLLIN)
+
+    def _desk_events(self, events: dict[Any, int]) -> None:
+        """Tool requests taken and finished answers sent, for what the poll reported."""
+        if self.desk.wake_fd in events:
+            self.desk.send_answers()
+        if self.desk.socket in events:
+            self.desk.take_ready()
 
     def _poller(self) -> Any:
         poller = zmq.Poller()
@@ -63,12 +86,16 @@ class Inbox:
         frames = ready_frames(self.socket)
         if frames is not None:
             return frames
-        events = dict(self.poller.poll(timeout * 1000))
-        if self.monitor in events:
-            self.refusals.note(self.monitor.recv_multipart())
-        if self.socket in events:
-            return self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
-        return None
+        give_up = time.monotonic() + timeout
+        while True:
+            events = dict(self.poller.poll(max(give_up - time.monotonic(), 0) * 1000))
+            if self.monitor in events:
+                self.refusals.note(self.monitor.recv_multipart())
+            if self.socket in events:
+                return self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
+            if self.desk is None or not events or time.monotonic() >= give_up:
+                return None
+            self._desk_events(events)
 
     @property
     def refused(self) -> bool:
@@ -124,9 +151,14 @@ class AsyncInbox(Inbox):
         if frames is not None:
             return frames
         self.turn_taken = time.monotonic()  # the poll below waits: a turn for the others
-        events = dict(await self.poller.poll(timeout * 1000))
-        if self.monitor in events:
-            self.refusals.note(await self.monitor.recv_multipart())
-        if self.socket in events:
-            return await self.socket.recv_multipart(copy=False)  # type: ignore[no-any-return]
-        return None
+        give_up = self.turn_taken + timeout
+        while True:
+            events = dict(await self.poller.poll(max(give_up - time.monotonic(), 0) * 1000))
+            if self.monitor in events:
+                self.refusals.note(await self.monitor.recv_multipart())
+            if self.socket in events:
+                return await self.socket.recv_multipart(  # type: ignore[no-any-return]
+                    copy=False)
+            if self.desk is None or not events or time.monotonic() >= give_up:
+                return None
+            self._desk_events(events)

@@ -12,6 +12,10 @@ header, metadata, content), but neither end of this connection signs or needs a 
 request is framed and the answers are read here, without jupyter_client, whose deserialize
 turns every date of a message into a datetime with dateutil (four-fifths of its cost, and
 nothing here reads a date).
+
+A run that grants tools (client/tools.py) gets their calls as `sandbox_tool_request` message
+records; each is served as a task on the run's loop and answered with a TOOL_REPLY record on
+the same connection (the process reads them while its code waits, kernel/tools.py).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from .collect import Callback, Collector, exit_description, info_of
 from .execution import Execution, error_from
 from .meter import Meter, open_process
 from .receive import MESSAGE_ROOM, SMALL_PART, CallerLimits
+from .tools import REQUEST as TOOL_REQUEST
+from .tools import Toolbox, ToolRun, reply_message
 
 GRACE_SECONDS = 2.0
 # Bytes taken off the connection per event-loop turn: a flood of small messages (40,000
@@ -56,9 +62,11 @@ __all__ = ["OneShotUnavailable", "RunHandle", "run"]
 
 def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: str = "main",
             timeout_source: str = "Sandbox.run(timeout=)",
-            keep_files: dict[str, Any] | None = None) -> dict[str, Any]:
+            keep_files: dict[str, Any] | None = None,
+            tools: Toolbox | None = None) -> dict[str, Any]:
     """The execute_request a ZMQ client would send for this run (client/sandbox.py's); with
-    keep_files (files_in_kernel.py's "keep" inputs), the process sends the files it wrote."""
+    keep_files (files_in_kernel.py's "keep" inputs), the process sends the files it wrote;
+    with tools, the grant of their calls."""
     header = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request",
               "username": "sandbox-kernel", "session": _SESSION_ID,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -70,11 +78,22 @@ def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: s
         meta.update(timeout=timeout, timeout_source=timeout_source)
     if keep_files is not None:
         meta.update(keep_files=keep_files)
+    if tools is not None:
+        meta.update(tools=tools.metadata())
     return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
             "parent_header": {}, "metadata": {"sandbox": meta} if meta else {},
             "content": {"code": code, "silent": False, "store_history": inputs is None,
                         "user_expressions": {}, "allow_stdin": False,
                         "stop_on_error": True}}
+
+
+def _msg(msg_type: str, content: dict[str, Any], parent: dict[str, Any]) -> dict[str, Any]:
+    """A message of this caller (as Session.msg makes one), e.g. a tool call's reply."""
+    header = {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "username": "sandbox-kernel",
+              "session": _SESSION_ID, "version": PROTOCOL_VERSION,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    return {"header": header, "parent_header": parent.get("header", {}), "metadata": {},
+            "content": content}
 
 
 def serialize(msg: dict[str, Any]) -> list[bytes]:
@@ -147,17 +166,21 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
               limits: CallerLimits | None = None, raw_result: bool = False,
               grace: float = GRACE_SECONDS, entrypoint: str = "main",
               timeout_source: str = "Sandbox.run(timeout=)",
-              handle: RunHandle | None = None) -> Execution:
+              handle: RunHandle | None = None, tools: Toolbox | None = None,
+              owner: object = None) -> Execution:
     """Run code on a fresh one-shot kernel of the pool; OneShotUnavailable if none answers.
-    handle: to interrupt the run, or keep the files it wrote (RunHandle)."""
+    handle: to interrupt the run, or keep the files it wrote (RunHandle). tools: the tools
+    the run grants (client/tools.py), served here for `owner` (the sandbox running it)."""
     limits = limits or CallerLimits()
     handle = handle or RunHandle()
     loop = asyncio.get_running_loop()
-    msg = request(code, inputs, timeout, entrypoint, timeout_source, handle.keep_files)
+    msg = request(code, inputs, timeout, entrypoint, timeout_source, handle.keep_files, tools)
     payload = wire.pack_frames(serialize(msg))
     collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
                           None, raw_result)
     run = await _taken(loop, pool, collector, limits, handle)
+    if tools is not None:
+        run.tools = tools.start(msg["header"]["msg_id"], owner)
     try:
         if not run.pid:  # the server's answer (a broken pool), or its socket closed
             reason = run.refused or "the pool's socket closed before a kernel took the request"
@@ -185,7 +208,10 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
     finally:
         run.close()
     handle.kept = run.files()
-    return run.finish(time.monotonic() - started)
+    execution = run.finish(time.monotonic() - started)
+    if run.tools is not None:
+        run.tools.account(execution)
+    return execution
 
 
 async def _taken(loop: asyncio.AbstractEventLoop, pool: OneShotPool, collector: Collector,
@@ -261,6 +287,9 @@ class _Run:
         self.done = False
         self.metered = False
         self.messages = 0
+        self.tools: ToolRun | None = None  # the run's tool calls, when it grants tools
+        self.writing = asyncio.Lock()  # a record at a time on the connection
+        self.answering: set[asyncio.Future[None]] = set()
 
     async def read(self, loop: asyncio.AbstractEventLoop) -> None:
         """Records until `done` or the connection's end."""
@@ -314,7 +343,12 @@ class _Run:
             msg = message(wire.unpack_frames(payload), self.collector.msg_id)
             if msg is None:
                 return
-            if msg["header"]["msg_type"] == "execute_reply":
+            if msg["header"]["msg_type"] == TOOL_REQUEST:
+                if self.tools is not None:
+                    task = asyncio.ensure_future(self._answer(msg))
+                    self.answering.add(task)  # held until done (the loop keeps weak refs)
+                    task.add_done_callback(self.answering.discard)
+            elif msg["header"]["msg_type"] == "execute_reply":
                 content = msg["content"]
                 msg["content"] = jsonwire.loads(content) if isinstance(
                     content, (bytes, memoryview)) else content
@@ -337,6 +371,18 @@ class _Run:
         elif kind == wire.DONE:
             self.done = True
 
+    async def _answer(self, msg: dict[str, Any]) -> None:
+        """Serve one tool call and write its answer (nothing once the run is over)."""
+        assert self.tools is not None
+        content = await self.tools.serve(msg)
+        if content is None or self.tools.closed:
+            return
+        reply = reply_message(_msg, msg, content)
+        record = wire.record(wire.TOOL_REPLY, wire.pack_frames(serialize(reply)))
+        async with self.writing:
+            with contextlib.suppress(OSError):  # the process ended: nobody waits for it
+                await asyncio.get_running_loop().sock_sendall(self.conn, record)
+
     def files(self) -> Any:
         """The files record as sent; if none was taken, why (one was larger than asked for)."""
         dropped = [size for kind, size in self.records.dropped if kind == wire.FILES]
@@ -352,6 +398,8 @@ class _Run:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
     def close(self) -> None:
+        if self.tools is not None:
+            self.tools.close()  # calls still running are abandoned
         self.kill()  # it exits by itself after `done`; one that did not is ended here
         with self.pidfd_lock:
             if self.pidfd >= 0:

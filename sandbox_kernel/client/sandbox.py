@@ -58,6 +58,7 @@ from .snapshot import (
     restore_policy,
 )
 from .specs import installed_policy, manager_kwargs
+from .tools import Approve, StdinDesk, Toolbox, ToolLimits, ToolLoop, ToolRun, refuse_reentry
 
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 # After the kernel_info_reply, how long to wait for an IOPub message (which proves the
@@ -212,6 +213,7 @@ def _blocking(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Ca
     """A Sandbox method: the core's steps, each call made as it is (under the lock if locked)."""
     @functools.wraps(operation)
     def method(self: Sandbox, *args: Any, **kwargs: Any) -> T:
+        refuse_reentry(self)  # a tool of this sandbox's run: its lock is held by that run
         with self._lock if locked else _NO_LOCK:
             steps = operation(self, *args, **kwargs)
             outcome: tuple[Any, Exception | None] = (None, None)
@@ -227,6 +229,7 @@ def _awaiting(operation: Callable[..., Steps[T]], locked: bool, name: str) -> Ca
     """An AsyncSandbox method: the core's steps, awaiting what their calls return."""
     @functools.wraps(operation)
     async def method(self: AsyncSandbox, *args: Any, **kwargs: Any) -> T:
+        refuse_reentry(self)  # a tool of this sandbox's run: its lock is held by that run
         async with self._lock if locked else _NO_ASYNC_LOCK:
             steps = operation(self, *args, **kwargs)
             outcome: tuple[Any, Exception | None] = (None, None)
@@ -334,7 +337,10 @@ class _SandboxCore:
                  one_shot: bool = False, python: str | None = None,
                  secrets: Mapping[str, Mapping[str, Any]] | None = None,
                  snapshot: Snapshot | bytes | None = None, snapshot_key: bytes | None = None,
-                 snapshot_owner: str | None = None) -> None:
+                 snapshot_owner: str | None = None,
+                 tools: Mapping[str, Callable[..., Any]] | None = None,
+                 tool_limits: ToolLimits | None = None, approve_tool: Approve | None = None,
+                 audit_tool_payloads: bool = False) -> None:
         """kernel_name: an installed kernelspec, or None for this package's own with `policy`,
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
         limit. one_shot: every run gets a kernel of its own that ends with it: with
@@ -348,7 +354,13 @@ class _SandboxCore:
         companion alone (the package's secrets.py), each host within the policy's network.
         snapshot: a Snapshot (or its sealed bytes) to restore as soon as the kernel has
         started (see restore(); snapshot_key and snapshot_owner default to the Snapshot's);
-        the report is then in `restored`."""
+        the report is then in `restored`.
+        tools: {name: callable} the code of every run may call as `from sandbox_tools import
+        name` (client/tools.py; run(tools=...) grants a run other ones); each call runs here,
+        in the caller's process, within tool_limits (calls per run, seconds per call, bytes
+        each way); approve_tool(name, {"args", "kwargs"}) -> True, or False or a reason to
+        refuse the call; audit_tool_payloads: keep each call's arguments and result in
+        `Execution.tool_calls` (by default only sizes, duration and outcome)."""
         policy, self._secret_values = _with_secrets(policy, secrets, kernel_name)
         policy = _advised_as_caller(policy, kernel_name)
         if snapshot is not None and one_shot:
@@ -386,6 +398,9 @@ class _SandboxCore:
         self._to_restore = (snapshot, snapshot_key, snapshot_owner) if snapshot is not None \
             else None
         self.restored: dict[str, Any] | None = None  # what restoring `snapshot` reported
+        self.toolbox = Toolbox(tools or {}, limits=tool_limits, approve=approve_tool,
+                               audit_payloads=audit_tool_payloads)
+        self._tool_loop: ToolLoop | None = None  # a blocking Sandbox's loop for its tools
 
     @property
     def holds_callers_secrets(self) -> bool:
@@ -439,6 +454,8 @@ class _SandboxCore:
         self.client = _fast_reconnecting(
             self.manager.sandbox_client(context=self._live_context()))
         _start_channels(self.client)
+        if self.toolbox.tools:  # connected now: by the first run it surely is
+            self.client.stdin_channel.start()
         try:
             yield from self._wait_for_ready()
         except RuntimeError:
@@ -475,6 +492,9 @@ class _SandboxCore:
         """
         if self.client is not None:
             self._stop_client()
+        if self._tool_loop is not None:
+            self._tool_loop.close()
+            self._tool_loop = None
         if self.manager.has_kernel:
             self._total.retire(self._process)  # before it ends: its last ticks are readable
             # Graceful by default; either way the scratch reaper removes the scratch directory.
@@ -542,22 +562,43 @@ class _SandboxCore:
     def _run_steps(self, code: str, inputs: dict | None = None, timeout: float | None = None,
                    on_stdout: Callback = None, on_stderr: Callback = None,
                    on_display: Callback = None, entrypoint: str = "main",
-                   raw_result: bool = False) -> Steps[Execution]:
+                   raw_result: bool = False,
+                   tools: Mapping[str, Callable[..., Any]] | None = None) -> Steps[Execution]:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict.
 
         raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
-        parsed into objects), for a caller that only passes it on (the service)."""
+        parsed into objects), for a caller that only passes it on (the service).
+        tools: the tools this run grants instead of the sandbox's ({}: none); calls are in
+        `Execution.tool_calls`."""
+        toolbox = self.toolbox if tools is None else self.toolbox.with_tools(tools)
         return (yield from self._execute_steps(code, inputs, timeout, on_stdout, on_stderr,
-                                               on_display, entrypoint, raw_result))
+                                               on_display, entrypoint, raw_result,
+                                               toolbox=toolbox))
+
+    def _tool_submitter(self) -> Callable[..., Any]:
+        """Where a run's tool calls are served: a loop of the blocking Sandbox's own."""
+        if self._tool_loop is None:
+            self._tool_loop = ToolLoop()
+        return self._tool_loop.submit
+
+    def _serve_tools(self, toolbox: Toolbox | None, msg: dict[str, Any]) -> ToolRun | None:
+        """Grant the run its tools: in the request, and a run to serve their calls."""
+        if toolbox is None or not toolbox.tools:
+            return None
+        self.client.stdin_channel.start()  # connected now, if it was not (kernel/tools.py
+        # gives a request a moment to find it)
+        msg["metadata"].setdefault("sandbox", {})["tools"] = toolbox.metadata()
+        return toolbox.start(msg["header"]["msg_id"], self)
 
     def _execute_steps(self, code: str, inputs: dict | None = None,
                        timeout: float | None = None, on_stdout: Callback = None,
                        on_stderr: Callback = None, on_display: Callback = None,
                        entrypoint: str = "main", raw_result: bool = False,
-                       buffers: Sequence[Any] = (), collect: Callable[..., Collector] = Collector
-                       ) -> Steps[Execution]:
+                       buffers: Sequence[Any] = (), collect: Callable[..., Collector] = Collector,
+                       toolbox: Toolbox | None = None) -> Steps[Execution]:
         """run()'s body; buffers: binary frames the request carries; collect: what makes the
-        run's collector (the snapshot's also takes the chunks the kernel publishes)."""
+        run's collector (the snapshot's also takes the chunks the kernel publishes);
+        toolbox: the tools the run grants."""
         if self.one_shot_pool is not None and not self.one_shot_pool.path:
             yield from self._start_steps()  # a ZMQ kernel instead if no pool could be had
         if self.one_shot_pool is not None:
@@ -567,7 +608,9 @@ class _SandboxCore:
                     self.one_shot_pool, code, inputs, timeout, on_stdout=on_stdout,
                     on_stderr=on_stderr, on_display=on_display, limits=self.limits,
                     raw_result=raw_result, grace=self.grace, entrypoint=entrypoint,
-                    timeout_source=self.timeout_source, handle=handle))
+                    timeout_source=self.timeout_source, handle=handle,
+                    tools=toolbox if toolbox is not None and toolbox.tools else None,
+                    owner=self))
             finally:
                 self._one_shot_run = None
             self._total.add_run(execution.usage, own_kernel=True)
@@ -577,9 +620,38 @@ class _SandboxCore:
                                self.timeout_source)
         if buffers:
             msg["buffers"] = list(buffers)
+        tool_run = self._serve_tools(toolbox, msg)
+        if tool_run is not None:
+            desk = StdinDesk(tool_run, self.client, self._tool_submitter())
         meter = Meter(self._kernel_process())
         collector, inbox = self._send(msg, on_stdout, on_stderr, on_display, raw_result,
                                       collect)
+        if tool_run is not None:
+            inbox.serve(desk)
+        try:
+            lost = yield from self._collect_steps(collector, inbox, watchdog, meter)
+        finally:
+            if tool_run is not None:
+                inbox.serve(None)
+                desk.close()
+        execution = self._finish(watchdog, collector, lost)
+        jsonwire.thaw()
+        reply = None
+        if lost:
+            yield from self._restart_steps()
+        else:
+            reply = yield from self._take_reply(msg["header"]["msg_id"])
+            _reply_error(execution, reply)
+        execution.usage = meter.finish(execution.duration, collector.budget.output_received,
+                                       collector.result_bytes, reply)
+        if tool_run is not None:
+            tool_run.account(execution)
+        self._total.add_run(execution.usage, own_kernel=False)
+        return execution
+
+    def _collect_steps(self, collector: Collector, inbox: Any, watchdog: Watchdog,
+                       meter: Meter) -> Steps[str | None]:
+        """The run's messages until the kernel is idle, or why it was lost."""
         lost = None
         while not collector.idle and not lost:
             frames = yield (inbox.receive, POLL)
@@ -594,18 +666,7 @@ class _SandboxCore:
             meter.sample()
             lost = yield from watchdog.verdict(self.manager, inbox)
         meter.stop()
-        execution = self._finish(watchdog, collector, lost)
-        jsonwire.thaw()
-        reply = None
-        if lost:
-            yield from self._restart_steps()
-        else:
-            reply = yield from self._take_reply(msg["header"]["msg_id"])
-            _reply_error(execution, reply)
-        execution.usage = meter.finish(execution.duration, collector.budget.output_received,
-                                       collector.result_bytes, reply)
-        self._total.add_run(execution.usage, own_kernel=False)
-        return execution
+        return lost
 
     def _take_reply(self, msg_id: str) -> Steps[dict[str, Any] | None]:
         """Read the execute_reply (and any stale one before it) so replies do not pile up."""
@@ -874,4 +935,8 @@ class AsyncSandbox(_SandboxCore):
 
     def _sending_context(self, context: Any) -> Any:
         return _never_waiting(context)
+
+    def _tool_submitter(self) -> Callable[..., Any]:
+        """Where a run's tool calls are served: this sandbox's own event loop."""
+        return asyncio.ensure_future
 

@@ -23,7 +23,7 @@ from traitlets import Dict, Type
 from .. import __version__, jsonwire
 from ..confine import denials
 from ..policy import SandboxPolicy
-from . import cell_warnings, figures, main_call, pip
+from . import cell_warnings, figures, main_call, pip, tools
 from .deadline import Deadline, ExecutionTimeout
 from .output import BUDGET
 from .prebuilt import ZMQInteractiveShell
@@ -246,7 +246,8 @@ class SandboxKernel(IPythonKernel):
             request = main_call.request_from(self.get_parent().get("metadata"))
             run_code = partial(super().do_execute, code, silent, store_history,
                                user_expressions, allow_stdin, **kwargs)
-            with deadline.armed(), _transformed_once(self.shell, code):
+            with deadline.armed(), _transformed_once(self.shell, code), \
+                    tools.granted(self.get_parent(), self.session, self.tool_transport):
                 reply = await (run_code() if request is None  # main(): see main_call.py
                                else main_call.execute(self, request, run_code,
                                                        self.translate_error))
@@ -256,6 +257,11 @@ class SandboxKernel(IPythonKernel):
         finally:
             self.report_dropped_output()
             jsonwire.thaw()  # a large request's parsed inputs rejoin the collector
+
+    def tool_transport(self) -> tools.Transport:
+        """Where this execution's tool calls travel: the stdin channel, to the client that
+        sent the request (ipykernel's `_input_request` routes its input_request the same way)."""
+        return tools.StdinTransport(self.session, self.stdin_socket, self._parent_ident["shell"])
 
     def translate_error(self, error: BaseException) -> BaseException:
         """The error to show: an async cell cancelled by the time limit shows the limit."""

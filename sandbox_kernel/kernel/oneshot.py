@@ -23,6 +23,8 @@ explained refusals, the deadline, usage). This module holds every difference:
   every kernel's start-up is until init_confinement. Each pooled process is a fork of it that
   makes its per-process parts (scratch, profile dir, ids, namespace, history, memfds) and
   applies every layer itself (`confine`: the same functions in the same order), then waits.
+- the tool bridge (kernel/tools.py): a tool call goes out as a message record, its answer
+  comes back as a TOOL_REPLY record on the same connection (there is no stdin channel).
 - the request: the process is confined *before* a request exists (a pool keeps it waiting,
   launch/forkserver/server.py); it accepts exactly one connection, closes the listener, reads
   the request itself, runs it, and exits.
@@ -46,6 +48,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -63,6 +66,7 @@ from traitlets import Dict, Type
 from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
 from . import oneshot_wire as wire
+from . import tools
 from .app import SandboxKernelApp, _kept_without_collection
 from .kernel import SandboxKernel
 from .output import BUDGET
@@ -117,6 +121,7 @@ class Channel:
 
     def __init__(self) -> None:
         self.conn: socket.socket | None = None  # the caller's connection, once it came
+        self.lock = threading.Lock()  # a record at a time: tool calls come from any thread
         self.streams: list[CapturedStream] = []
         self.sending_output = False  # a stream's own message is being sent
 
@@ -130,7 +135,8 @@ class Channel:
     def write(self, kind: int, payload: bytes) -> None:
         """One record to the caller; nothing before it connected (no caller, no message)."""
         if self.conn is not None:
-            self.conn.sendall(wire.record(kind, payload))
+            with self.lock:
+                self.conn.sendall(wire.record(kind, payload))
 
     def flush(self, *_: Any) -> None:
         """ZMQStream's flush: every record is written when it is sent."""
@@ -281,6 +287,10 @@ class OneShotKernel(SandboxKernel):
                                execution_count: int) -> None:
         # IOPub echoes the code to every client of a kernel; this one's only caller sent it.
         return
+
+    def tool_transport(self) -> tools.Transport:
+        """Tool calls travel on the run's one connection (no stdin channel here)."""
+        return tools.RecordTransport(self.session, self.shell_stream)
 
     def renew(self) -> None:
         """In a pooled process: make again what the zygote built that is per process.

@@ -4,6 +4,7 @@ One unix stream connection carries a one-shot run: the caller's request (an `exe
 as the frames Session.serialize makes), then the process's records: its pid (with a pidfd, so
 the caller can kill exactly this process), every Jupyter message it sends (the same frames a
 ZMQ kernel puts on IOPub and shell), the files the run wrote if the request asked, and `done`.
+During the run the caller may write one more kind: the answers to the run's tool calls.
 A length prefix frames each record: no delimiter scanning, and a reader refuses a record larger
 than it takes before reading it.
 
@@ -25,6 +26,9 @@ MESSAGE = ord("m")  # process -> caller: one Jupyter message's frames
 REFUSED = ord("e")  # process -> caller: why it cannot run the request (UTF-8 text)
 FILES = ord("f")  # process -> caller: the files the run wrote, if asked (JSON), before done
 DONE = ord("d")  # process -> caller: the reply was the last message; it exits now
+# caller -> process, during the run: the answer to a tool call (a `sandbox_tool_request` the
+# process sent as a message record), as the frames of a `sandbox_tool_reply` (kernel/tools.py)
+TOOL_REPLY = ord("a")
 
 MAX_REQUEST = 256 * 2**20  # the largest request a one-shot process reads
 
