@@ -249,7 +249,9 @@ def _pip_in_process(scratch: str) -> Iterator[_PipLog]:
     # stock ipykernel's %pip runs pip on a pipe: plain text on stdout, which pip writes here too.
     from pip._vendor.rich import console  # type: ignore[import-not-found]
 
-    saved_jupyter, console._is_jupyter = console._is_jupyter, lambda: False
+    saved_jupyter = getattr(console, "_is_jupyter", None)  # a pip whose rich lacks it: as is
+    if saved_jupyter is not None:
+        console._is_jupyter = lambda: False
     # No configuration file: the host's (index, find-links) is not the sandbox's to use.
     os.environ["PIP_CONFIG_FILE"] = os.devnull
     chmod, os.chmod = os.chmod, _modes_ignored_under(scratch, os.chmod)
@@ -258,7 +260,8 @@ def _pip_in_process(scratch: str) -> Iterator[_PipLog]:
     finally:
         os.chmod = chmod
         session.user_agent = saved_agent
-        console._is_jupyter = saved_jupyter
+        if saved_jupyter is not None:
+            console._is_jupyter = saved_jupyter
         pip_logger.removeHandler(recorder)
         root.handlers[:], root.level = saved[0], saved[1]
         # a list at run time; typeshed calls it a Sequence
