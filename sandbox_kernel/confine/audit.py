@@ -149,10 +149,10 @@ class Auditor:
         self.suppressed_since = 0.0
 
     def answer(self, since: float, floor: bool = False) -> None:
-        """Answer the calls waiting (EPERM), at most BATCH and while the kernel's share allows,
-        else one if floor (its pause is over); charge the kernel this thread's CPU from `since`
-        (its CPU clock, time.thread_time(), when the work for it began)."""
-        for _ in range(BATCH if self.share.allows() else int(floor)):
+        """Answer the calls waiting (EPERM): one if floor (the kernel's pause is over), else at
+        most BATCH while the kernel's share allows; charge the kernel this thread's CPU from
+        `since` (its CPU clock, time.thread_time(), when the work for it began)."""
+        for _ in range(1 if floor else BATCH if self.share.allows() else 0):
             if not self._waiting():
                 break
             self._answer_one()

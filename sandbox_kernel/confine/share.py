@@ -20,10 +20,10 @@ import os
 
 from .logrelay import TokenBucket
 
-FREE = 0.003  # the companion's CPU seconds a kernel's answers may take at first ...
+FREE = 0.002  # the companion's CPU seconds a kernel's answers may take at first ...
 SHARE = 0.25  # ... and per second of CPU the kernel spends after that ...
 SAVED = 0.005  # ... of which at most this much is kept for later (more than a clock tick's)
-PAUSE = 0.5  # past both, seconds between answers: a flood slows down, it never stops
+PAUSE = 1.0  # past both, seconds between answers: a flood slows down, it never stops
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
