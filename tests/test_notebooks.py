@@ -264,9 +264,9 @@ def test_refusals_libraries_cope_with_stay_in_the_audit_record(kernelspecs, tmp_
     assert cells[2].outputs == [{"output_type": "stream", "name": "stdout", "text": "coped\n"}]
     assert cells[3].outputs[0]["ename"] == "PermissionError"
     records = [json.loads(line) for line in audit_log.read_text().splitlines()]
-    processes = [r for r in records if r["syscall"] in ("clone", "vfork", "fork")]
+    processes = [r for r in records if r.get("syscall") in ("clone", "vfork", "fork")]
     assert processes and all(r["probe"].startswith("starting a process") for r in processes)
-    [socket_record] = [r for r in records if r["syscall"] == "socket"]
+    [socket_record] = [r for r in records if r.get("syscall") == "socket"]
     assert "probe" not in socket_record
 
 
