@@ -179,7 +179,7 @@ def service_report(policy: SandboxPolicy, environ: Mapping[str, str]) -> dict[st
         config = service_config.from_arguments(argparse.Namespace(), dict(environ))
     except TraitError as exc:
         return {"problems": [f"serve would refuse its settings: {exc}"]}
-    from .service.kernels import with_network
+    from .hosting.network import with_network
 
     problems: list[str] = []
     served = {"offline": with_network(policy, False)}

@@ -42,13 +42,22 @@ def describe_paused(item: Stored) -> dict[str, Any]:
     record, network = item.record, network_of(item.record["network"])
     return {"id": item.id, "network": bool(network),
             "allow_hosts": list(network.hosts) if network.mode == "hosts" else None,
-            "policy": policy_name(network), "idle_timeout": record["idle_timeout"],
+            "policy": policy_name(network), "idle_timeout": idle_timeout_of(record),
             "created": record["created"],
             "idle_seconds": round(time.time() - record["last_used"], 3),
             "busy": False, "alive": True, "dead_reason": None, "paused": True,
             "usage": record.get("usage") or dict.fromkeys(
                 ("cpu_user_seconds", "cpu_system_seconds", "egress_cpu_seconds")),
             "snapshot_bytes": item.size}
+
+
+def idle_timeout_of(record: dict[str, Any]) -> float:
+    """A paused session's idle timeout (a pause the MCP server once stored has only its
+    expiry, which is its last use plus that timeout, 0 for never)."""
+    if "idle_timeout" in record:
+        return float(record["idle_timeout"])
+    expires = record.get("expires") or 0
+    return max(0.0, expires - record["last_used"]) if expires else 0.0
 
 
 def refuse_if_secrets(session: Session) -> None:
@@ -58,7 +67,8 @@ def refuse_if_secrets(session: Session) -> None:
     if session.sandbox.holds_callers_secrets:
         raise SessionError(409, f"session {session.id} holds secrets of the caller's own, "
                            "which are never written to disk: it cannot be paused (snapshot it "
-                           "and create a session from the snapshot with the secrets again)")
+                           "and create a session from the snapshot with the secrets again)",
+                           "holds_secrets", session=session.id)
 
 
 class Pausing:
@@ -97,13 +107,23 @@ class Pausing:
         if network is not None and network_record(network) != network_record(theirs):
             raise SessionError(409, f"snapshot {item.id} ran with network "
                                f"{policy_name(theirs)!r} {list(theirs.hosts) or ''}; a "
-                               "restore gets the same network: omit network or ask for that")
+                               "restore gets the same network: omit network or ask for that",
+                               "other_network", snapshot=item.id, network=theirs)
         if item.record["runtime"] != self.runtime:
             raise SessionError(409, f"snapshot {item.id} ran on runtime "
                                f"{item.record['runtime'] or 'the service interpreter'!r}, this "
                                f"service runs {self.runtime or 'its own interpreter'!r}: "
-                               "restore it on a service of that runtime (--runtime)")
+                               "restore it on a service of that runtime (--runtime)",
+                               "other_runtime", snapshot=item.id)
         return theirs
+
+    def restorable(self, owner: str, snapshot_id: str, network: Network | None
+                   ) -> tuple[NetworkChoice, dict[str, Any]]:
+        """The network and kernel options of a new session restored from the owner's
+        snapshot (network: what the caller asked, None for the snapshot's own); the store's
+        404 for another owner's id as for none, 409 when it cannot be restored here."""
+        item = self.store.snapshot(owner, snapshot_id, payload=True)
+        return self.check_restorable(item, network), self.restore_extra(item)
 
     def restore_extra(self, item: Stored) -> dict[str, Any]:
         """The kernel options that restore the item (in the fresh kernel, never here)."""
@@ -170,7 +190,7 @@ class Pausing:
                 self.store.release(session_id)
                 return None
             session = await self.sessions.create(
-                key, self.check_restorable(item, None), item.record["idle_timeout"],
+                key, self.check_restorable(item, None), idle_timeout_of(item.record),
                 self.restore_extra(item), item.id)
             session.created = item.record["created"]
         except BaseException:

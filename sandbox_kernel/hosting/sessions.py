@@ -12,7 +12,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..client import AsyncSandbox
 from ..client.sessions import KernelSession, SessionLimit, SessionTable
@@ -24,13 +24,21 @@ from .snapshots import refused_restore
 from .sources import Kernels, kernel_id
 from .store import Store
 
+Reason = Literal["unknown", "gone", "busy", "pausing", "key_limit", "service_full",
+                 "restore_refused", "holds_secrets", "other_network", "other_runtime"]
+
 
 class SessionError(Exception):
-    """A session request that cannot be carried out; `status` is the HTTP status to answer."""
+    """A session request that cannot be carried out, in the service's words.
 
-    def __init__(self, status: int, message: str) -> None:
+    `status` is the HTTP status the service answers; `reason` the kind of refusal and `facts`
+    what it names (the session, a limit, a snapshot...), from which another face words its own
+    answer (the MCP server's, for a model: mcp/problems.py) without reading the message.
+    """
+
+    def __init__(self, status: int, message: str, reason: Reason, **facts: Any) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.reason, self.facts = status, reason, facts
 
 
 @dataclass(eq=False)
@@ -41,6 +49,12 @@ class Session(KernelSession):
     dead: str | None = None  # why the kernel is gone, told on the next call
     lost_unseen: bool = False  # its kernel was restarted by a call no one heard the end of
     pausing: bool = False  # being snapshotted to be paused (pausing.py)
+    run_id: str | None = None  # a face's run in progress, when its runs outlive a call (MCP's)
+
+    @property
+    def busy(self) -> bool:
+        """Running code or a file operation (or a run is about to take the kernel)."""
+        return self.run_id is not None or self.lock.locked()
 
     @property
     def kernel_id(self) -> str:
@@ -62,8 +76,10 @@ class Session(KernelSession):
 class Sessions(SessionTable[Session]):
     """Every open session, by id; a key sees only its own."""
 
-    def __init__(self, kernels: Kernels, max_sessions: int, per_key: int) -> None:
+    def __init__(self, kernels: Kernels, max_sessions: int, per_key: int,
+                 id_bytes: int = SessionTable.id_bytes) -> None:
         super().__init__(max_sessions)
+        self.id_bytes = id_bytes  # the MCP server's are short: a model copies them
         self.kernels = kernels
         self.per_key = per_key  # a key's limit unless its entry in the keys file sets one
         self.store: Store | None = None  # with --state-dir: leases and paused sessions
@@ -82,7 +98,8 @@ class Sessions(SessionTable[Session]):
             except KernelUnavailable as exc:
                 if restore and refused_restore(exc.__cause__):
                     raise SessionError(422, f"the snapshot could not be restored: "
-                                       f"{exc.__cause__}") from exc
+                                       f"{exc.__cause__}", "restore_refused",
+                                       why=str(exc.__cause__)) from exc
                 raise
             return Session(session_id, key.id, sandbox, idle_timeout, network=network)
 
@@ -94,9 +111,11 @@ class Sessions(SessionTable[Session]):
             if full.per_owner:
                 raise SessionError(429, f"API key {key.id!r} may hold {limit} sessions at once"
                                    f"{f' ({paused} of them paused)' if paused else ''}; "
-                                   "delete one first") from None
+                                   "delete one first", "key_limit", limit=limit,
+                                   paused=paused) from None
             raise SessionError(429, f"the service holds its limit of {full.limit} sessions; "
-                               "delete one or try again later") from None
+                               "delete one or try again later", "service_full",
+                               limit=full.limit) from None
         if self.store is not None:  # it runs here: another instance sharing the dir is refused
             self.store.lease(session.id, key.id)
         return session
@@ -113,7 +132,8 @@ class Sessions(SessionTable[Session]):
         """The key's session; 404 for another key's, so ids of others cannot be probed."""
         session = self.find(key.id, session_id)
         if session is None:
-            raise SessionError(404, f"no session {session_id!r} for this API key")
+            raise SessionError(404, f"no session {session_id!r} for this API key", "unknown",
+                               session=session_id)
         return session
 
     async def acquire(self, session: Session) -> AsyncSandbox:
@@ -122,14 +142,15 @@ class Sessions(SessionTable[Session]):
         Busy is answered at once, not queued: a session runs one thing at a time.
         """
         if session.dead is not None:
-            raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
-                               "delete the session and create a new one")
+            raise self.gone(session)
         if session.pausing:
             raise SessionError(409, f"session {session.id} is being paused; send the request "
-                               "again in a moment: it resumes the session")
-        if session.lock.locked():
+                               "again in a moment: it resumes the session", "pausing",
+                               session=session.id)
+        if session.busy:
             raise SessionError(409, f"session {session.id} is running another execution; "
-                               "wait for it or interrupt it")
+                               "wait for it or interrupt it", "busy", session=session.id,
+                               run=session.run_id)
         await session.lock.acquire()
         try:
             alive = await session.sandbox.manager.is_alive()
@@ -139,9 +160,15 @@ class Sessions(SessionTable[Session]):
         if not alive:
             self.release(session)
             self.mark_dead(session, "its kernel process exited")
-            raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
-                               "delete the session and create a new one")
+            raise self.gone(session)
         return session.sandbox
+
+    @staticmethod
+    def gone(session: Session) -> SessionError:
+        """The 410 for a session whose kernel is lost (`session.dead` says why)."""
+        return SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
+                            "delete the session and create a new one", "gone",
+                            session=session.id, why=session.dead)
 
     def release(self, session: Session) -> None:
         """Give the kernel back after a call taken with acquire."""
@@ -165,13 +192,22 @@ class Sessions(SessionTable[Session]):
 
     def delete(self, session: Session, why: str = "the session was closed",
                for_good: bool = True) -> None:
-        """Forget the session and shut its kernel down; a call already holding it gets 410.
+        """Forget the session and shut its kernel down in the background; a call already
+        holding it gets 410.
 
         for_good: its pause and lease in the state dir go too (False: it was just paused).
         """
+        self._forget(session, why, for_good)
+        self.kernels.discard(session.sandbox)
+
+    async def close_now(self, session: Session, why: str = "the session was closed") -> None:
+        """delete, answered once its kernel is gone (a face that says "closed" after it)."""
+        self._forget(session, why, for_good=True)
+        await self.kernels.close_now(session.sandbox)
+
+    def _forget(self, session: Session, why: str, for_good: bool) -> None:
         self.forget(session)
         session.dead = session.dead or why
-        self.kernels.discard(session.sandbox)
         if self.store is not None and for_good:
             self.store.drop_paused(session.id)
             self.store.forget_lease(session.id)

@@ -74,6 +74,24 @@ class SizeError(StoreError):
         self.size, self.limit = size, limit
 
 
+class UnknownSnapshot(StoreError):
+    """No snapshot of that id for this owner (another owner's is as unknown)."""
+
+    def __init__(self, snapshot_id: str) -> None:
+        super().__init__(404, f"no snapshot {snapshot_id!r} for this API key")
+        self.snapshot_id = snapshot_id
+
+
+class HeldElsewhere(StoreError):
+    """Another instance sharing the directory runs the session (holds its lease)."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(409, f"session {session_id} is running on another instance of this "
+                         "service: send its requests there (a sticky load balancer), or pause "
+                         "it there first")
+        self.session_id = session_id
+
+
 @dataclass(frozen=True)
 class Quota:
     """What one key may keep of the snapshots it made (None: no bound)."""
@@ -302,7 +320,7 @@ class Store:
         unknown or an altered one."""
         item = self._read("snapshots", owner, snapshot_id, payload)
         if item is None:
-            raise StoreError(404, f"no snapshot {snapshot_id!r} for this API key")
+            raise UnknownSnapshot(snapshot_id)
         return item
 
     def snapshots(self, owner: str) -> list[Stored]:
@@ -362,9 +380,7 @@ class Store:
         except OSError as exc:
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise StoreError(409, f"session {session_id} is running on another instance "
-                                 "of this service: send its requests there (a sticky load "
-                                 "balancer), or pause it there first") from None
+                raise HeldElsewhere(session_id) from None
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, owner.encode(), 0)  # whose it is: a 409 tells only its owner it exists

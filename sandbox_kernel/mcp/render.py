@@ -135,7 +135,7 @@ def result(run: Run, config: McpConfig) -> CallToolResult:
     blocks: list[ContentBlock] = [block for _, block in shown if block is not None]
     execution = run.execution
     if execution is not None:
-        network = run.session.network if run.session else config.policy.allow_network
+        network = bool(run.session.network) if run.session else config.policy.allow_network
         said = messages.for_model(execution, run.timeout, run.session is not None,
                                   config.policy.memory_limit, network)
         shape.status = "error" if said else "ok"

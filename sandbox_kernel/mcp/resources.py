@@ -10,8 +10,9 @@ from typing import Any
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
 
+from ..hosting.sessions import SessionError
 from . import files
-from .kernels import SessionProblem
+from .problems import for_model
 from .state import State
 
 POLICY_URI = "sandbox://policy"
@@ -76,13 +77,15 @@ def register(server: MCPServer, state: State) -> None:
                      description="Files that run_python results link to.")
     async def read_session_file(session: str, path: str) -> str | bytes:
         try:
-            held = state.sessions.get(state.owner(), session)
+            held = state.sessions.get(state.key(state.owner()), session)
             if held.busy:
                 raise ResourceError(f"session {held.id} is busy: read the file after its run")
             async with held.lock:
                 content = await files.read(held.sandbox, path, state.config.max_file_bytes)
-        except (files.FileError, SessionProblem) as exc:
+        except files.FileError as exc:
             raise ResourceError(str(exc)) from None
+        except SessionError as exc:
+            raise ResourceError(for_model(exc)) from None
         try:
             return content.decode("utf-8")
         except UnicodeDecodeError:

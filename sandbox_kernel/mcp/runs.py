@@ -26,9 +26,10 @@ from ..client.collect import info_of
 from ..errors import KernelUnavailable, ServiceStopping
 from ..hosting.admission import Admission, Busy
 from ..hosting.fresh import Runner, RunRecord
+from ..hosting.sessions import Session, Sessions
 from . import files
 from .config import McpConfig
-from .kernels import Session, SessionProblem, Sessions
+from .problems import SessionProblem
 
 log = logging.getLogger("sandbox_kernel.mcp")
 KEEP_FINISHED = 600.0  # seconds a finished run waits to be collected
@@ -181,7 +182,8 @@ class Runs:
                                                           **self._callbacks(run))
                 await self._find_written(run, session.sandbox)
             except Exception:
-                await self.sessions.close(session)  # its kernel cannot be trusted to work again
+                # its kernel cannot be trusted to work again
+                await self.sessions.close_now(session, "its kernel failed under a run")
                 raise
             finally:
                 session.run_id, session.last_used = None, time.monotonic()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
+
+from ..hosting.network import network_of
+from ..hosting.sessions import Session
+from ..hosting.store import Stored
 
 
 class Chunk(BaseModel):
@@ -175,3 +180,20 @@ class FileWritten(BaseModel):
     path: str
     size: int
     uri: str
+
+
+def session_info(session: Session) -> SessionInfo:
+    """A live session as list_sessions shows it."""
+    return SessionInfo(session=session.id, network=bool(session.network), busy=session.busy,
+                       running=session.run_id, created=session.created,
+                       idle_seconds=round(session.idle_seconds(), 1),
+                       usage=SessionUsage(**session.spent()))
+
+
+def paused_info(item: Stored) -> SessionInfo:
+    """A paused session (its kernel stopped, its state in the store) as list_sessions shows it."""
+    record = item.record
+    return SessionInfo(session=item.id, network=bool(network_of(record["network"])), busy=False,
+                       created=record["created"], paused=True,
+                       usage=SessionUsage(**record.get("usage") or {}),
+                       idle_seconds=round(time.time() - record["last_used"], 1))

@@ -1,5 +1,5 @@
-"""What the tools share: the settings, hosting's kernels, runner and admission, the sessions,
-the runs, and who is asking."""
+"""What the tools share: the settings, hosting's kernels, runner, admission, sessions and
+pausing, the runs, and who is asking."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from mcp.server.auth.middleware.auth_context import get_access_token
 from ..client.sandbox import GRACE_SECONDS
 from ..hosting.admission import Admission, fair_share
 from ..hosting.fresh import Runner
+from ..hosting.keys import ApiKey
 from ..hosting.oneshots import OneShots
+from ..hosting.pausing import Pausing
+from ..hosting.sessions import Sessions
 from ..hosting.sources import Kernels, PoolSource, make_source
+from ..hosting.store import Quota, Store
 from .config import McpConfig
-from .kernels import Sessions
 from .runs import Runs
-from .snapshots import Snapshots
 
 LOCAL = "local"  # the owner over stdio: the one client that started the server
 
@@ -33,8 +35,9 @@ class State:
     runner: Runner = field(init=False)
     sessions: Sessions = field(init=False)
     runs: Runs = field(init=False)
-    snapshots: Snapshots | None = field(default=None, init=False)  # with --state-dir
+    pausing: Pausing | None = field(default=None, init=False)  # with --state-dir
     _culler: asyncio.Task[None] | None = field(default=None, init=False)
+    _pauser: asyncio.Task[None] | None = field(default=None, init=False)
     _starting: asyncio.Future[None] | None = field(default=None, init=False)
     _asking: asyncio.Future[bool] | None = field(default=None, init=False)
 
@@ -56,15 +59,16 @@ class State:
         # The client's own deadline (interrupt at timeout + grace, give up a grace later)
         # answers first; hosting's bound is the backstop.
         self.runner = Runner(self.kernels, admission, 2 * GRACE_SECONDS, None, one_shots)
-        self.sessions = Sessions(config, self.kernels)
+        # A session's id is short: a model copies it into every call.
+        self.sessions = Sessions(self.kernels, config.max_sessions,
+                                 config.max_sessions_per_key
+                                 or fair_share(config.max_sessions, len(self.key_limits)),
+                                 id_bytes=8)
         self.runs = Runs(config, self.runner, self.sessions)
-        if self.config.state_dir:
-            from ..hosting.store import Quota, Store
-
-            store = Store(self.config.state_dir, self.config.max_snapshot_size,
-                          Quota(self.config.max_snapshots_per_key,
-                                self.config.max_snapshot_bytes_per_key))
-            self.snapshots = Snapshots(store, self.sessions, self.kernels, self.config.runtime)
+        if config.state_dir:
+            store = Store(config.state_dir, config.max_snapshot_size,
+                          Quota(config.max_snapshots_per_key, config.max_snapshot_bytes_per_key))
+            self.pausing = Pausing(self.sessions, store, config.runtime)
 
     def start(self) -> None:
         """Begin filling the pool and culling idle sessions and uncollected runs."""
@@ -75,26 +79,25 @@ class State:
             self._asking = asyncio.ensure_future(
                 one_shots.had(self.config.policy.allow_network))
         self._culler = asyncio.ensure_future(self._cull_forever())
+        if self.pausing is not None:  # idle sessions paused, expired pauses swept
+            self._pauser = asyncio.ensure_future(
+                self.pausing.maintain(self.config.session_pause_after))
 
     async def _cull_forever(self, interval: float = 30.0) -> None:
-        pause_after = self.config.session_pause_after if self.snapshots is not None else 0
-        if pause_after:  # a pause is due within a second or so of its time
-            interval = min(interval, 1.0)
         while True:
             await asyncio.sleep(interval)
-            if pause_after and self.snapshots is not None:
-                await self.snapshots.pause_idle(pause_after)
-            await self.sessions.cull()
+            self.sessions.cull()
             self.runs.cull()
 
     async def close(self) -> None:
         """Stop every run, session, pooled kernel and the fork server."""
-        if self._culler is not None:
-            self._culler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._culler
+        for task in (self._culler, self._pauser):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.runs.close()
-        await self.sessions.close_all()
+        self.sessions.close()  # shut down with the kernels below
         if self.runner.one_shots is not None:
             await self.runner.one_shots.close()
         await self.kernels.close()
@@ -104,15 +107,10 @@ class State:
         token = get_access_token()
         return token.client_id if token is not None else LOCAL
 
-    def owner_limit(self, owner: str) -> int:
-        """How many sessions this owner may hold at once: its key's max_sessions, else
-        --max-sessions-per-key, else its fair share of the server's (all of it for one key)."""
-        config = self.config
-        own = self.key_limits.get(owner)
-        if own is not None:
-            return own
-        return config.max_sessions_per_key or fair_share(config.max_sessions,
-                                                         len(self.key_limits))
+    def key(self, owner: str) -> ApiKey:
+        """The owner as hosting knows a tenant: its id and its own session limit (its key's
+        max_sessions; None: --max-sessions-per-key, else its fair share of the server's)."""
+        return ApiKey(owner, "", self.key_limits.get(owner))
 
     @property
     def preload(self) -> list[str]:

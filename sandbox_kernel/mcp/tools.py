@@ -7,8 +7,8 @@ failures a model can act on raise ToolError with a message written for it.
 
 
 import base64
-import time
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable
+from typing import Annotated, Any, Literal, TypeVar
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -16,9 +16,11 @@ from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 from pydantic import Field
 
 from ..client.sandbox import install_code
+from ..hosting.sessions import Session, SessionError
+from ..hosting.store import StoreError
 from ..secrets import SecretError
 from . import files, messages, render
-from .kernels import Session, SessionProblem
+from .problems import SessionProblem, for_model
 from .shapes import (
     Done,
     FileContent,
@@ -28,9 +30,10 @@ from .shapes import (
     RunResult,
     SessionInfo,
     SessionList,
-    SessionUsage,
     SnapshotInfo,
     SnapshotList,
+    paused_info,
+    session_info,
 )
 from .state import State
 
@@ -46,12 +49,25 @@ within about {patience:g} s: a longer run answers with status "running" and the 
 collect the rest with wait_run."""
 
 
+T = TypeVar("T")
+
+
 def _check(call: Any) -> Any:
     """Run a state operation, turning what a model can act on into a ToolError."""
     try:
         return call()
     except (SessionProblem, files.FileError, ValueError) as exc:
         raise ToolError(str(exc)) from None
+    except (SessionError, StoreError) as exc:
+        raise ToolError(for_model(exc)) from None
+
+
+async def _hosted(call: Awaitable[T]) -> T:
+    """Await one of hosting's operations, its refusals said to a model as a ToolError."""
+    try:
+        return await call
+    except (SessionError, StoreError) as exc:
+        raise ToolError(for_model(exc)) from None
 
 
 def register(server: MCPServer, state: State) -> None:
@@ -62,13 +78,11 @@ def register(server: MCPServer, state: State) -> None:
     SessionId = Annotated[str, Field(description="A session id from create_session.")]
 
     async def session_of(session_id: str) -> Session:
-        owner = state.owner()
-        if state.snapshots is not None and state.sessions.find(owner, session_id) is None:
-            try:  # a paused session comes back on a fresh kernel, its state restored
-                await state.snapshots.resume(owner, session_id, state.owner_limit(owner))
-            except SessionProblem as exc:
-                raise ToolError(str(exc)) from None
-        return _check(lambda: state.sessions.get(owner, session_id))
+        key = state.key(state.owner())
+        if state.pausing is not None and state.sessions.find(key.id, session_id) is None:
+            # a paused session comes back on a fresh kernel, its state restored
+            await _hosted(state.pausing.resume(key, session_id))
+        return _check(lambda: state.sessions.get(key, session_id))
 
     async def answer(run: Any, wait: float) -> CallToolResult:
         await state.runs.wait(run, wait)
@@ -127,42 +141,41 @@ def register(server: MCPServer, state: State) -> None:
         wanted = config.policy.allow_network if network is None else network
         if wanted and not config.policy.allow_network:
             raise ToolError(messages.NO_NETWORK_SESSION)
-        owner = state.owner()
+        key, restore = state.key(state.owner()), None
+        if snapshot is not None:  # its own network: a restore never changes what it reaches
+            if state.pausing is None:
+                raise ToolError("this server keeps no snapshots (it was started without "
+                                "--state-dir): create the session without snapshot")
+            wanted, restore = _check(lambda: state.pausing.restorable(key.id, snapshot, network))
         try:
-            if snapshot is not None:  # its own network: a restore never changes what it reaches
-                session = await _open_snapshot(state, owner, snapshot, network)
-            else:
-                session = await state.sessions.create(owner, wanted, state.owner_limit(owner),
-                                                      secrets=secrets)
-        except (SessionProblem, SecretError) as exc:  # a SecretError never names a value
+            session = await _hosted(state.sessions.create(
+                key, wanted, config.session_idle_timeout, restore, secrets=secrets))
+        except SecretError as exc:  # a SecretError never names a value
             raise ToolError(str(exc)) from None
         missing = await _provide_packages(session, packages or [], config.max_timeout)
         if missing:
-            await state.sessions.close(session)
+            await state.sessions.close_now(session)
             how = "they could not be installed" if session.network else \
                 "packages cannot be installed here (the network is off)"
             raise ToolError(f"not available in this sandbox: {', '.join(missing)}; {how}. Read "
                             "the sandbox://policy resource for what is installed, and use "
                             "those instead.")
-        return SessionInfo(**session.describe())
+        return session_info(session)
 
     async def close_session(session: SessionId) -> Done:
         """Close a session: its sandbox, variables and files are gone."""
         held = await session_of(session)
-        await state.sessions.close(held)  # a run in it ends with an error, kept for wait_run
+        await state.sessions.close_now(held)  # a run in it ends with an error, kept for wait_run
         return Done(ok=True, message=f"session {held.id} is closed")
 
     async def list_sessions() -> SessionList:
         """Your open sessions (paused ones too: the next call naming one resumes it)."""
         owner = state.owner()
-        live = [SessionInfo(**s.describe()) for s in state.sessions.owned_by(owner)]
-        paused = [] if state.snapshots is None else [
-            SessionInfo(session=p.id, network=bool(p.record["network"]), busy=False,
-                        created=p.record["created"], paused=True,
-                        usage=SessionUsage(**p.record.get("usage", {})),
-                        idle_seconds=round(time.time() - p.record["last_used"], 1))
-            for p in state.snapshots.store.paused_of(owner)]
-        return SessionList(sessions=live + paused)
+        live = state.sessions.owned_by(owner)
+        known = {s.id for s in live}  # a running session's last pause is not shown
+        paused = [] if state.pausing is None else [
+            paused_info(p) for p in state.pausing.store.paused_of(owner) if p.id not in known]
+        return SessionList(sessions=[session_info(s) for s in live] + paused)
 
     async def restart_session(session: SessionId) -> Done:
         """Restart a session's Python: its variables, imports and files are gone; the session
@@ -241,7 +254,7 @@ def register(server: MCPServer, state: State) -> None:
         relative = files.relative(path)
         return FileWritten(path=relative, size=size, uri=render.file_uri(held.id, relative))
 
-    if state.snapshots is not None:
+    if state.pausing is not None:
         _register_snapshots(server, state, SessionId, session_of)
     server.add_tool(run_python, description=RUN_PYTHON.format(
         network=network, patience=config.patience), title="Run Python in a sandbox",
@@ -258,25 +271,11 @@ def register(server: MCPServer, state: State) -> None:
                                                           open_world_hint=False))
 
 
-async def _open_snapshot(state: State, owner: str, snapshot: str,
-                         network: bool | None) -> Session:
-    """A new session restored from one of the owner's snapshots."""
-    if state.snapshots is None:
-        raise SessionProblem("this server keeps no snapshots (it was started without "
-                             "--state-dir): create the session without snapshot")
-    item = state.snapshots.find(owner, snapshot, payload=True)
-    if network is not None and network != bool(item.record["network"]):
-        raise SessionProblem(f"snapshot {snapshot} was made with the network "
-                             f"{'on' if item.record['network'] else 'off'}: a session opened "
-                             "from it gets the same (omit network)")
-    return await state.snapshots.open(owner, item, state.owner_limit(owner))
-
-
 def _register_snapshots(server: MCPServer, state: State, SessionId: Any,
                         session_of: Any) -> None:
     """The snapshot tools, on a server with a state dir."""
-    snapshots = state.snapshots
-    assert snapshots is not None
+    pausing = state.pausing
+    assert pausing is not None
 
     async def snapshot_session(session: SessionId) -> SnapshotInfo:
         """Save a session's variables, imports, installed packages and files as a snapshot;
@@ -284,16 +283,13 @@ def _register_snapshots(server: MCPServer, state: State, SessionId: Any,
         create_session(snapshot=...). What could not be saved (open files, generators,
         threads...) is listed in skipped, with the reason."""
         held = await session_of(session)
-        try:
-            item, taken = await snapshots.snapshot(held)
-        except SessionProblem as exc:
-            raise ToolError(str(exc)) from None
+        item, taken = await _hosted(pausing.snapshot(held))
         return SnapshotInfo(snapshot=item.id, bytes=item.size, saved=taken.saved,
                             skipped=taken.skipped, session=held.id)
 
     async def list_snapshots() -> SnapshotList:
         """Your snapshots."""
-        found = snapshots.store.snapshots(state.owner())
+        found = pausing.store.snapshots(state.owner())
         return SnapshotList(snapshots=[SnapshotInfo(
             snapshot=s.id, bytes=s.size, saved=s.record["manifest"].get("saved", []),
             skipped=s.record["manifest"].get("skipped", []), session=s.record["session"])
@@ -303,8 +299,8 @@ def _register_snapshots(server: MCPServer, state: State, SessionId: Any,
         snapshot: Annotated[str, Field(description="A snapshot id from snapshot_session.")],
     ) -> Done:
         """Delete one of your snapshots (sessions opened from it go on)."""
-        item = _check(lambda: snapshots.find(state.owner(), snapshot))
-        snapshots.store.delete_snapshot(item.owner, item.id)
+        item = _check(lambda: pausing.store.snapshot(state.owner(), snapshot))
+        pausing.store.delete_snapshot(item.owner, item.id)
         return Done(ok=True, message=f"snapshot {item.id} is deleted")
 
     for tool in (snapshot_session, delete_snapshot):

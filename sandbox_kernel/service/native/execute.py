@@ -15,7 +15,7 @@ from ...client.sandbox import install_code
 from ...errors import OutputLimitExceeded
 from ...hosting.admission import Busy, tenant_of
 from ...hosting.fresh import OutputBudget, RunRecord, bounded, callbacks, output_limited
-from ...hosting.sessions import Session, SessionError
+from ...hosting.sessions import Session
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
 from ..disconnects import client_left, unless_disconnected
@@ -96,8 +96,7 @@ async def _session_run(service: Service, session: Session, sandbox: AsyncSandbox
         execution, lost = output_limited(record, exc, state_lost=False), False
     except Exception as exc:
         service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
-        raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}; "
-                           "delete the session and create a new one") from exc
+        raise service.sessions.gone(session) from exc
     if lost:
         service.sessions.mark_dead(session, "it did not stop after its time limit")
     execution.state_lost = execution.state_lost or lost_unseen

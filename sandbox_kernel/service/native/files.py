@@ -65,8 +65,8 @@ async def _file_op(request: Request, service: Service, key: ApiKey, session_id: 
         # session cannot be trusted to work again.
         if session.dead is None:
             service.sessions.mark_dead(session, f"the connection to its kernel failed ({exc})")
-        raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}"
-                           ) from None
+        raise SessionError(410, f"session {session.id}'s kernel is gone: {session.dead}",
+                           "gone", session=session.id, why=session.dead) from None
     if execution.error is not None:
         status = _FILE_ERRORS.get(execution.error.name, 500)
         text = f"{execution.error.name}: {execution.error.value}"

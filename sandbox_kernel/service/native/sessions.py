@@ -27,11 +27,8 @@ async def create_session(body: SessionRequest, request: Request, key: Key,
     if body.snapshot is not None:  # a fork: the snapshot's network, its state restored
         from .snapshots import pausing_of
 
-        pausing = pausing_of(service)
-        item = pausing.store.snapshot(key.id, body.snapshot, payload=True)
-        network = pausing.check_restorable(
-            item, network if "network" in body.model_fields_set else None)
-        restore = pausing.restore_extra(item)
+        network, restore = pausing_of(service).restorable(
+            key.id, body.snapshot, network if "network" in body.model_fields_set else None)
     if network and not config.enable_network:
         raise HTTPException(403, "network access is disabled on this service (--enable-network)")
     idle = config.session_idle_timeout if body.idle_timeout is None else body.idle_timeout
