@@ -14,6 +14,7 @@ from mcp.server.mcpserver import MCPServer
 from pydantic import AnyHttpUrl
 
 from .. import __version__
+from ..hosting.events import http_url
 from ..hosting.keys import ApiKey, BearerKeys
 from . import resources, tools
 from .config import McpConfig
@@ -83,7 +84,16 @@ def run_http(config: McpConfig, host: str, port: int, keys: list[ApiKey]) -> Non
     """Serve Streamable HTTP on host:port at /mcp, for holders of the keys."""
     import uvicorn
 
-    url = f"http://{host}:{port}"
+    url = http_url(host, port)
     server, _ = build(config, keys, url)
     app = server.streamable_http_app(host=host)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+    class Announced(uvicorn.Server):
+        """Says where it serves once it listens (uvicorn's own lines are off, at warning)."""
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                log.info("serving Streamable HTTP at %s/mcp", url)
+
+    Announced(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()

@@ -12,6 +12,7 @@ from .. import __version__
 from ..client import Execution
 from ..errors import ExecutionTimeout
 from ..hosting.admission import DIFY_TENANT, Admission, fair_share, tenant_of
+from ..hosting.events import http_url
 from ..hosting.fresh import Runner
 from ..hosting.keys import ApiKey, BearerKeys, dify_key, load_keys, same
 from ..hosting.oneshots import OneShots
@@ -139,7 +140,8 @@ class Service:
             self.pausing.announce()
             self._pauser = self.background(self.pausing.maintain(self.config.session_pause_after))
         self.started = True
-        log.info(json_line(event="started", version=__version__, port=self.config.port,
+        log.info(json_line(event="started", version=__version__,
+                           url=http_url(self.config.host, self.config.port),
                            network=self.config.enable_network, pool_size=self.config.pool_size))
 
     def begin_shutdown(self) -> None:

@@ -8,7 +8,9 @@ with the kernel's mark and show every invisible character escaped.
 
 from __future__ import annotations
 
+import datetime
 import json
+import re
 import time
 
 from .helpers import DIFY_KEY, KEY_B, RUN, auth, http
@@ -65,3 +67,22 @@ def test_a_kernel_cannot_forge_the_services_log_lines(server, session):
     # The service's own lines are JSON objects: none of them is one the kernel wrote.
     own = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     assert not [record for record in own if "forged" in record]
+
+
+def test_every_json_line_says_when_in_utc_and_the_start_line_where(server):
+    answered = http.get(server.url + "/ready")  # one more request line, logged as it ends
+    deadline = time.monotonic() + 10
+    while '"route":"/ready"' not in (log := server.log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, log[-4000:]
+        time.sleep(0.1)
+    own = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert own and answered.status_code == 200
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for record in own:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", record["time"]), record
+        when = datetime.datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
+        assert datetime.timedelta(0) <= now - when < datetime.timedelta(hours=1), record
+    started = [record for record in own if record.get("event") == "started"]
+    assert [list(record) for record in started] == [
+        ["time", "event", "version", "url", "network", "pool_size"]]
+    assert started[0]["url"] == server.url  # http://127.0.0.1:PORT, where it listens
