@@ -100,16 +100,27 @@ def read_file(path: str) -> dict[str, dict[str, Any]]:
     except OSError as exc:
         raise SecretError(f"--secrets-file {path}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode) or mode & 0o077:
-            raise SecretError(f"--secrets-file {path}: mode {stat.S_IMODE(mode):04o} lets "
-                              f"others read it; make it readable by its owner only "
-                              f"(chmod 600 {path})")
+        refused = readable_by_others(fd, f"--secrets-file {path}", path)
+        if refused:
+            raise SecretError(refused)
         try:
             contents = json.loads(file.read(1 << 20))
         except ValueError:
             raise SecretError(f"--secrets-file {path}: not JSON") from None
     return checked_entries(contents, f"--secrets-file {path}")
+
+
+def readable_by_others(fd: int, what: str, path: str) -> str | None:
+    """Why the open file fd (what: how the message names it) may not hold secrets, or None.
+
+    A file of secrets (--secrets-file, an API keys file) must be a regular file only its owner
+    may read or write: mode 0600 or stricter.
+    """
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode) and not mode & 0o077:
+        return None
+    return (f"{what}: mode {stat.S_IMODE(mode):04o} lets others read it; make it readable by "
+            f"its owner only (chmod 600 {path})")
 
 
 def checked_entries(contents: Any, where: str) -> dict[str, dict[str, Any]]:

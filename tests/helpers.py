@@ -72,3 +72,14 @@ def refused_folder(path, uid):
             f"host does not let its uid ({uid}) read it either; to let user code read it, make "
             "it readable by that uid (or have it run as a user who may read it: --run-as USER), "
             f"then {grant}")
+
+
+def write_keys(path, entries):
+    """An API keys file {"keys": entries} at path, readable by its owner only (as the service
+    and the MCP server demand); the path."""
+    import json
+    import os
+
+    path.write_text(json.dumps({"keys": entries}))
+    os.chmod(path, 0o600)
+    return path

@@ -22,6 +22,7 @@ from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 from sandbox_kernel.mcp import configs
+from tests.helpers import write_keys
 
 from . import extras_venv
 from .ci_tools import unavailable
@@ -140,7 +141,7 @@ def test_mcp_alone_refuses_a_preload_it_cannot_import():
 @pytest.mark.parametrize("extra", ["server", "dify"])
 def test_serve_alone_answers_health_and_runs(extra, tmp_path):
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "team-a", "key": KEY_A}]}))
+    write_keys(keys, [{"id": "team-a", "key": KEY_A}])
     server = Server(tmp_path, "--api-keys-file", str(keys), "--pool-size", "0",
                     python=str(alone(extra) / "python"))
     try:

@@ -26,6 +26,7 @@ from mcp.shared.auth import OAuthClientMetadata
 
 from sandbox_kernel.confine import denials
 from sandbox_kernel.hosting.keys import PUBLISHED_KEYS
+from tests.helpers import write_keys
 from tests.mcp_clients import SERVER, Connected, HttpServer, stdio
 
 EXAMPLE_KEYS = Path(__file__).parent.parent / "examples" / "mcp" / "keys.json"
@@ -41,9 +42,9 @@ PLOT = ("import matplotlib\nmatplotlib.use('module://matplotlib_inline.backend_i
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("mcp-keys") / "keys.json"
-    path.write_text(json.dumps({"keys": [
+    write_keys(path, [
         {"id": "team-a", "key": KEY_A}, {"id": "team-b", "key": KEY_B},
-        {"id": "team-one", "key": KEY_ONE, "max_sessions": 1}]}))
+        {"id": "team-one", "key": KEY_ONE, "max_sessions": 1}])
     return path
 
 
@@ -530,6 +531,14 @@ def test_runs_without_a_session_count_against_the_keys_share(tmp_path, keys_file
         server.stop()
 
 
+def test_the_http_server_says_where_it_serves(http_server):
+    deadline = time.monotonic() + 10  # said once it listens, which the fixture waited for
+    said = f"sandbox-kernel mcp: serving Streamable HTTP at {http_server.url}\n"
+    while said not in (log := http_server.log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, log[-4000:]
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("header", [None, "Bearer wrong-key-0123456789abcdef", "Basic abc"])
 def test_a_wrong_or_missing_key_is_refused(http_server, header):
     headers = {"Accept": "application/json, text/event-stream"}
@@ -587,8 +596,11 @@ def test_an_oauth_aware_sdk_client_finds_no_login_to_try(http_server):
     assert discovered and all(status == 404 for _, status in discovered), discovered
 
 
-def test_a_keys_file_with_the_published_example_key_is_refused():
-    done = subprocess.run([*SERVER, "--http", "127.0.0.1:1", "--keys", str(EXAMPLE_KEYS)],
+def test_a_keys_file_with_the_published_example_key_is_refused(tmp_path):
+    copy = tmp_path / "keys.json"  # copied, made private, the placeholders left in
+    copy.write_bytes(EXAMPLE_KEYS.read_bytes())
+    copy.chmod(0o600)
+    done = subprocess.run([*SERVER, "--http", "127.0.0.1:1", "--keys", str(copy)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     assert "keys[0] ('research-agent'): the key is the published example's placeholder" \

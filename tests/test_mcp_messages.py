@@ -15,6 +15,7 @@ pytest.importorskip("mcp")
 from sandbox_kernel.client import ErrorInfo, Execution
 from sandbox_kernel.confine import denials
 from sandbox_kernel.mcp import messages
+from tests.helpers import write_keys
 
 OPERATOR_WORDS = ("--", "kernelspec", "install", "policy flag")
 
@@ -136,3 +137,13 @@ def test_print_tools_gives_openai_function_definitions(form):
 def test_bad_command_lines_are_refused_saying_why(args, says):
     done = _mcp(*args)
     assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+def test_a_keys_file_others_may_read_is_refused_as_a_secrets_file_is(tmp_path):
+    keys = write_keys(tmp_path / "keys.json", [{"id": "a", "key": "k" * 32}])
+    keys.chmod(0o640)
+    done = _mcp("--http", "127.0.0.1:1", "--keys", str(keys))
+    assert done.returncode == 2
+    assert done.stderr == (f"sandbox-kernel mcp: the API keys file {keys}: mode 0640 lets "
+                           f"others read it; make it readable by its owner only (chmod 600 "
+                           f"{keys})\n")

@@ -4,7 +4,6 @@ with two keys sharing one --state-dir; every call runs real sandboxed kernels.""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -12,6 +11,7 @@ import time
 import pytest
 
 pytest.importorskip("mcp")
+from tests.helpers import write_keys
 from tests.mcp_clients import HttpServer
 
 KEY_A = "mcp-key-a-0123456789abcdef"
@@ -30,8 +30,8 @@ s._OPS['read'] = lambda **_: {{}}
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mcp-snapshots")
     keys = tmp / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "team-a", "key": KEY_A},
-                                         {"id": "team-b", "key": KEY_B}]}))
+    write_keys(keys, [{"id": "team-a", "key": KEY_A},
+                      {"id": "team-b", "key": KEY_B}])
     srv = HttpServer(tmp, keys, "--state-dir", str(tmp / "state"), "--pool-size", "0",
                      "--max-snapshot-size", "4M", "--max-snapshots-per-key", "2",
                      "--max-snapshot-bytes-per-key", "2M")
@@ -142,7 +142,7 @@ def test_two_servers_resuming_one_paused_session_at_the_same_instant(tmp_path):
     a paused session in the same instant: one resumes it; the other says it cannot, and
     never runs a second kernel of it."""
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "team-a", "key": KEY_A}]}))
+    write_keys(keys, [{"id": "team-a", "key": KEY_A}])
     state = tmp_path / "state"
     first = HttpServer(tmp_path, keys, "--state-dir", str(state), "--pool-size", "0",
                        "--session-pause-after", "1")

@@ -24,6 +24,7 @@ import pytest
 from sandbox_kernel.client import Sandbox
 from sandbox_kernel.policy import SandboxPolicy
 from tests import mcp_clients
+from tests.helpers import write_keys
 from tests.packages import make_wheel
 from tests.service.helpers import DIFY_KEY, RUN, Server, http
 
@@ -299,7 +300,7 @@ def all_faces(launch, port, tmp_path_factory) -> dict[str, dict]:
 def service_reports(launch, port, tmp_path_factory) -> dict[str, dict]:
     """The dify route and the native one-shot execute of a service started with the policy."""
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "parity", "key": KEY}]}))
+    write_keys(keys, [{"id": "parity", "key": KEY}])
     places = launch.places
     with contextlib.chdir(places["FOLDER"]):
         server = Server(tmp_path_factory.mktemp("serve"), "--api-keys-file", str(keys),

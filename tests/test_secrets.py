@@ -31,7 +31,7 @@ from sandbox_kernel.client import Sandbox
 from sandbox_kernel.launch import forkserver
 from sandbox_kernel.launch.pool import KernelPool
 from sandbox_kernel.policy import SandboxPolicy
-from tests.helpers import evaluate, ok
+from tests.helpers import evaluate, ok, write_keys
 
 # Defines scan(head, reversed_tail) -> [where the secret head+tail was found]. The tail arrives
 # reversed, so that the secret never stands whole in the code (or the request that carries it).
@@ -199,7 +199,7 @@ def test_service_kernels_hold_no_secret(tmp_path):
     """`sandbox-kernel serve` under uvicorn: its API key and environment stay out of kernels."""
     secret, api_key, bearer = new_secret(), new_secret(), new_secret()
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "team", "key": bearer}]}))
+    write_keys(keys, [{"id": "team", "key": bearer}])
     port = _free_port()
     env = {**os.environ, "OPENAI_API_KEY": secret, "API_KEY": api_key}
     log = tmp_path / "serve.log"

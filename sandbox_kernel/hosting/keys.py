@@ -9,7 +9,8 @@ from __future__ import annotations
 import hmac
 import json
 from dataclasses import dataclass
-from pathlib import Path
+
+from ..secrets import readable_by_others
 
 DIFY_DEFAULT_KEY = "dify-sandbox"  # dify-sandbox's and Dify's default, known to everyone
 MIN_KEY_LENGTH = 16
@@ -78,12 +79,19 @@ def insecure_key_warning(dify: str | None, keys_file: str, host: str) -> str | N
 
 
 def load_keys(path: str) -> list[ApiKey]:
-    """The keys of a JSON file {"keys": [{"id", "key", "max_sessions"?}]}."""
+    """The keys of a JSON file {"keys": [{"id", "key", "max_sessions"?}]}, readable by its
+    owner only (as --secrets-file: the keys in it run code)."""
     try:
-        document = json.loads(Path(path).read_text())
+        with open(path, "rb") as file:
+            refused = readable_by_others(file.fileno(), f"the API keys file {path}", path)
+            text = b"" if refused else file.read()
     except OSError as exc:
         raise KeyFileError(f"cannot read the API keys file {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
+    if refused:
+        raise KeyFileError(refused)
+    try:
+        document = json.loads(text)
+    except ValueError as exc:  # not JSON, or not UTF-8
         raise KeyFileError(f"the API keys file {path} is not JSON: {exc}") from None
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:

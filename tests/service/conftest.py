@@ -3,9 +3,9 @@ on it but their sessions, which they delete), and a session of key B."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+
+from tests.helpers import write_keys
 
 from .helpers import KEY_A, KEY_B, Server, auth, http
 
@@ -13,9 +13,9 @@ from .helpers import KEY_A, KEY_B, Server, auth, http
 @pytest.fixture(scope="package")
 def keys_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
-    path.write_text(json.dumps({"keys": [
+    write_keys(path, [
         {"id": "team-a", "key": KEY_A, "max_sessions": 2},
-        {"id": "team-b", "key": KEY_B}]}))
+        {"id": "team-b", "key": KEY_B}])
     return path
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from traitlets import TraitError
+
+from tests.helpers import write_keys
 
 from .helpers import free_port
 
@@ -47,20 +48,31 @@ def test_bad_settings_name_the_setting(argv, environ, named):
         _settings(argv, environ)
 
 
-def test_serve_refuses_a_bad_keys_file(tmp_path):
-    keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "a", "key": "short"}]}))
+def _serve_refusal(keys: Path) -> str:
     done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "serve", "--api-keys-file",
                            str(keys), "--port", str(free_port())],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "keys[0]: key must be a string of at least 16 characters" in done.stderr
+    assert done.returncode == 2, done.stderr
+    return done.stderr
+
+
+def test_serve_refuses_a_bad_keys_file(tmp_path):
+    keys = write_keys(tmp_path / "keys.json", [{"id": "a", "key": "short"}])
+    assert "keys[0]: key must be a string of at least 16 characters" in _serve_refusal(keys)
     example = Path(__file__).parents[2] / "examples" / "mcp" / "keys.json"  # published keys
-    done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "serve", "--api-keys-file",
-                           str(example), "--port", str(free_port())],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "the key is the published example's placeholder" in done.stderr
+    copy = tmp_path / "copied.json"
+    copy.write_bytes(example.read_bytes())
+    copy.chmod(0o600)
+    assert "the key is the published example's placeholder" in _serve_refusal(copy)
+
+
+def test_serve_refuses_a_keys_file_others_may_read(tmp_path):
+    # As --secrets-file: the keys in it run code, so only its owner may read it.
+    keys = write_keys(tmp_path / "keys.json", [{"id": "a", "key": "k" * 32}])
+    keys.chmod(0o644)
+    assert _serve_refusal(keys) == (
+        f"sandbox-kernel serve: the API keys file {keys}: mode 0644 lets others read it; make "
+        f"it readable by its owner only (chmod 600 {keys})\n")
 
 
 @pytest.mark.parametrize("argv, environ, says", [

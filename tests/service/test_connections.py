@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from tests.helpers import write_keys
+
 from .helpers import DIFY_KEY, KEY_A, RUN, Server, auth, http
 
 BODY = {"language": "python3", "code": "print(6 * 7)"}
@@ -84,7 +86,7 @@ def test_an_empty_bearer_runs_nothing(guarded, header):
 
 def test_with_a_keys_file_the_public_default_key_opens_nothing(tmp_path):
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "team-a", "key": KEY_A}]}))
+    write_keys(keys, [{"id": "team-a", "key": KEY_A}])
     srv = Server(tmp_path, "--pool-size", "0", "--api-keys-file", str(keys),
                  env={"ENABLE_NETWORK": "false"}, unset=("API_KEY",))
     try:

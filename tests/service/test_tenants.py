@@ -4,13 +4,13 @@ one tenant's load takes at most its share of workers, places in flight and sessi
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 
 import pytest
 
 from sandbox_kernel.hosting.admission import Admission
+from tests.helpers import write_keys
 
 from .helpers import DIFY_KEY, KEY_A, KEY_B, RUN, Server, auth, http, httpx
 
@@ -21,8 +21,8 @@ SLEEP = 6.0  # each of team A's runs; far longer than a print(1) on a started ke
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenants")
     keys = tmp / "keys.json"
-    keys.write_text(json.dumps({"keys": [{"id": "team-a", "key": KEY_A},
-                                         {"id": "team-b", "key": KEY_B}]}))
+    write_keys(keys, [{"id": "team-a", "key": KEY_A},
+                      {"id": "team-b", "key": KEY_B}])
     # Three tenants (team-a, team-b, the dify route): each may hold half of the 2 workers, of
     # the 4 places in flight and of the 2 sessions, rounded up.
     srv = Server(tmp, "--api-keys-file", str(keys), "--pool-size", "1",
