@@ -24,15 +24,17 @@ if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
 
 import sandbox_kernel.kernel.app
 from bench._profiled_fork import marked_lines
-from sandbox_kernel.confine import environment, privileges, seccomp
+from sandbox_kernel.confine import environment, privileges, seccomp, sequence
 from sandbox_kernel.kernel import prebuilt
 from sandbox_kernel.launch.forkserver import Server
 
 MARKER = "BENCH-STAGE "
 APP_STEPS = ("parse_command_line", "init_connection_file", "init_profile_dir",
-             "load_config_file", "init_sockets", "init_confinement", "init_identity",
-             "init_landlock", "init_iopub", "init_control", "init_heartbeat", "init_io",
-             "init_kernel", "init_seccomp")
+             "load_config_file", "init_sockets", "init_confinement", "init_iopub",
+             "init_control", "init_heartbeat", "init_io", "init_kernel")
+# The layers' steps (confine/sequence.py), named as the application's steps were.
+CONFINEMENT_STEPS = {"apply_identity": "init_identity", "apply_landlock": "init_landlock",
+                     "apply_seccomp": "init_seccomp"}
 Sample = tuple[float, float, int]  # wall seconds, CPU seconds, minor faults
 
 STAGES: dict[str, Sample] = {}
@@ -68,6 +70,8 @@ def _instrument() -> None:
     app_class = sandbox_kernel.kernel.app.SandboxKernelApp
     for name in APP_STEPS:
         _timed(app_class, name, name)
+    for name, label in CONFINEMENT_STEPS.items():
+        _timed(sequence.Confinement, name, label)
     _timed(environment, "prepare", "prepare (scratch, reaper)")
     _timed(seccomp, "install", "seccomp.install")
     _timed(privileges, "switch", "privileges.switch")

@@ -2,11 +2,12 @@
 
 A stateless run needs one execution and none of a Jupyter kernel's transport: no five ZMQ
 sockets, no IOPub, control, heartbeat or shell-channel thread, no connection file. Everything
-else is the sandbox kernel's, unchanged: `SandboxKernelApp`'s confinement (every layer, the
-same functions in the same order: scratch, audit file, identity, rlimits, network namespace
-with the egress listener handed out, promises, Landlock, uid switch, seccomp with its listener
-handed out), the prebuilt IPython shell, and `SandboxKernel`'s execution path (main(), caps,
-explained refusals, the deadline, usage). This module holds every difference:
+else is the sandbox kernel's, unchanged: the confinement (confine/sequence.py: every layer,
+by the same procedure as a ZMQ kernel's, in the same order: scratch, audit file, identity,
+rlimits, network namespace with the egress listener handed out, promises, Landlock, uid
+switch, seccomp with its listener handed out), the prebuilt IPython shell, and
+`SandboxKernel`'s execution path (main(), caps, explained refusals, the deadline, usage).
+This module holds every difference:
 
 - the channels: `Channel` stands for the shell and IOPub sockets; each message ipykernel sends
   is written, as the frames Session.serialize made, in one record on the connection
@@ -104,9 +105,10 @@ def _uid_mapped(uid: int) -> bool:
 def caller_allowed(peer_uid: int, server_uid: int) -> bool:
     """Whether a connection from peer_uid may bring this process its request: the server's
     user (or root). A kernel that made its network namespace inside a user namespace of its
-    own (a container without CAP_SYS_ADMIN: kernel/app.py enter_namespace) maps only its own
-    uid, so SO_PEERCRED shows the server's uid as the overflow uid; that one is taken then,
-    as only the server's user can reach the pool's socket (its owner-only runtime dir)."""
+    own (a container without CAP_SYS_ADMIN: confine/sequence.py enter_namespace) maps only its
+    own uid, so SO_PEERCRED shows the server's uid as the overflow uid; that one is taken
+    then, as only the server's user can reach the pool's socket (its owner-only runtime dir).
+    """
     if peer_uid in (server_uid, 0):
         return True
     return peer_uid == OVERFLOW_UID and not _uid_mapped(server_uid)
@@ -366,12 +368,12 @@ class OneShotKernelApp(SandboxKernelApp):
     def confine(self) -> None:
         """In a pooled process forked from the zygote: every layer, per process.
 
-        kernel/app.py's order: init_confinement (scratch, audit, identity, rlimits, network
-        namespace and egress listener, promises, Landlock) while single-threaded, the parts of
-        the kernel that are per process (a profile dir in the scratch, the captured fds, the
-        kernel's renew, IPython extensions and the operator's startup code, all as a kernel
-        makes them after init_confinement), then the uid switch and seccomp, then user code's
-        environment.
+        kernel/app.py's order (confine/sequence.py's Confinement): init_confinement (scratch,
+        audit, identity, rlimits, network namespace and egress listener, promises, Landlock)
+        while single-threaded, the parts of the kernel that are per process (a profile dir in
+        the scratch, the captured fds, the kernel's renew, IPython extensions and the
+        operator's startup code, all as a kernel makes them after init_confinement), then the
+        uid switch and seccomp, then user code's environment.
         """
         self.pooled = True
         for name, value in self.start_up_env.items():  # e.g. ipykernel's MPLBACKEND: the
@@ -425,9 +427,6 @@ class OneShotKernelApp(SandboxKernelApp):
 
     def init_heartbeat(self) -> None:
         """No heartbeat: the caller watches the process through its pidfd."""
-
-    def wait_for_heartbeat(self, timeout: float = 10.0) -> None:
-        """Nothing binds later: seccomp can be loaded at once."""
 
     def write_connection_file(self, **kwargs: Any) -> None:
         """No connection file."""
@@ -487,19 +486,21 @@ class OneShotKernelApp(SandboxKernelApp):
         for stream in self.channel.streams:
             stream.restart()
 
-    def init_seccomp(self) -> None:
-        """Die with the fork server while waiting (set after the uid switch, which clears
-        it), then filter.
+    def finish_confinement(self) -> None:
+        """The uid switch; then die with the fork server while waiting (set after the switch,
+        which clears it); then filter.
 
         A pooled process waits for a request its server answers for; with the server gone
         (retired, stopped, killed) nobody will hand it one. A process that took its request no
         longer needs the server (take_connection).
         """
+        assert self.confinement is not None
+        self.confinement.switch_user()
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 \
                 or os.getppid() != self.server_pid:
             self.refuse_to_start("the fork server that started this one-shot kernel is gone")
-        super().init_seccomp()
+        self.confinement.finish()  # nothing binds later: no wait before the filter
 
     @property
     def kernel_id(self) -> str:

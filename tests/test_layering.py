@@ -1,0 +1,26 @@
+"""Each layer imports only what lies below it (DESIGN.md §13): checked in a fresh interpreter.
+
+The confinement procedure must confine a process that has no ipykernel kernel, ZMQ or Jupyter
+session in it; the runner must run a cell for a transport that has no ipykernel kernel class.
+"""
+
+import subprocess
+import sys
+
+JUPYTER = ("ipykernel", "IPython", "zmq", "jupyter_client")
+
+
+def _imported_after(module: str) -> set[str]:
+    """The modules a fresh `python -I` holds after importing module."""
+    probe = f"import sys\nimport {module}\nprint('\\n'.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_the_confinement_procedure_imports_nothing_of_jupyter():
+    imported = _imported_after("sandbox_kernel.confine.sequence")
+    assert "sandbox_kernel.confine.sequence" in imported
+    assert sorted({name.split(".")[0] for name in imported} & set(JUPYTER)) == []
+
