@@ -225,7 +225,7 @@ class _CountingShell:
 
 
 def test_a_cell_is_transformed_once_per_execution():
-    from sandbox_kernel.kernel.kernel import _transformed_once
+    from sandbox_kernel.kernel.runner import _transformed_once
 
     shell = _CountingShell()
     with _transformed_once(shell, "x = 1"):
@@ -250,7 +250,7 @@ def test_a_cell_is_transformed_once_per_execution():
 
 
 def _in_context(shell):
-    from sandbox_kernel.kernel.kernel import _transformed_once
+    from sandbox_kernel.kernel.runner import _transformed_once
 
     with _transformed_once(shell, "x = 1"):
         return "transform_cell" in vars(shell)

@@ -24,3 +24,9 @@ def test_the_confinement_procedure_imports_nothing_of_jupyter():
     assert "sandbox_kernel.confine.sequence" in imported
     assert sorted({name.split(".")[0] for name in imported} & set(JUPYTER)) == []
 
+
+def test_the_runner_imports_no_kernel_class():
+    """A one-shot drives the runner with a shell's run_cell: none of ipykernel is needed."""
+    imported = _imported_after("sandbox_kernel.kernel.runner")
+    assert "sandbox_kernel.kernel.runner" in imported
+    assert sorted(name for name in imported if name.split(".")[0] == "ipykernel") == []

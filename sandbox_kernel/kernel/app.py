@@ -158,8 +158,8 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
             os.close(self.launcher_stderr)
         self.launcher_stderr = 2
         confinement.hand_to_user_code()
-        self.kernel.file_access = confinement.file_access
-        self.kernel.usage.refusals = confinement.refusals
+        runner = self.kernel.runner
+        runner.file_access, runner.usage.refusals = confinement.file_access, confinement.refusals
         # changed_with is how its launcher words advice, not what confines the kernel
         policy = {name: value for name, value in self.policy.as_dict().items()
                   if name != "changed_with"}

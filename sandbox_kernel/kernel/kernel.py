@@ -1,16 +1,14 @@
-"""The sandboxed IPython kernel: ipykernel's kernel plus what the sandbox reports and refuses."""
+"""The sandboxed IPython kernel: ipykernel's kernel plus what the sandbox reports and refuses.
+
+Its executions go through the runner (runner.py), with ipykernel's own do_execute as the way
+to run a cell; what stays here is ipykernel's: its hooks, kernel_info, interrupts, debugging.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import linecache
 import logging
 import os
 import signal
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from types import FrameType
 from typing import Any
@@ -24,9 +22,8 @@ from .. import __version__, jsonwire
 from ..confine import denials
 from ..policy import SandboxPolicy
 from . import cell_warnings, figures, main_call, pip, tools
-from .deadline import Deadline, ExecutionTimeout
-from .output import BUDGET
 from .prebuilt import ZMQInteractiveShell
+from .runner import Runner
 from .usage import SelfUsage
 
 DEBUGGER_REFUSED = denials.DEBUGGER.why
@@ -46,19 +43,6 @@ def _compile_cell_patterns() -> None:
 _compile_cell_patterns()
 
 
-def _timeout_source(label: Any) -> str:
-    """Who set a request's timeout: the client's short label (e.g. `Sandbox.run(timeout=)`)."""
-    if isinstance(label, str) and 0 < len(label) <= 80 and label.isprintable():
-        return label
-    return "metadata.sandbox.timeout"
-
-
-def _is_warm_up(parent: dict[str, Any]) -> bool:
-    """Whether a request is a client's warm-up (Sandbox.warm_up), which must leave no trace."""
-    sandbox = parent.get("metadata", {}).get("sandbox")
-    return isinstance(sandbox, dict) and sandbox.get("warm_up") is True
-
-
 def skip_unshown_records(log: Any) -> None:
     """Let a logger drop what none of its handlers shows before building a record for it.
 
@@ -70,62 +54,6 @@ def skip_unshown_records(log: Any) -> None:
     shown = min((handler.level for handler in handlers), default=logging.NOTSET)
     if shown > log.level:
         log.setLevel(shown)
-
-
-@contextmanager
-def _no_trace(shell: Any) -> Iterator[None]:
-    """Undo what a silent execution still leaves where user code can read it: the shell's last
-    execution result and success, and the cell's source in linecache and the compiler's map
-    of cell names. A warmed-up kernel then reads as one that never ran anything."""
-    saved = shell.last_execution_result, shell.last_execution_succeeded
-    cells, names = set(linecache.cache), set(shell.compile._filename_map)
-    try:
-        yield
-    finally:
-        shell.last_execution_result, shell.last_execution_succeeded = saved
-        for name in set(linecache.cache) - cells:
-            linecache.cache.pop(name, None)
-        for name in set(shell.compile._filename_map) - names:
-            shell.compile._filename_map.pop(name, None)
-
-
-@contextmanager
-def _transformed_once(shell: Any, code: str) -> Iterator[None]:
-    """Transform the cell's code once for its execution, where IPython would do it twice.
-
-    ipykernel transforms the cell to decide whether it must run as a coroutine, then IPython's
-    run_cell transforms the same text again: a pure-Python tokenizer pass over the whole cell
-    (about 0.5 ms for ten lines). The second call for this code takes the first one's result,
-    once; every other call (and a transform that raised) computes as before. Main thread
-    only: cells of subshells run in threads of their own, beside it, on the same shell.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    own = shell.__dict__.get("transform_cell")  # an instance override, restored after
-    transform = shell.transform_cell
-    calls = 0  # of this code: the first one's result serves the second, once
-    first: str | None = None
-
-    def transform_cell(raw_cell: str) -> str:
-        nonlocal calls, first
-        if raw_cell != code:
-            return transform(raw_cell)  # type: ignore[no-any-return]
-        calls += 1
-        if calls == 2 and first is not None:
-            return first
-        result: str = transform(raw_cell)
-        first = result if calls == 1 else None
-        return result
-
-    shell.transform_cell = transform_cell
-    try:
-        yield
-    finally:
-        if own is None:
-            del shell.transform_cell
-        else:
-            shell.transform_cell = own
 
 
 class SandboxKernel(IPythonKernel):
@@ -147,13 +75,11 @@ class SandboxKernel(IPythonKernel):
         figures.load_ipython_extension(self.shell)  # Agg's figures shown, not lost
         jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
         self._skip_unshown_log_records()
-        self.deadline: Deadline | None = None
         self._cell_pause = self._execute_sleep  # as configured, for notebook cells
-        self.file_access: denials.FileAccess | None = None  # set by the application
-        self.usage = SelfUsage()  # reported in each execute_reply's metadata
-        # IPython's hook for errors it shows: the ones the sandbox has something to say about.
-        self.shell.set_custom_exc(  # type: ignore[union-attr]
-            (asyncio.CancelledError, ExecutionTimeout, OSError), self.show_error)
+        self.runner = Runner(self.shell, self.policy, is_user_frame=self.is_cell_frame,
+                             publish_result=self.publish_result,
+                             cancel_on_sigint=self._cancel_on_sigint,
+                             session=self.session, tool_transport=self.tool_transport)
 
     def _skip_unshown_log_records(self) -> None:
         skip_unshown_records(self.log)  # the application did so too, unless there is none
@@ -174,17 +100,17 @@ class SandboxKernel(IPythonKernel):
         return self.parent.policy  # type: ignore[no-any-return]
 
     @property
+    def usage(self) -> SelfUsage:
+        """What this kernel's executions cost, as its replies report it (the runner's)."""
+        return self.runner.usage
+
+    @property
     def kernel_info(self) -> dict[str, Any]:
         """ipykernel's kernel_info without the debugger, plus the sandbox's layers."""
         info = super().kernel_info
         info["supported_features"] = [f for f in info["supported_features"] if f != "debugger"]
         info["sandbox"] = self.sandbox_info
         return info
-
-    @property
-    def result_limit(self) -> int:
-        """Largest main() result in bytes of JSON (0: none); the caller enforces it too."""
-        return self.policy.max_result_bytes
 
     def _publish_execute_input(self, code: str, parent: dict[str, Any],
                                execution_count: int) -> None:
@@ -195,26 +121,15 @@ class SandboxKernel(IPythonKernel):
 
     def init_metadata(self, parent: dict[str, Any]) -> dict[str, Any]:
         """ipykernel's reply metadata; the execution's usage starts being counted here."""
-        self.usage.start()
+        self.runner.usage.start()
         return super().init_metadata(parent)  # type: ignore[no-any-return]
 
     def finish_metadata(self, parent: dict[str, Any], metadata: dict[str, Any],
                         reply_content: dict[str, Any]) -> dict[str, Any]:
         """ipykernel's reply metadata, plus {"sandbox": {"usage": ...}}: what it cost."""
         metadata = super().finish_metadata(parent, metadata, reply_content)
-        metadata["sandbox"] = {"usage": self.usage.report()}
+        metadata["sandbox"] = {"usage": self.runner.usage.report()}
         return metadata
-
-    def time_limit(self) -> tuple[float, str]:
-        """Seconds the current execution may run (0: no limit) and where that number came from."""
-        sandbox = self.get_parent().get("metadata", {}).get("sandbox")
-        if not isinstance(sandbox, dict):
-            sandbox = {}
-        requested = sandbox.get("timeout")
-        if isinstance(requested, (int, float)) and not isinstance(requested, bool) \
-                and requested > 0:
-            return float(requested), _timeout_source(sandbox.get("timeout_source"))
-        return self.policy.timeout, "the kernel's --timeout policy default"
 
     @staticmethod
     def is_cell_frame(frame: FrameType) -> bool:
@@ -224,69 +139,31 @@ class SandboxKernel(IPythonKernel):
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False,
                          **kwargs: Any) -> dict[str, Any]:
-        """Run a cell within the execution's time limit and output cap."""
+        """Run a cell through the runner (runner.py): ipykernel's do_execute runs the cell."""
+        parent = self.get_parent()
         # ipykernel pauses before every reply so that frontends which stop reading output at
         # the reply still get all of it; a main() caller reads IOPub until the kernel is idle,
         # so for it the pause (0.5 ms asked, about 1 ms slept) is only latency.
-        is_main_call = main_call.request_from(self.get_parent().get("metadata")) is not None
+        is_main_call = main_call.request_from(parent.get("metadata")) is not None
         self._execute_sleep = 0.0 if is_main_call else self._cell_pause
-        if _is_warm_up(self.get_parent()) and silent:
-            with _no_trace(self.shell):
-                return await self._do_execute(code, silent, False, user_expressions,
-                                              allow_stdin, **kwargs)
-        return await self._do_execute(code, silent, store_history, user_expressions,
-                                      allow_stdin, **kwargs)
+        run_cell = partial(super().do_execute, code, silent, user_expressions=user_expressions,
+                           allow_stdin=allow_stdin, **kwargs)
+        return await self.runner.execute(run_cell, code, parent, silent=silent,
+                                         store_history=store_history)
 
-    async def _do_execute(self, code: str, silent: bool, store_history: bool,
-                          user_expressions: dict | None, allow_stdin: bool,
-                          **kwargs: Any) -> dict[str, Any]:
-        self.deadline = deadline = Deadline(*self.time_limit(), is_user_frame=self.is_cell_frame)
-        BUDGET.reset(self.policy.max_output_bytes)
-        try:
-            request = main_call.request_from(self.get_parent().get("metadata"))
-            run_code = partial(super().do_execute, code, silent, store_history,
-                               user_expressions, allow_stdin, **kwargs)
-            with deadline.armed(), _transformed_once(self.shell, code), \
-                    tools.granted(self.get_parent(), self.session, self.tool_transport):
-                reply = await (run_code() if request is None  # main(): see main_call.py
-                               else main_call.execute(self, request, run_code,
-                                                       self.translate_error))
-            if deadline.expired and reply.get("ename") == "CancelledError":
-                reply.update(ename="ExecutionTimeout", evalue=str(deadline.error()))
-            return reply
-        finally:
-            self.report_dropped_output()
-            jsonwire.thaw()  # a large request's parsed inputs rejoin the collector
+    def publish_result(self, content: bytes) -> None:
+        """A main() result's execute_result, on IOPub's own topic (runner.py)."""
+        session = self.session
+        assert session is not None, "the application gives the kernel its session"
+        # Content packed as JSON around the result (main_call.result_content): Session.send
+        # takes bytes as they are, and still signs them.
+        session.send(self.iopub_socket, "execute_result", content,  # type: ignore[arg-type]
+                     parent=self.get_parent(), ident=self._topic("execute_result"))
 
     def tool_transport(self) -> tools.Transport:
         """Where this execution's tool calls travel: the stdin channel, to the client that
         sent the request (ipykernel's `_input_request` routes its input_request the same way)."""
         return tools.StdinTransport(self.session, self.stdin_socket, self._parent_ident["shell"])
-
-    def translate_error(self, error: BaseException) -> BaseException:
-        """The error to show: an async cell cancelled by the time limit shows the limit."""
-        expired = self.deadline is not None and self.deadline.expired
-        if expired and isinstance(error, asyncio.CancelledError):
-            return self.deadline.error()  # type: ignore[union-attr]
-        return error
-
-    def show_error(self, shell: Any, etype: type, value: BaseException, tb: Any,
-                   tb_offset: int | None = None) -> None:
-        """IPython's handler for the errors above: a refusal says why, and its traceback ends
-        at the user's call (no sandbox or library frames after it)."""
-        shown = self.translate_error(value)
-        shown = denials.explain_file_error(shown, self.file_access) or shown
-        if isinstance(shown, ExecutionTimeout) or denials.is_refusal(shown):
-            tb = denials.user_part(tb, self.is_cell_frame)
-        shell.showtraceback((type(shown), shown, tb), tb_offset=tb_offset)
-
-    def report_dropped_output(self) -> None:
-        """After an execution, say how much output the cap dropped (one marker, on stderr)."""
-        # The budget is spent at write() time, so it is exact without a flush here (a flush waits
-        # for the IOPub thread; ipykernel flushes once the reply is ready anyway).
-        marker = BUDGET.marker()
-        if marker and hasattr(sys.stderr, "write_uncapped"):
-            sys.stderr.write_uncapped(marker)
 
     def _send_interrupt_children(self) -> None:
         # An interrupt_request makes ipykernel signal its process group, which the filter

@@ -247,26 +247,25 @@ def _user_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-async def _call(kernel: Any, request: Request) -> tuple[dict[str, Any], bytes]:
+async def _call(runner: Any, request: Request) -> tuple[dict[str, Any], bytes]:
     """Call the entrypoint named in the request (awaiting a coroutine); its dict and JSON."""
-    func = prepare_call(kernel.shell.user_ns, request.entrypoint, request.inputs)
+    func = prepare_call(runner.shell.user_ns, request.entrypoint, request.inputs)
     value = func(**request.inputs)
     if inspect.isawaitable(value):
         future = asyncio.ensure_future(value)
         # As ipykernel does for async cells: an interrupt cancels the coroutine, not the loop.
-        with kernel._cancel_on_sigint(future):
+        with runner.cancel_on_sigint(future):
             value = await future
-    return value, encode_result(value, request.entrypoint, getattr(kernel, "result_limit", 0))
+    return value, encode_result(value, request.entrypoint, runner.result_limit)
 
 
-def _publish_result(kernel: Any, value: dict[str, Any], encoded: bytes, name: str,
+def _publish_result(runner: Any, value: dict[str, Any], encoded: bytes, name: str,
                     count: int) -> None:
     content = result_content(value, encoded, name, count)
     # Streams first, so everything main printed arrives before its result.
     sys.stdout.flush()
     sys.stderr.flush()
-    kernel.session.send(kernel.iopub_socket, "execute_result", content,
-                        parent=kernel.get_parent(), ident=kernel._topic("execute_result"))
+    runner.publish_result(content)
 
 
 def _show_error(shell: Any, exc: BaseException, reply: dict[str, Any]) -> dict[str, Any]:
@@ -281,32 +280,34 @@ def _show_error(shell: Any, exc: BaseException, reply: dict[str, Any]) -> dict[s
     return reply
 
 
-async def execute(kernel: Any, request: Request,
+async def execute(runner: Any, request: Request,
                   run_code: Callable[[], Awaitable[dict[str, Any]]],
                   translate: Callable[[BaseException], BaseException] = lambda exc: exc,
                   ) -> dict[str, Any]:
     """Run the code, then the entrypoint; publish its dict or show its error; return the reply.
 
-    translate picks the error to show for the one main raised (the kernel shows a cancellation
-    by its time limit as that limit).
+    runner (kernel/runner.py) gives the shell, the result limit, how to publish the result and
+    how an interrupt cancels an async main; translate picks the error to show for the one main
+    raised (the runner shows a cancellation by its time limit as that limit).
     """
-    with _last_value_hidden(kernel.shell):
+    shell = runner.shell
+    with _last_value_hidden(shell):
         reply = await run_code()
     if reply["status"] != "ok":
         return reply
     try:
-        value, encoded = await _call(kernel, request)
+        value, encoded = await _call(runner, request)
     except BaseException as exc:  # main's own errors, KeyboardInterrupt and SystemExit included
-        return _show_error(kernel.shell, translate(exc), reply)
+        return _show_error(shell, translate(exc), reply)
     finally:
         # Shows the figures main drew (matplotlib-inline flushes them on post_execute).
-        kernel.shell.events.trigger("post_execute")
+        shell.events.trigger("post_execute")
     try:
-        _publish_result(kernel, value, encoded, request.entrypoint, reply["execution_count"])
+        _publish_result(runner, value, encoded, request.entrypoint, reply["execution_count"])
     except Exception as exc:  # whatever passed the check but cannot be sent is still an error
         error = InvalidResult(f"{request.entrypoint}() returned a result that could not be "
                               f"sent: {type(exc).__name__}: {exc}")
-        return _show_error(kernel.shell, error, reply)
+        return _show_error(shell, error, reply)
     return reply
 
 

@@ -69,9 +69,8 @@ from ..confine.errors import ConfinementError
 from . import oneshot_wire as wire
 from . import tools
 from .app import SandboxKernelApp, _kept_without_collection
+from .budget import BUDGET
 from .kernel import SandboxKernel
-from .output import BUDGET
-from .usage import SelfUsage
 
 KEEP_INPUTS = ("path", "limit", "since", "embed", "budget")  # of a keep_files request
 REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its request once connected
@@ -308,7 +307,7 @@ class OneShotKernel(SandboxKernel):
         session.session = new_id()
         session.pid = os.getpid()  # Session.send refuses to send from "a fork" otherwise
         session.message_count = 0
-        self.usage = SelfUsage()
+        self.runner.renew()
         shell = self.shell
         # The zygote's history in memory holds nothing (its warm-up stores none): a new session
         # on it, not a new database (3 ms). One in a file is never shared with a fork.
