@@ -33,6 +33,9 @@ CHECKOUT = Path(__file__).resolve().parent.parent
 BASE = "base"  # no extra: `pip install -e .`
 # Every extra a user installs for a command of its own ([test] and [bench] are the project's own).
 EXTRAS = (BASE, "examples", "mcp", "server", "dify", "eg", "lab", "gateway")
+# The agent frameworks' extras (sandbox_kernel/frameworks/): tests/test_frameworks.py drives each
+# framework in its venv; their pins conflict with [test]'s, so none is in it.
+FRAMEWORKS = ("smolagents", "autogen")
 INSTALL_TIMEOUT = 1200  # seconds; a cold install on a slow machine takes minutes
 STAMP = ".sandbox-kernel-install"  # in the venv: what its editable install was made from
 _SELF = re.compile(r"sandbox-kernel\[([\w,-]+)\]")
@@ -108,6 +111,6 @@ def ensure(extra: str) -> Path:
 
 
 if __name__ == "__main__":
-    for wanted in sys.argv[1:] or EXTRAS:
+    for wanted in sys.argv[1:] or (*EXTRAS, *FRAMEWORKS):
         started = time.monotonic()
         print(ensure(wanted), f"({time.monotonic() - started:.0f} s)", flush=True)

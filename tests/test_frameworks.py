@@ -1,0 +1,149 @@
+"""The agent frameworks' own interfaces (sandbox_kernel/frameworks/, docs/agents.md, #47 item 3):
+each driven end to end by the real framework package and its own scripted or fake model, in a
+venv of its own with that extra alone (tests/extras_venv.py; their pins conflict with [test]).
+
+Each framework's runnable block of docs/agents.md is run as written in that venv: an agent whose
+code calls two host tools, one holding a secret the host's environment has and the sandbox
+must never see. The block's `pip install -e '.[extra]'` line is the command extras_venv.py builds
+the venv with (checked below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from . import extras_venv
+from .test_extras import alone
+from .test_gateway import free_port
+
+AGENTS = extras_venv.CHECKOUT / "docs" / "agents.md"
+BLOCK = re.compile(r"<!-- runnable: tests/test_frameworks.py runs it in the \[([\w-]+)\] venv "
+                   r"-->\n```bash\n(.*?)```", re.S)
+INSTALL = re.compile(r"^pip install -e '\.\[([\w,-]+)\]'", re.M)
+SECRET = "sk-live-do-not-leak"
+FRAMEWORKS = extras_venv.FRAMEWORKS
+RUN_TIMEOUT = 300
+CHECKS = Path(__file__).resolve().parent / "frameworks"
+
+
+def blocks(extra: str) -> list[str]:
+    """docs/agents.md's runnable blocks for that extra's venv, in order."""
+    return [block for name, block in BLOCK.findall(AGENTS.read_text()) if name == extra]
+
+
+def run_in(extra: str, block: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A doc block in bash, with that extra's venv first on PATH (as if activated)."""
+    bin_dir = alone(extra)
+    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+               "VIRTUAL_ENV": str(bin_dir.parent), **env}
+    environ.pop("BANK_API_KEY", None)
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=environ,
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
+
+
+def checks(extra: str, script: str, cwd: Path) -> dict:
+    """Run tests/frameworks/<script> in that extra's venv; the JSON object it prints last."""
+    done = run_in(extra, f"python {CHECKS / script}", cwd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def lines(text: str) -> dict[str, str]:
+    """`label: value` lines of a script's output."""
+    return dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+
+
+def test_each_framework_has_a_recipe_installed_with_its_extra():
+    text = AGENTS.read_text()
+    extras = extras_venv._project()["project"]["optional-dependencies"]
+    for extra in FRAMEWORKS:
+        assert extra in extras, extra
+        assert blocks(extra), f"docs/agents.md has no runnable block for [{extra}]"
+    for installed in INSTALL.findall(text):
+        assert all(extra in extras for extra in installed.split(",")), installed
+
+
+@pytest.mark.slow
+def test_smolagents_code_agent_calls_host_tools_from_the_sandbox(tmp_path):
+    [recipe] = blocks("smolagents")
+    done = run_in("smolagents", recipe, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = lines(done.stdout)
+    assert said["answer"].startswith("sunny in Paris, 21 C; balance 1234; tool pid "), said
+    assert said["tools ran in this process"] == "True"
+    assert said["tool calls"] == "['get_weather', 'account_balance', 'final_answer']"
+    assert said["the sandbox printed"] == \
+        "['sunny in Paris, 21 C 1234', 'key in the sandbox: None']"
+    assert SECRET not in done.stdout.replace(f'"{SECRET}"', "")
+
+
+@pytest.mark.slow
+def test_smolagents_executor_maps_steps_errors_refusals_and_timeouts(tmp_path):
+    seen = checks("smolagents", "smolagents_checks.py", tmp_path)
+    assert seen["step"] == ["12", "sum 6\n", False]  # a variable sent, a class tool, the value
+    assert seen["host_pid"][0] == repr(seen["host_pid"][1])  # the tool ran in the host process
+    assert seen["default_applied"] == "'none'"  # the tool's own default, applied on the host
+    assert seen["tool_error"].endswith("ToolError: lookup(): ValueError: the host's lookup failed")
+    assert "/ 0" in seen["zero"] and seen["zero"].endswith("ZeroDivisionError: division by zero")
+    assert seen["subprocess"].endswith("creating processes is not allowed in the sandbox (no "
+                                       "policy flag allows it: run external programs outside "
+                                       "the kernel)")
+    assert seen["budget"].endswith("double(): this run's budget of 5 tool calls is spent")
+    assert seen["timeout"].endswith("ran longer than its 3 s limit (set by Sandbox.run("
+                                    "timeout=)) and was interrupted")
+    assert seen["kept_after_timeout"] == "42"  # the variables survived the timeout
+    assert seen["secret_visible"] == "False"
+    assert seen["final"] == ["{'total': 6, 'set': {1}}", True]  # not JSON: its str()
+    assert seen["non_json_variable"].startswith("the sandbox takes only JSON values")
+
+
+@pytest.mark.slow
+def test_autogen_assistant_runs_code_that_calls_host_tools(tmp_path):
+    recipe = blocks("autogen")[0]
+    done = run_in("autogen", recipe, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = lines(done.stdout)
+    pid = said["this process"]
+    assert said["the sandbox printed"] == \
+        f"['sunny in Paris, 21 C 1234 {pid}', 'key in the sandbox: None']"
+    assert said["answer"] == "Paris is sunny and acme holds 1234."
+    assert said["tool calls"] == "['account_balance', 'get_weather']"
+
+
+@pytest.mark.slow
+def test_autogen_executor_maps_blocks_languages_errors_timeouts_and_cancellation(tmp_path):
+    seen = checks("autogen", "autogen_checks.py", tmp_path)
+    assert seen["two_blocks"] == [0, "21\n40"]  # one kernel: the second block sees x
+    assert seen["host_pid"][0] == [0, str(seen["host_pid"][1])]  # the tool ran on the host
+    exit_code, said = seen["shell"]
+    assert exit_code == 1 and said.startswith("before\nthis sandbox runs Python only and "
+                                              "creates no processes, so `bash` blocks")
+    assert seen["other_language"] == [1, "this sandbox runs Python only: not javascript"]
+    exit_code, said = seen["error"]
+    assert exit_code == 1 and said.startswith("so far\n") and "9" not in said.splitlines()
+    assert said.endswith("ZeroDivisionError: division by zero")
+    exit_code, said = seen["timeout"]
+    assert exit_code == 124 and said.endswith("ran longer than its 3 s limit (set by "
+                                              "Sandbox.run(timeout=)) and was interrupted")
+    assert seen["kept"] == [0, "20"]
+    assert seen["cancelled"] is True
+    assert seen["after_cancel"] == [0, "(20, 1)"]  # interrupted, its variables kept
+    assert seen["after_restart"] == [0, "(False, True)"]  # a fresh kernel, the tool still bound
+    assert seen["agent"] == "True"  # CodeExecutorAgent ran a block that called the host tool
+
+
+@pytest.mark.slow
+def test_autogen_docker_jupyter_executor_reaches_the_sandbox_through_kernel_gateway(tmp_path):
+    recipe = blocks("autogen")[1]
+    done = run_in("autogen", recipe, tmp_path, PORT=str(free_port()))
+    assert done.returncode == 0, done.stderr[-4000:] + done.stdout[-2000:]
+    said = lines(done.stdout)
+    assert said["exit code"] == "0"
+    assert said["state kept"] == "42"
+    assert "no subprocesses" in said["subprocess"] or "not allowed" in said["subprocess"], said
