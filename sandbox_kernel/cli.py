@@ -22,6 +22,7 @@ CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
 USAGE_ERROR = 2
 KERNEL_FAILED = 3  # run: the kernel did not start (e.g. the host lacks a layer the policy needs)
 INTERRUPTED = 130  # run: Ctrl-C, what a shell reports for SIGINT
+SIGPIPE_STATUS = 141  # stdout's reader left (`| head`): what a shell reports for SIGPIPE
 RUN_TIMEOUT = 60.0  # run: seconds the code may run unless --timeout says otherwise (0: none)
 MAX_SAVED_DISPLAYS = 100  # run --save-displays: files written at most (user code picks the count)
 
@@ -306,7 +307,21 @@ def main(argv: list[str] | None = None) -> int:
         return eg.main(given[1:])
     args = parser().parse_args(argv)
     try:
-        return int(args.handler(args))
+        status = int(args.handler(args))
+        sys.stdout.flush()  # a reader that left is heard here, not at the interpreter's exit
+        return status
+    except BrokenPipeError:
+        return _reader_left()
     except (install.InstallError, TraitError, FileNotFoundError, UsageError) as exc:
         print(f"sandbox-kernel {args.command}: {exc}", file=sys.stderr)
         return USAGE_ERROR
+
+
+def _reader_left() -> int:
+    """Stdout's reader closed the pipe (`... | head -1`): end quietly, as a tool killed by
+    SIGPIPE would, rather than with a traceback. What is still buffered goes to /dev/null, so
+    the interpreter's own flush at exit fails no more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_STATUS

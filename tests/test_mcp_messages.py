@@ -4,6 +4,7 @@ and the `mcp` subcommand's own command line (no kernel needed for either)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -110,6 +111,20 @@ def test_cut_keeps_head_and_tail_and_says_how_much_went():
 def _mcp(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sandbox_kernel", "mcp", *args],
                           capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_print_tools_into_a_pipe_whose_reader_left_ends_quietly():
+    # `sandbox-kernel mcp --print-tools openai | head -1`: head leaves after its line, and the
+    # writes after that fail. Here the reader leaves before the first byte, every time.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "sandbox_kernel", "mcp", "--print-tools",
+                               "openai"], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120, check=False)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 @pytest.mark.parametrize("form", ["openai", "openai-chat"])
