@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import DIFY_KEY, RUN, http
+from .helpers import DIFY_KEY, RUN, Server, http
 from .platform_client import JINJA2_RUNNER, RUNNER, PlatformClient, _encoded
 
 LOUD = ("def main(n: int) -> dict:\n"
@@ -57,3 +57,26 @@ def test_code_that_is_not_a_runner_runs_as_sent(server):
 
 def test_jinja_runner_shape_is_recognised():
     assert "print(result)" in JINJA2_RUNNER and "print(result)" in RUNNER
+
+
+@pytest.fixture(scope="module")
+def small_results(tmp_path_factory):
+    """A service whose results may hold 2 KiB."""
+    srv = Server(tmp_path_factory.mktemp("small-results"), "--max-result", "2K",
+                 "--pool-size", "0", env={"ENABLE_NETWORK": "false"})
+    yield srv
+    srv.stop()
+
+
+def test_a_result_past_the_limit_says_so_in_the_nodes_terms(small_results):
+    code = "def main() -> dict:\n    return {'x': 'a' * 5000}\n"
+    runner = RUNNER.format(code=code, inputs=_encoded({}))
+    data = http.post(small_results.url + RUN, headers={"X-Api-Key": DIFY_KEY}, json={
+        "language": "python3", "code": runner}).json()["data"]
+    said = ("InvalidResult: the node's result is 5,054 bytes (as the runner frames it, JSON in "
+            "<<RESULT>>), more than this sandbox's limit of 2,048 bytes for a result: return "
+            "less from main() (large data belongs in a file or a store, not in the node's "
+            "output), or have the sandbox's operator raise the limit (sandbox-kernel serve "
+            "--max-result)\n")
+    assert data == {"stdout": "", "stderr": said, "error": f"process exited with code 255\n{said}",
+                    "exit_code": 255}

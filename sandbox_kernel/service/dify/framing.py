@@ -7,7 +7,8 @@ Dify failed it with "Failed to parse result" where dify-sandbox (no cap) had ans
 route runs that last print as a main()-style call instead: the framed text comes back as the
 execution's result (bounded by --max-result, not by the output cap) and is put after the logs,
 which the kernel cut where they passed the cap, with its marker saying so (also in stdout, just
-before the result).
+before the result). A result the kernel or the service refuses is said in the node's terms
+(`explained`): ENTRYPOINT is this module's name, which the node's author never wrote.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from __future__ import annotations
 import json
 import re
 
-from ...client import Execution
+from ...client import ErrorInfo, Execution
+from ...errors import ResultTooLarge
 
 # The last two lines of Dify's Python and Jinja2 runners (api/core/helper/code_executor/).
 _TAIL = re.compile(r"\nresult = f'''<<RESULT>>\{(?P<value>\w+)\}<<RESULT>>'''\n"
                    r"print\(result\)\s*\Z")
 ENTRYPOINT = "_dify_framed_result"
 # The kernel's marker for output past its cap (sandbox_kernel.kernel.output), on stderr.
+# The kernel's (kernel/main_call.py) and the client's (client/receive.py) words for a result past
+# --max-result: its size, then the limit.
+_TOO_LARGE = re.compile(r"(?:returned|sent) (?:a )?([\d,]+)(?:-byte| bytes of JSON).*? limit of "
+                        r"([\d,]+) bytes")
 _CUT = re.compile(r"\n\[sandbox-kernel: output limit of [\d,]+ bytes per execution reached; "
                   r"[\d,]+ more bytes were dropped \(--max-output raises the limit\)\]\n")
 
@@ -46,3 +52,21 @@ def framed_stdout(execution: Execution, stdout: str, stderr: str) -> str:
     cut = _CUT.search(stderr)
     marker = cut.group(0) if cut else ""  # on a line of its own after a cut mid-line
     return stdout + marker + json.loads(execution.result_json)["framed"] + "\n"
+
+
+def explained(execution: Execution) -> None:
+    """Say a refused result of the runner as its node's author needs it: how large the node's
+    result was, which limit it passed and what to do, never naming ENTRYPOINT."""
+    error = execution.error
+    if error is None or (ENTRYPOINT not in error.value and error.name != ResultTooLarge.code):
+        return
+    sizes = _TOO_LARGE.search(error.value)
+    if sizes:
+        text = (f"the node's result is {sizes[1]} bytes (as the runner frames it, JSON in "
+                f"<<RESULT>>), more than this sandbox's limit of {sizes[2]} bytes for a "
+                "result: return less from main() (large data belongs in a file or a store, "
+                "not in the node's output), or have the sandbox's operator raise the limit "
+                "(sandbox-kernel serve --max-result)")
+    else:
+        text = error.value.replace(f"{ENTRYPOINT}()", "the node's result")
+    execution.error = ErrorInfo(error.name, text, [f"{error.name}: {text}"])

@@ -94,6 +94,8 @@ async def _run_admitted(request: Request, service: Service) -> Response:
         return Response(status_code=499)
     execution, _ = outcome
     service.count_run("dify", execution)
+    if runner:
+        framing.explained(execution)
     data = run_data(execution, values["code"])
     if runner:
         data["stdout"] = framing.framed_stdout(execution, data["stdout"], data["stderr"])
