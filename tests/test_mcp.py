@@ -631,6 +631,11 @@ def test_a_snapshot_opens_as_new_sessions_and_an_idle_session_pauses_and_resumes
             "snapshots"]] == [snap["snapshot"]]
         opened = client.tool("create_session", {"snapshot": snap["snapshot"]})
         fork = opened.structured_content["session"]
+        # The answer says what came back and what did not (the generator was never saved).
+        restore = opened.structured_content["restore"]
+        assert sorted(restore["restored"]) == sorted(snap["saved"]), restore
+        assert (restore["skipped"], restore["files"]) == ([], []), restore
+        assert '"restored":' in text(opened).replace(" ", "")  # for clients showing text only
         again = client.tool("run_python", {"session": fork, "code": "kept + 1"})
         assert again.structured_content["value"] == "42", text(again)
         # Both sessions idle past --session-pause-after: paused, listed as such, resumed.

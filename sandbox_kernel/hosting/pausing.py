@@ -105,9 +105,10 @@ class Pausing:
         the item ran on another runtime than this service's."""
         theirs = network_of(item.record["network"])
         if network is not None and network_record(network) != network_record(theirs):
+            hosts = f" ({', '.join(theirs.hosts)})" if theirs.hosts else ""
             raise SessionError(409, f"snapshot {item.id} ran with network "
-                               f"{policy_name(theirs)!r} {list(theirs.hosts) or ''}; a "
-                               "restore gets the same network: omit network or ask for that",
+                               f"{policy_name(theirs)!r}{hosts}; a restore gets the same "
+                               "network: omit network or ask for that",
                                "other_network", snapshot=item.id, network=theirs)
         if item.record["runtime"] != self.runtime:
             raise SessionError(409, f"snapshot {item.id} ran on runtime "

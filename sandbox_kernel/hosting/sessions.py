@@ -41,6 +41,11 @@ class SessionError(Exception):
         self.status, self.reason, self.facts = status, reason, facts
 
 
+# What a restore reports (client/sandbox.py, restore()), as both faces answer it; its cwd, a
+# path of the host's, stays here.
+RESTORE_PARTS = ("restored", "skipped", "packages", "files")
+
+
 @dataclass(eq=False)
 class Session(KernelSession):
     """One kernel, one API key."""
@@ -60,6 +65,15 @@ class Session(KernelSession):
     def kernel_id(self) -> str:
         """The id of the session's kernel."""
         return kernel_id(self.sandbox)
+
+    def restore_report(self) -> dict[str, list[Any]] | None:
+        """What opening it from a snapshot brought back and what it left out (each with the
+        reason): its names, %pip packages and files; None if it was not opened from one. For
+        the answer that opened it: a later restart empties the kernel, not this report."""
+        report = self.sandbox.restored
+        if not isinstance(report, dict):
+            return None
+        return {part: list(report.get(part) or []) for part in RESTORE_PARTS}
 
     def describe(self) -> dict[str, object]:
         """The session as the API shows it."""

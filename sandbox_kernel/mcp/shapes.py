@@ -117,6 +117,19 @@ class SessionInfo(BaseModel):
                                 "between runs too.")
     paused: bool = Field(default=False, description="Saved with its sandbox stopped; the next "
                          "call naming it resumes it, state restored.")
+    restore: RestoreInfo | None = Field(
+        default=None, description="Opened from a snapshot: what was restored and what was "
+        "skipped (create_session's answer only).")
+
+
+class RestoreInfo(BaseModel):
+    """What opening a session from a snapshot brought back, and what it left out."""
+
+    restored: list[str] = Field(description="The variables and imports restored.")
+    skipped: list[dict[str, str]] = Field(
+        description="What could not be restored, each {name, reason}: recreate those in code.")
+    packages: list[str] = Field(description="Packages installed again.")
+    files: list[str] = Field(description="Files written back into the working directory.")
 
 
 class SessionList(BaseModel):

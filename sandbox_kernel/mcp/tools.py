@@ -27,6 +27,7 @@ from .shapes import (
     FileEntry,
     FileList,
     FileWritten,
+    RestoreInfo,
     RunResult,
     SessionInfo,
     SessionList,
@@ -160,7 +161,9 @@ def register(server: MCPServer, state: State) -> None:
             raise ToolError(f"not available in this sandbox: {', '.join(missing)}; {how}. Read "
                             "the sandbox://policy resource for what is installed, and use "
                             "those instead.")
-        return session_info(session)
+        report = session.restore_report()
+        return session_info(session).model_copy(
+            update={"restore": None if report is None else RestoreInfo(**report)})
 
     async def close_session(session: SessionId) -> Done:
         """Close a session: its sandbox, variables and files are gone."""

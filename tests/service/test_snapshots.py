@@ -298,10 +298,19 @@ def test_snapshot_then_two_forks_diverge_and_others_cannot_touch_it(state_server
                        headers=auth(KEY_A)).status_code == 404
     # Another network than the snapshot's is refused.
     other = http.post(url, headers=auth(KEY_B), json={"snapshot": snap["id"], "network": True})
-    assert other.status_code == 409 and "network" in other.json()["detail"]
+    assert (other.status_code, other.json()["detail"]) == (409, (
+        f"snapshot {snap['id']} ran with network 'offline'; a restore gets the same network: "
+        "omit network or ask for that"))
 
-    forks = [f"{url}/{create(url, snapshot=snap['id'])['id']}" for _ in range(2)]
+    opened = [create(url, snapshot=snap["id"]) for _ in range(2)]
+    forks = [f"{url}/{fork['id']}" for fork in opened]
     try:
+        # The answer says what came back and what did not, as the snapshot listed them.
+        restore = opened[0]["restore"]
+        assert set(restore) == {"restored", "skipped", "packages", "files"}
+        assert sorted(restore["restored"]) == sorted(snap["saved"])
+        assert restore["skipped"] == [] and restore["files"] == ["notes.txt"]
+        assert http.get(forks[0], headers=auth(KEY_B)).json()["restore"] is None
         for fork in forks:
             assert result_of(fork, CHECK) == EXPECTED
         result_of(forks[0], "def main():\n    point.x = 100\n    return {}\n")

@@ -129,6 +129,17 @@ class SessionUsage(BaseModel):
         description="CPU the egress proxy spent outside the kernel on its connections.")
 
 
+class RestoreShape(BaseModel):
+    """What opening a session from a snapshot brought back, and what it left out."""
+
+    restored: list[str] = Field(description="The names restored.")
+    skipped: list[dict[str, str]] = Field(
+        description="What could not be restored ({name, reason}): a name, a file (file:PATH), "
+        "a package.")
+    packages: list[str] = Field(description="The %pip packages installed again.")
+    files: list[str] = Field(description="The files written back into the scratch.")
+
+
 class SessionShape(BaseModel):
     """A session the caller holds."""
 
@@ -147,6 +158,9 @@ class SessionShape(BaseModel):
     paused: bool = Field(False, description="Snapshotted with its kernel stopped; the next "
                          "request resumes it on a fresh kernel.")
     snapshot_bytes: int | None = Field(None, description="A paused session's snapshot size.")
+    restore: RestoreShape | None = Field(
+        None, description="In the answer that opened it from a snapshot: what was restored and "
+        "what was skipped, with the reason; else null.")
 
 
 class SnapshotShape(BaseModel):

@@ -45,7 +45,7 @@ async def create_session(body: SessionRequest, request: Request, key: Key,
         raise HTTPException(400, str(exc)) from None
     request.state.session_id = session.id
     request.state.kernel_id = session.kernel_id
-    return session.describe()
+    return {**session.describe(), "restore": session.restore_report()}
 
 
 @router.get("/sessions", response_model=list[SessionShape], summary="This key's sessions")
