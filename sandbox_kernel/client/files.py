@@ -4,7 +4,8 @@ The scratch is the kernel's private mount: a caller that followed paths (and sym
 there by user code would read and write with the caller's rights. So every operation is the
 function in `files_in_kernel.py` run inside the kernel, where it reaches only what user code
 could. The service's files routes and the MCP server's file tools both call `file_op`, and each
-checks the answer and words its own errors and limits.
+checks the answer and words its own errors and limits; a listing is asked for and checked here
+(`list_request`, `listed`), for both.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from .execution import Execution
 from .sandbox import AsyncSandbox
 
+LIST_LIMIT = 1000  # entries a listing returns at most
 ENTRYPOINT = "__sandbox_files__"  # the function files_in_kernel.py defines
 CODE = Path(__file__).with_name("files_in_kernel.py").read_text(encoding="utf-8")
 _NOT_DEFINED = ("EntrypointNotFound", "SignatureMismatch")  # gone or replaced by user code
@@ -36,3 +38,25 @@ async def file_op(sandbox: AsyncSandbox, inputs: dict[str, Any], timeout: float)
     if defined and execution.error is not None and execution.error.name in _NOT_DEFINED:
         execution = await sandbox.run(CODE, inputs, timeout=timeout, entrypoint=ENTRYPOINT)
     return execution
+
+
+Listing = tuple[list[tuple[str, int, float]], bool]  # (path, size, modified) of each; more?
+
+
+def list_request(folder: str = ".", since: float = 0.0, limit: int = LIST_LIMIT
+                 ) -> dict[str, Any]:
+    """The inputs of the operation that lists the files under folder (hidden ones left out),
+    changed since `since`, at most `limit` of them."""
+    return {"op": "list", "path": folder, "limit": limit, "since": since}
+
+
+def listed(result: Any, limit: int = LIST_LIMIT) -> Listing | None:
+    """A listing's answer, checked (nothing the kernel answers is trusted): (path, size,
+    modified) of each file, at most limit, and whether more exist; None if it is no listing."""
+    found = result.get("files") if isinstance(result, dict) else None
+    if not isinstance(found, list):
+        return None
+    files = [(str(entry[0]), int(entry[1]), float(entry[2])) for entry in found[:limit]
+             if isinstance(entry, list) and len(entry) == 3
+             and isinstance(entry[1], int) and isinstance(entry[2], (int, float))]
+    return files, bool(result.get("more")) or len(found) > limit

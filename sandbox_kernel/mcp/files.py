@@ -12,9 +12,8 @@ import posixpath
 from typing import Any
 
 from ..client import AsyncSandbox
-from ..client.files import file_op
+from ..client.files import LIST_LIMIT, Listing, file_op, list_request, listed
 
-LIST_LIMIT = 1000  # entries list_files returns at most
 EMBED_TOTAL = 4  # files a fresh run wrote come back embedded up to this many times embed_bytes
 HELPER_TIMEOUT = 30.0
 
@@ -78,23 +77,18 @@ def _content(result: Any, path: str, limit: int) -> bytes:
 
 
 async def listing(sandbox: AsyncSandbox, path: str = ".", since: float = 0.0,
-                  limit: int = LIST_LIMIT) -> tuple[list[tuple[str, int, float]], bool]:
+                  limit: int = LIST_LIMIT) -> Listing:
     """Files under path (hidden ones skipped) changed since `since`; and whether more exist."""
     folder = "." if path in ("", ".") else relative(path)
-    return _listed(await _call(sandbox, {"op": "list", "path": folder, "limit": limit,
-                                         "since": since}), limit)
+    return _listed(await _call(sandbox, list_request(folder, since, limit)), limit)
 
 
-def _listed(result: dict[str, Any], limit: int) -> tuple[list[tuple[str, int, float]], bool]:
-    """A listing's answer, checked: (path, size, modified) of each file, and whether more
-    exist."""
-    found = result.get("files")
-    if not isinstance(found, list):
+def _listed(result: dict[str, Any], limit: int) -> Listing:
+    """A listing's answer, checked (client/files.py)."""
+    found = listed(result, limit)
+    if found is None:
         raise FileError("the sandbox did not answer the file listing")
-    files = [(str(entry[0]), int(entry[1]), float(entry[2])) for entry in found[:limit]
-             if isinstance(entry, list) and len(entry) == 3
-             and isinstance(entry[1], int) and isinstance(entry[2], (int, float))]
-    return files, bool(result.get("more")) or len(found) > limit
+    return found
 
 
 def keep_request(since: float, limit: int, embed: int) -> dict[str, Any]:

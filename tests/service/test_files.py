@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import http.client as http_client
+import json
 import os
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -24,6 +27,49 @@ def test_files_round_trip(server, session):
     assert got.content == content
     missing = http.get(session + "/files/nope.txt", headers=auth(KEY_B))
     assert missing.status_code == 404
+
+
+def _get_as_is(url: str):
+    """GET with the path sent as written: `files/.` stays `files/.` (curl --path-as-is; httpx
+    would send `files`). (status, JSON body)."""
+    parts = urlsplit(url)
+    connection = http_client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.request("GET", parts.path, headers=auth(KEY_B))
+        answer = connection.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        connection.close()
+
+
+def test_a_sessions_files_are_listed_and_a_folder_asked_as_a_file_says_where(server, session):
+    for name, content in (("a.txt", b"1"), ("data/b.bin", b"22"), (".hidden", b"333")):
+        assert http.put(f"{session}/files/{name}", headers=auth(KEY_B),
+                        content=content).status_code == 201
+    listing = http.get(session + "/files", headers=auth(KEY_B))
+    assert listing.status_code == 200, listing.text
+    assert [(entry["path"], entry["size"]) for entry in listing.json()["files"]] == [
+        ("a.txt", 1), ("data/b.bin", 2)]
+    assert listing.json()["truncated"] is False
+    folder = http.get(session + "/files", params={"path": "data"}, headers=auth(KEY_B)).json()
+    assert [entry["path"] for entry in folder["files"]] == ["data/b.bin"]
+    # What `curl .../files/.` sends (or, without --path-as-is, `files/`), and folders by name.
+    session_id = session.rsplit("/", 1)[1]
+    lists = f"GET /api/v1/sessions/{session_id}/files"
+    for path, said in (("files/.", f"the scratch directory is a folder, not a file: name a "
+                                   f"file in it ({lists} lists them)"),
+                       ("files/", f"the scratch directory is a folder, not a file: name a "
+                                  f"file in it ({lists} lists them)"),
+                       ("files/data", f"'data' is a folder, not a file: name a file in it "
+                                      f"({lists}?path=data lists them)"),
+                       ("files/data/", f"'data/' is a folder, not a file: name a file in it "
+                                       f"({lists}?path=data lists them)")):
+        status, body = _get_as_is(f"{session}/{path}")
+        assert (status, body.get("detail")) == (400, said), (path, body)
+    missing = http.get(session + "/files/nope.txt", headers=auth(KEY_B))
+    assert (missing.status_code, missing.json()["detail"]) == (404, (
+        f"there is no file 'nope.txt' in the session's scratch directory ({lists} lists "
+        "them)"))
 
 
 @pytest.mark.parametrize("path", ["%2e%2e/%2e%2e/etc/passwd", "a/%2e%2e/%2e%2e/x", "%2fetc/passwd"])

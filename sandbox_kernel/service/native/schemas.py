@@ -188,3 +188,18 @@ class FileShape(BaseModel):
 
     path: str
     size: int
+
+
+class ListedFile(BaseModel):
+    """One file of a session's scratch directory."""
+
+    path: str = Field(description="Relative to the scratch directory.")
+    size: int = Field(description="Bytes.")
+    modified: float = Field(description="Unix time of its last change.")
+
+
+class FileListShape(BaseModel):
+    """The files in a session's scratch directory."""
+
+    files: list[ListedFile]
+    truncated: bool = Field(description="More files exist than were listed (1,000 at most).")
