@@ -458,8 +458,8 @@ class _SandboxCore:
             self.client.stdin_channel.start()
         try:
             yield from self._wait_for_ready()
-        except RuntimeError:
-            yield from self._close_steps()
+        except RuntimeError:  # dead, late or refused (a grant it could not give): nothing of
+            yield from self._close_steps(now=True)  # it to keep, and no SIGINT in its log
             raise
 
     def _wait_for_ready(self) -> Steps[None]:
