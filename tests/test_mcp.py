@@ -265,7 +265,8 @@ BUSY = ("import time\nstart = time.process_time()\n"
         "while time.process_time() - start < 0.4:\n    for _ in range(10**5): pass")
 HOST = {"cpu_user_seconds": "host", "cpu_system_seconds": "host", "peak_memory_bytes": "host",
         "wall_seconds": "caller", "output_bytes": "caller", "result_bytes": "caller",
-        "refused_syscalls": "kernel", "egress_cpu_seconds": "kernel"}
+        "refused_syscalls": "kernel", "egress_cpu_seconds": "kernel",
+        "companion_cpu_seconds": "kernel"}
 
 
 def test_usage_reports_cpu_memory_and_refusals_as_the_client_measures_them(mcp, session):

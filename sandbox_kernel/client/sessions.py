@@ -47,7 +47,8 @@ class KernelSession:
         total = self.sandbox.total_usage()
         return {"cpu_user_seconds": total.cpu_user_seconds,
                 "cpu_system_seconds": total.cpu_system_seconds,
-                "egress_cpu_seconds": total.egress_cpu_seconds}
+                "egress_cpu_seconds": total.egress_cpu_seconds,
+                "companion_cpu_seconds": total.companion_cpu_seconds}
 
 
 class SessionLimit(Exception):

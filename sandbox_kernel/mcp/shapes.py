@@ -60,6 +60,11 @@ class Usage(BaseModel):
     egress_cpu_seconds: float | None = Field(default=None, description="CPU the egress proxy "
                                              "spent outside the kernel on this run's "
                                              "connections.")
+    companion_cpu_seconds: float | None = Field(default=None, description="CPU the "
+                                                "sandbox's companion spent answering and "
+                                                "recording the calls it refused this run.")
+    tool_calls: int | None = Field(default=None, description="Host tools the run called.")
+    tool_seconds: float | None = Field(default=None, description="Seconds those tools took.")
     secret_uses: dict[str, int] | None = Field(default=None, description="Requests each "
                                                "secret was added to by the egress proxy "
                                                "during this run, by the secret's name.")
@@ -102,6 +107,7 @@ class SessionUsage(BaseModel):
     cpu_user_seconds: float | None = None
     cpu_system_seconds: float | None = None
     egress_cpu_seconds: float | None = None
+    companion_cpu_seconds: float | None = None
 
 
 class SessionInfo(BaseModel):

@@ -127,6 +127,8 @@ class SessionUsage(BaseModel):
     cpu_system_seconds: float | None
     egress_cpu_seconds: float | None = Field(
         description="CPU the egress proxy spent outside the kernel on its connections.")
+    companion_cpu_seconds: float | None = Field(
+        None, description="CPU the companion spent answering and recording refused calls.")
 
 
 class RestoreShape(BaseModel):
