@@ -69,6 +69,20 @@ def test_each_framework_has_a_recipe_installed_with_its_extra():
         assert all(extra in extras for extra in installed.split(",")), installed
 
 
+def agent_said(extra: str, cwd: Path) -> dict[str, str]:
+    """Run the extra's first recipe (an agent whose code calls both host tools, account_balance
+    first) and check what every recipe prints; its lines by label."""
+    done = run_in(extra, blocks(extra)[0], cwd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = lines(done.stdout)
+    pid = said["this process"]  # the tool's process: the host's
+    assert said["the sandbox printed"] == \
+        f"['sunny in Paris, 21 C 1234 {pid}', 'key in the sandbox: None']"
+    assert said["tool calls"] == "['account_balance', 'get_weather']"
+    assert said["answer"] == "Paris is sunny and acme holds 1234."
+    return said
+
+
 @pytest.mark.slow
 def test_smolagents_code_agent_calls_host_tools_from_the_sandbox(tmp_path):
     [recipe] = blocks("smolagents")
@@ -105,15 +119,7 @@ def test_smolagents_executor_maps_steps_errors_refusals_and_timeouts(tmp_path):
 
 @pytest.mark.slow
 def test_autogen_assistant_runs_code_that_calls_host_tools(tmp_path):
-    recipe = blocks("autogen")[0]
-    done = run_in("autogen", recipe, tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    said = lines(done.stdout)
-    pid = said["this process"]
-    assert said["the sandbox printed"] == \
-        f"['sunny in Paris, 21 C 1234 {pid}', 'key in the sandbox: None']"
-    assert said["answer"] == "Paris is sunny and acme holds 1234."
-    assert said["tool calls"] == "['account_balance', 'get_weather']"
+    agent_said("autogen", tmp_path)
 
 
 @pytest.mark.slow
@@ -147,3 +153,31 @@ def test_autogen_docker_jupyter_executor_reaches_the_sandbox_through_kernel_gate
     assert said["exit code"] == "0"
     assert said["state kept"] == "42"
     assert "no subprocesses" in said["subprocess"] or "not allowed" in said["subprocess"], said
+
+
+@pytest.mark.slow
+def test_llamaindex_codeact_agent_calls_host_tools_from_a_stateful_session(tmp_path):
+    said = agent_said("llamaindex", tmp_path)
+    assert said["the next step saw"] == "2468"  # the first step's variable, a step later
+
+
+@pytest.mark.slow
+def test_llamaindex_session_answers_errors_timeouts_and_refusals(tmp_path):
+    seen = checks("llamaindex", "llamaindex_checks.py", tmp_path)
+    assert seen["description"].startswith("execute(code: 'str') -> 'dict[str, Any]'\nExecute "
+                                          "Python code in the sandbox")
+    assert seen["step"] == {"stdout": "x is 5\n", "stderr": "", "output": str(seen["host_pid"]),
+                            "error": None}
+    assert seen["error"]["error"].endswith("ZeroDivisionError: division by zero")
+    assert seen["timeout"]["error"].endswith("ran longer than its 3 s limit (set by "
+                                             "Sandbox.run(timeout=)) and was interrupted")
+    assert "creating processes is not allowed in the sandbox" in seen["subprocess"]["error"]
+    assert seen["kept"]["output"] == "10"  # after the timeout and the refusal
+    assert seen["as_the_agent_reads_it"] == \
+        "{'stdout': '', 'stderr': '', 'output': '6', 'error': None}"
+
+
+@pytest.mark.slow
+def test_langchain_agent_calls_host_tools_through_the_python_tool(tmp_path):
+    said = agent_said("langchain", tmp_path)
+    assert said["the next call saw"] == "2468"  # the session kept the first call's variable

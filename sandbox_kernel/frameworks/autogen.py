@@ -22,7 +22,15 @@ from typing import Any
 
 from ..client import AsyncSandbox, Execution, ToolLimits
 from ..errors import ExecutionTimeout
-from .common import AsyncSession, host_function, need, output_text, schema_signature
+from .common import (
+    AsyncSession,
+    Named,
+    granted_tools,
+    host_function,
+    need,
+    output_text,
+    schema_signature,
+)
 
 need("autogen_core", "autogen")
 from autogen_core import CancellationToken  # noqa: E402
@@ -37,15 +45,16 @@ NO_SHELL = ("this sandbox runs Python only and creates no processes, so `{langua
 TIMEOUT_EXIT = 124  # as AutoGen's command-line executors report a timeout
 
 
-def _autogen_tool(tool: Any) -> tuple[str, Callable[..., Any]]:
+def _autogen_tool(tool: Any) -> Named | None:
     """An AutoGen tool (`BaseTool`: name, description, JSON schema, run_json) as a host function."""
+    if not (hasattr(tool, "run_json") and hasattr(tool, "schema")):
+        return None
     schema = tool.schema
     parameters = schema.get("parameters") or {}
 
     async def call(**kwargs: Any) -> Any:
         result = await tool.run_json(kwargs, CancellationToken())
-        dumped = result.model_dump() if hasattr(result, "model_dump") else result
-        return dumped
+        return result.model_dump() if hasattr(result, "model_dump") else result
 
     signature = schema_signature(parameters.get("properties") or {},
                                  parameters.get("required") or [])
@@ -54,18 +63,7 @@ def _autogen_tool(tool: Any) -> tuple[str, Callable[..., Any]]:
 
 def host_tools(tools: Iterable[Any] | Mapping[str, Callable[..., Any]]) -> dict[str, Callable]:
     """AutoGen tools, plain functions, or {name: function}, as the bridge's {name: callable}."""
-    if isinstance(tools, Mapping):
-        return dict(tools)
-    granted: dict[str, Callable[..., Any]] = {}
-    for tool in tools:
-        if hasattr(tool, "run_json") and hasattr(tool, "schema"):
-            name, function = _autogen_tool(tool)
-        elif callable(tool):
-            name, function = tool.__name__, tool
-        else:
-            raise TypeError(f"not a tool: {tool!r} (an AutoGen tool or a function)")
-        granted[name] = function
-    return granted
+    return granted_tools(tools, _autogen_tool, "an AutoGen tool")
 
 
 class SandboxCodeExecutor(CodeExecutor):  # type: ignore[misc]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
-from ..client import AsyncSandbox, Execution, ToolLimits
+from ..client import AsyncSandbox, Execution, Sandbox, ToolLimits
 from ..extras import install_hint
 
 # Python's names for the JSON-schema types frameworks describe their tools' inputs with.
@@ -135,6 +135,26 @@ def output_text(execution: Execution) -> str:
     return "\n".join(part.rstrip("\n") for part in parts if part)
 
 
+Named = tuple[str, Callable[..., Any]]
+
+
+def granted_tools(tools: Iterable[Any] | Mapping[str, Callable[..., Any]],
+                  convert: Callable[[Any], Named | None], kind: str) -> dict[str, Callable]:
+    """A framework's tools (each made a host function by convert, None for a plain function)
+    or plain functions, or {name: function}, as the bridge's {name: callable}."""
+    if isinstance(tools, Mapping):
+        return dict(tools)
+    granted: dict[str, Callable[..., Any]] = {}
+    for tool in tools:
+        named = convert(tool)
+        if named is None:
+            if not callable(tool):
+                raise TypeError(f"not a tool: {tool!r} ({kind} or a function)")
+            named = (tool.__name__, tool)
+        granted[named[0]] = named[1]
+    return granted
+
+
 def made_or_given(kind: type, sandbox: Any, tool_limits: ToolLimits | None,
                   options: dict[str, Any]) -> tuple[Any, bool]:
     """The sandbox given, or one of `kind` made from options with `kernel_name=None` (this
@@ -144,40 +164,76 @@ def made_or_given(kind: type, sandbox: Any, tool_limits: ToolLimits | None,
     return kind(**{"kernel_name": None, **options}, tool_limits=tool_limits), True
 
 
-class AsyncSession:
-    """An AsyncSandbox (given, or made with `kernel_name=None`), its tools bound by name in the
-    kernel once it starts, and every run it made (`executions`, for the caller's audit)."""
+class _Session:
+    """A sandbox (given, or made with `kernel_name=None`), the tools every run grants, their
+    names bound in the kernel once it starts, and every run made (`executions`, an audit)."""
 
-    def __init__(self, sandbox: AsyncSandbox | None, tools: dict[str, Callable[..., Any]],
-                 timeout: float, tool_limits: ToolLimits | None,
-                 sandbox_options: dict[str, Any]) -> None:
-        self.sandbox, self.own = made_or_given(AsyncSandbox, sandbox, tool_limits,
-                                               sandbox_options)
+    kind: type = Sandbox
+
+    def __init__(self, sandbox: Any, tools: dict[str, Callable[..., Any]], timeout: float | None,
+                 tool_limits: ToolLimits | None, sandbox_options: dict[str, Any],
+                 setup: str = "") -> None:
+        self.sandbox, self.own = made_or_given(self.kind, sandbox, tool_limits, sandbox_options)
         self.tools = tools
         self.timeout = timeout
+        self.setup = setup  # kernel code run with the tools' binding (after each restart too)
         self.executions: list[Execution] = []
         self.started = False
 
+    def binding(self) -> str:
+        """The kernel code that binds the tools' names (and runs `setup`)."""
+        return forwarders(list(self.tools)) + self.setup
+
+    def refused(self, done: Execution) -> None:
+        """Raise if binding the tools failed."""
+        if done.error is not None:
+            raise RuntimeError(f"the sandbox refused the tools: {output_text(done)}")
+
+    def run(self, code: str, **options: Any) -> Any:
+        """The run of code with the tools granted (for AsyncSession, an awaitable)."""
+        return self.sandbox.run(code, timeout=self.timeout, tools=self.tools, **options)
+
+
+class Session(_Session):
+    """A blocking Sandbox's session."""
+
+    def start(self) -> None:
+        """Start the kernel (unless it runs already) and bind the tools' names in it."""
+        if not self.started:
+            if self.sandbox.client is None:
+                self.sandbox.start()
+            self.started = True
+            self.bind_tools()
+
+    def bind_tools(self) -> None:
+        """Bind the tools' names in the kernel (again after a restart)."""
+        if code := self.binding():
+            self.refused(self.run(code))
+
+    def close(self) -> None:
+        """Close the sandbox if this session made it."""
+        if self.own and self.started:
+            self.sandbox.close()
+        self.started = False
+
+
+class AsyncSession(_Session):
+    """An AsyncSandbox's session."""
+
+    kind = AsyncSandbox
+
     async def start(self) -> None:
         """Start the kernel (unless it runs already) and bind the tools' names in it."""
-        if self.started:
-            return
-        if self.sandbox.client is None:
-            await self.sandbox.start()
-        self.started = True
-        await self.bind_tools()
+        if not self.started:
+            if self.sandbox.client is None:
+                await self.sandbox.start()
+            self.started = True
+            await self.bind_tools()
 
     async def bind_tools(self) -> None:
         """Bind the tools' names in the kernel (again after a restart)."""
-        code = forwarders(list(self.tools))
-        if code:
-            done = await self.sandbox.run(code, timeout=self.timeout, tools=self.tools)
-            if done.error is not None:
-                raise RuntimeError(f"the sandbox refused the tools: {output_text(done)}")
-
-    def run(self, code: str) -> Any:
-        """The run of code with the tools granted (an awaitable of its Execution)."""
-        return self.sandbox.run(code, timeout=self.timeout, tools=self.tools)
+        if code := self.binding():
+            self.refused(await self.run(code))
 
     async def close(self) -> None:
         """Close the sandbox if this session made it."""

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..client import Execution, Sandbox, ToolLimits
-from .common import error_text, forwarders, host_function, made_or_given, need, schema_signature
+from .common import Session, error_text, host_function, need, schema_signature
 
 _smolagents = need("smolagents", "smolagents")
 from smolagents.local_python_executor import CodeOutput, PythonExecutor  # noqa: E402
@@ -84,29 +84,20 @@ class SandboxExecutor(PythonExecutor):  # type: ignore[misc]
     def __init__(self, sandbox: Sandbox | None = None, *, timeout: float | None = 60.0,
                  tool_limits: ToolLimits | None = None, logger: Any = None,
                  **sandbox_options: Any) -> None:
-        self.sandbox, self._own = made_or_given(Sandbox, sandbox, tool_limits, sandbox_options)
-        self.timeout = timeout
+        self.session = Session(sandbox, {}, timeout, tool_limits, sandbox_options, _FINAL_CODE)
+        self.sandbox, self.timeout = self.session.sandbox, timeout
+        self.executions = self.session.executions  # every run, for the caller's audit
         self.logger = logger or AgentLogger(level=LogLevel.OFF)
-        self.tools: dict[str, Callable[..., Any]] = {}
         self._answer: list[Any] = []
-        self._started = False
-        self.executions: list[Execution] = []  # every run, for the caller's audit
-
-    def _ensure_started(self) -> None:
-        if not self._started:
-            if self.sandbox.client is None:
-                self.sandbox.start()
-            self._started = True
 
     def _final(self, answer: Any) -> Any:
         self._answer.append(answer)
         return answer
 
     def _run(self, code: str, inputs: dict | None = None, entrypoint: str = "main") -> Execution:
-        self._ensure_started()
+        self.session.start()
         self._answer.clear()
-        execution = self.sandbox.run(code, inputs=inputs, timeout=self.timeout,
-                                     entrypoint=entrypoint, tools=self.tools)
+        execution = self.session.run(code, inputs=inputs, entrypoint=entrypoint)
         self.executions.append(execution)
         return execution
 
@@ -124,12 +115,14 @@ class SandboxExecutor(PythonExecutor):  # type: ignore[misc]
         granted.setdefault(FINAL, host_function(
             FINAL, self._final, "Provides a final answer.",
             schema_signature({"answer": {"type": "any"}})))
-        self.tools = granted
-        names = [name for name in granted if name != FINAL]
-        done = self._run(forwarders(names) + _FINAL_CODE)
-        if done.error is not None:
-            raise AgentExecutionError(f"the sandbox refused the tools:\n{error_text(done)}",
-                                      self.logger)
+        self.session.tools = granted
+        try:
+            if self.session.started:
+                self.session.bind_tools()
+            else:
+                self.session.start()
+        except RuntimeError as exc:
+            raise AgentExecutionError(str(exc), self.logger) from exc
 
     def send_variables(self, variables: dict[str, Any]) -> None:
         """Set the agent's state variables in the kernel (JSON values only: nothing is pickled)."""
@@ -162,6 +155,4 @@ class SandboxExecutor(PythonExecutor):  # type: ignore[misc]
 
     def cleanup(self) -> None:
         """Close the sandbox if this executor made it."""
-        if self._own and self._started:
-            self.sandbox.close()
-        self._started = False
+        self.session.close()
