@@ -8,6 +8,13 @@ if __name__ == "__main__":
         from sandbox_kernel.cli import main as cli_main
 
         sys.exit(cli_main())
+    # A kernel ignores SIGINT outside its executions (ipykernel's init_signal), and jupyter_client
+    # interrupts every kernel it shuts down: one stopped while it still starts (a cold start
+    # cancelled, a server closing) printed a KeyboardInterrupt traceback into its launcher's
+    # stderr. It ignores SIGINT from its first instruction instead.
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # First, while single-threaded and before the heavy imports: a clean environment.
     from sandbox_kernel.confine.environment import ensure_clean
 

@@ -2,6 +2,7 @@
 nothing of it is left behind (process, connection file, scratch directory)."""
 
 import asyncio
+import contextlib
 import os
 import select
 import signal
@@ -134,3 +135,32 @@ def test_closing_a_kernel_that_just_died_is_no_error(now):
     sb.close(now=now)
     assert process.poll() == -9
     _assert_nothing_left(process, connection_file, scratch)
+
+
+@pytest.mark.parametrize("after", [0.3, 0.8])
+def test_a_cold_start_stopped_while_it_starts_prints_no_traceback(capfd, after):
+    # A server closing (or a pool's start cancelled) shuts down a kernel that is still importing;
+    # jupyter_client interrupts every kernel it shuts down, and that SIGINT was a
+    # KeyboardInterrupt traceback in the launcher's stderr (the kernel's, until it confines).
+    async def start_then_stop() -> None:
+        sandbox = AsyncSandbox(None, cold_start=True)
+        starting = asyncio.ensure_future(sandbox.start())
+        await asyncio.sleep(after)
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await sandbox.close()
+
+    asyncio.run(start_then_stop())
+    time.sleep(1)  # what the kernel would write, it has written
+    said = capfd.readouterr().err
+    assert "Traceback" not in said, said
+
+
+def test_a_cold_started_kernel_is_still_interrupted_in_an_execution():
+    with Sandbox(None, cold_start=True) as sandbox:
+        threading.Timer(1.5, lambda: sandbox.interrupt()).start()
+        execution = sandbox.run("import time\nfor _ in range(100):\n    time.sleep(0.1)",
+                                timeout=30)
+        assert execution.error is not None and execution.error.name == "KeyboardInterrupt"
+        assert evaluate(sandbox, "1 + 1") == 2

@@ -6,9 +6,12 @@ to run a cell; what stays here is ipykernel's: its hooks, kernel_info, interrupt
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
+import threading
+import time
 from functools import partial
 from types import FrameType
 from typing import Any
@@ -56,6 +59,9 @@ def skip_unshown_records(log: Any) -> None:
         log.setLevel(shown)
 
 
+START_WAIT = 10.0  # seconds a shutdown request waits for start() to return
+
+
 class SandboxKernel(IPythonKernel):
     """An IPython kernel that runs inside the sandbox its application set up."""
 
@@ -69,6 +75,7 @@ class SandboxKernel(IPythonKernel):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._started = threading.Event()  # start() has returned (shutdown_request)
         main_call.load_ipython_extension(self.shell)  # the %main magic
         pip.load_ipython_extension(self.shell)  # %pip, in-process, into the session
         cell_warnings.load_ipython_extension(self.shell)  # "Cell In[N], line L: UserWarning"
@@ -80,6 +87,24 @@ class SandboxKernel(IPythonKernel):
                              publish_result=self.publish_result,
                              cancel_on_sigint=self._cancel_on_sigint,
                              session=self.session, tool_transport=self.tool_transport)
+
+    def start(self) -> None:
+        """ipykernel's start; once it has returned, a shutdown request may stop the loops."""
+        try:
+            super().start()
+        finally:
+            self._started.set()
+
+    async def shutdown_request(self, stream: Any, ident: Any, parent: Any) -> None:
+        """ipykernel's, after start() has returned. The control thread answers while the main
+        thread is still in start(): a request then (a manager shutting down a kernel it has
+        just launched, e.g. a server closing after cold starts) stopped and closed the control
+        thread's loop under start(), which failed with "Event loop is closed" tracebacks in
+        the launcher's log."""
+        deadline = time.monotonic() + START_WAIT
+        while not self._started.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await super().shutdown_request(stream, ident, parent)
 
     def _skip_unshown_log_records(self) -> None:
         skip_unshown_records(self.log)  # the application did so too, unless there is none
