@@ -69,6 +69,18 @@ def test_each_framework_has_a_recipe_installed_with_its_extra():
         assert all(extra in extras for extra in installed.split(",")), installed
 
 
+@pytest.mark.slow
+def test_each_module_without_its_framework_names_the_extra_and_the_command():
+    python = alone(extras_venv.BASE) / "python"
+    for extra in FRAMEWORKS:
+        module = extra.replace("-", "_")
+        done = subprocess.run([str(python), "-c", f"import sandbox_kernel.frameworks.{module}"],
+                              capture_output=True, text=True, timeout=120)
+        fix = f"{python} -m pip install -e '{extras_venv.CHECKOUT}[{extra}]'"
+        assert done.returncode == 1, (extra, done.stderr)
+        assert done.stderr.rstrip().endswith(f"install the [{extra}] extra: {fix}"), done.stderr
+
+
 def agent_said(extra: str, cwd: Path) -> dict[str, str]:
     """Run the extra's first recipe (an agent whose code calls both host tools, account_balance
     first) and check what every recipe prints; its lines by label."""
@@ -181,3 +193,22 @@ def test_llamaindex_session_answers_errors_timeouts_and_refusals(tmp_path):
 def test_langchain_agent_calls_host_tools_through_the_python_tool(tmp_path):
     said = agent_said("langchain", tmp_path)
     assert said["the next call saw"] == "2468"  # the session kept the first call's variable
+
+
+@pytest.mark.slow
+def test_pydantic_ai_code_toolset_calls_host_tools_from_a_session(tmp_path):
+    said = agent_said("pydantic-ai", tmp_path)
+    assert said["the next call saw"] == "2468"  # the session kept the first call's variable
+
+
+@pytest.mark.slow
+def test_pydantic_ai_reaches_the_mcp_server_as_a_toolset(tmp_path):
+    done = run_in("pydantic-ai", blocks("pydantic-ai")[1], tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = lines(done.stdout)
+    assert said["value"] == "42"
+    # The MCP server's wording for a model, not the operator's
+    assert said["refused"].endswith("the sandbox blocked os.system(): no subprocesses in this "
+                                    "sandbox: you cannot run programs or shell commands; do "
+                                    "the work in Python (call the library directly instead of "
+                                    "its command-line tool)")
