@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from bench import calls
 from sandbox_kernel.client import AsyncSandbox, Sandbox
-from sandbox_kernel.launch.pool import KernelPool
+from sandbox_kernel.hosting.pool import KernelPool
 
 WORKERS = 2
 PANDAS_CODE = ("import pandas\n"

@@ -187,7 +187,7 @@ METHOD = """\
 - **Fresh kernel per request** (rows 8): `Sandbox(None)` started, one small `main()` call,
   shut down one-shot (`close(now=True)`: killed once the result is in, as `sandbox-kernel
   run` does; its reaper still removes the scratch), one request at a time. The pool rows
-  use `launch.pool.KernelPool` of 2 kernels (`get()`, the call, `close()`; the pool refills
+  use `hosting.pool.KernelPool` of 2 kernels (`get()`, the call, `close()`; the pool refills
   behind). Rates: a fixed number of requests
   from two threads at once (two cores), completed requests / wall-clock seconds; the
   process-per-request runner driven the same way.

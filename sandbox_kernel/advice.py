@@ -7,6 +7,10 @@ run` takes the flag itself, a server is restarted with it, and a caller of the P
 gives `SandboxPolicy(...)`. Each launcher says which it is in the policy's `changed_with`
 (`SandboxPolicy.changed_with`); the kernel reads it here. Empty: a kernelspec installed before
 the policy said so, whose scope is unknown.
+
+Below confine/ (denials words its refusals with `change`), so it imports nothing of ours: the
+policy's flags reach it from policy.py, which registers SandboxPolicy when it is imported
+(`register`; every process that words a Python caller's advice holds a SandboxPolicy).
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ INSTALL = "sandbox-kernel install"
 # Flags after the file: before it, a bare `--grant-cwd` would take the file for its value.
 RUN = "sandbox-kernel run FILE"
 PYTHON = "SandboxPolicy"  # the launcher is a caller of the Python client
+_policy: list[Any] = []  # SandboxPolicy, once policy.py registered it
+
+
+def register(policy: Any) -> None:
+    """Take the policy class whose configurable traits' `flag` tags name the flags."""
+    _policy[:] = [policy]
 
 
 def install_command(name: str, default_name: str, user: bool = False,
@@ -48,7 +58,7 @@ def change(launcher: str, flags: str, aside: tuple[str, str] | None = None) -> s
 
 
 def _form(launcher: str, flags: str, bare: bool = False) -> str:
-    if launcher != PYTHON:
+    if launcher != PYTHON or not _policy:  # (no policy registered: its flags)
         return flags if bare else f"{launcher} {flags}"
     keywords = ", ".join(f"{name}={json.dumps(value)}" for name, value in _keywords(flags))
     return keywords if bare else f"SandboxPolicy({keywords})"
@@ -58,10 +68,8 @@ def _keywords(flags: str) -> list[tuple[str, Any]]:
     """SandboxPolicy's keyword arguments for command-line flags (`--read-path /x`)."""
     from traitlets import Bool, List
 
-    from .policy import SandboxPolicy
-
     by_flag = {trait.metadata["flag"]: (name, trait) for name, trait
-               in SandboxPolicy.class_traits(config=True).items() if trait.metadata.get("flag")}
+               in _policy[0].class_traits(config=True).items() if trait.metadata.get("flag")}
     words, keywords = shlex.split(flags), {}  # type: ignore[var-annotated]
     while words:
         option, _, value = words.pop(0).removeprefix("--").partition("=")

@@ -12,6 +12,7 @@ from typing import Any
 from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Unicode, observe, validate
 from traitlets.config import Configurable
 
+from . import advice
 from .confine.limits import DEFAULT_MEMORY_LIMIT, parse_size
 from .confine.paths import GrantError, check_grants
 from .confine.privileges import DEFAULT_UID_RANGE
@@ -364,6 +365,9 @@ class SandboxPolicy(Configurable):
             else:
                 argv.append(f"--SandboxPolicy.{name}={value}")
         return argv
+
+
+advice.register(SandboxPolicy)  # advice words a Python caller's change with its flags
 
 
 def from_kernel_argv(argv: list[str]) -> SandboxPolicy:

@@ -292,20 +292,19 @@ def check_index(url: str) -> None:
                       "(in single quotes, so the shell leaves ${TOKEN} alone)")
 
 
-def seal_for(argv: Sequence[str], env: dict[str, str], session: str
+def seal_for(policy: Any, env: dict[str, str], session: str
              ) -> tuple[list[str], int | None]:
     """Launcher side, at a kernel's start: its placeholders (argv options) and vault (an fd).
 
-    argv: the kernel's (its policy options); env: the environment the kernel is started
+    policy: the kernel's SandboxPolicy (policy.from_kernel_argv: this module sits below
+    policy.py, which checks secrets with it); env: the environment the kernel is started
     with, where the values are found and from which they are taken out (with any vault named
     there: only the one made here is the kernel's). (No options, None) when the policy holds
     no credentials. The placeholders are the policy's env, set once user code is confined.
     """
     from .confine import vault
-    from .policy import from_kernel_argv
 
     env.pop(vault.VAULT_VAR, None)
-    policy = from_kernel_argv(list(argv))
     upstream = upstream_with_credentials(policy.upstream_proxy, env)
     if not (policy.secrets or policy.secrets_file or upstream != policy.upstream_proxy):
         return [], None

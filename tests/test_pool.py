@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from sandbox_kernel.launch.pool import KernelPool, PoolClosed, PoolStartError, SandboxPool
+from sandbox_kernel.hosting.pool import KernelPool, PoolClosed, PoolStartError, SandboxPool
 
 from .helpers import evaluate
 
@@ -203,8 +203,8 @@ def test_a_kernel_starting_unclaimed_is_coming_and_goes_to_the_next_taker():
 
 def test_the_service_takes_the_pools_starting_kernel_instead_of_starting_another(monkeypatch):
     """A run that finds the pool's next kernel starting waits for it: no second start."""
+    from sandbox_kernel.hosting import pool as pools
     from sandbox_kernel.hosting import sources as kernels
-    from sandbox_kernel.launch import pool as pools
     from sandbox_kernel.policy import SandboxPolicy
 
     on_demand = []

@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from sandbox_kernel.client import Sandbox
+from sandbox_kernel.hosting.pool import KernelPool
 from sandbox_kernel.launch import forkserver
-from sandbox_kernel.launch.pool import KernelPool
 from sandbox_kernel.policy import SandboxPolicy
 from tests.helpers import evaluate, ok, write_keys
 

@@ -2,7 +2,7 @@
 
 The scratch is the kernel's private mount: a caller that followed paths (and symlinks) planted
 there by user code would read and write with the caller's rights. So every operation is the
-function in `files_in_kernel.py` run inside the kernel, where it reaches only what user code
+function in `kernel/file_ops.py` run inside the kernel, where it reaches only what user code
 could. The service's files routes and the MCP server's file tools both call `file_op`, and each
 checks the answer and words its own errors and limits; a listing is asked for and checked here
 (`list_request`, `listed`), for both.
@@ -18,8 +18,9 @@ from .execution import Execution
 from .sandbox import AsyncSandbox
 
 LIST_LIMIT = 1000  # entries a listing returns at most
-ENTRYPOINT = "__sandbox_files__"  # the function files_in_kernel.py defines
-CODE = Path(__file__).with_name("files_in_kernel.py").read_text(encoding="utf-8")
+ENTRYPOINT = "__sandbox_files__"  # the function kernel/file_ops.py defines
+# The kernel's own module (kernel/file_ops.py), sent as text: a ZMQ kernel defines it once.
+CODE = (Path(__file__).parent.parent / "kernel" / "file_ops.py").read_text(encoding="utf-8")
 _NOT_DEFINED = ("EntrypointNotFound", "SignatureMismatch")  # gone or replaced by user code
 # Per kernel, the client (one per start or restart) whose kernel has the function defined.
 _defined_for: weakref.WeakKeyDictionary[AsyncSandbox, Any] = weakref.WeakKeyDictionary()

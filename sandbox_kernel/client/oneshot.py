@@ -65,7 +65,7 @@ def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: s
             keep_files: dict[str, Any] | None = None,
             tools: Toolbox | None = None) -> dict[str, Any]:
     """The execute_request a ZMQ client would send for this run (client/sandbox.py's); with
-    keep_files (files_in_kernel.py's "keep" inputs), the process sends the files it wrote;
+    keep_files (kernel/file_ops.py's "keep" inputs), the process sends the files it wrote;
     with tools, the grant of their calls."""
     header = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request",
               "username": "sandbox-kernel", "session": _SESSION_ID,
@@ -130,7 +130,7 @@ class RunHandle:
 
     interrupt(): SIGINT to the process through its pidfd (as a kernelspec's interrupt_mode
     "signal" interrupts a ZMQ kernel: KeyboardInterrupt in the code). keep_files: inputs of
-    files_in_kernel.py's "keep" operation, which the process runs after the code (its scratch
+    kernel/file_ops.py's "keep" operation, which the process runs after the code (its scratch
     ends with it); `kept` is then its answer as sent, for the caller to check.
     """
 

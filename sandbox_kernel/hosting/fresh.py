@@ -76,7 +76,7 @@ def output_limited(record: RunRecord, error: OutputLimitExceeded, state_lost: bo
 class RunRecord:
     """What a caller learns about its run as it goes, for its log line, its answer, and to
     interrupt it: the kernel it runs on (a ZMQ kernel's `sandbox`, or the one-shot's handle,
-    given by a caller that wants the files the run wrote kept: files_in_kernel.py's request)."""
+    given by a caller that wants the files the run wrote kept: kernel/file_ops.py's request)."""
 
     kernel_id: str = ""
     chunks: list[dict[str, str]] = field(default_factory=list)

@@ -2,7 +2,7 @@
 
 `KernelSource` is the one seam between a face and the ways to get a kernel: `get(network)`
 returns a started AsyncSandbox of that network policy that no one has used. `PoolSource` takes
-them from launch/'s warm pools (`KernelPool`), one per network policy; `make_source` builds it
+them from warm pools (`KernelPool`, pool.py), one per network policy; `make_source` builds it
 for the service and the MCP server alike (network policies by hosting/network.py's rule).
 
 `Kernels` wraps the source: it bounds the wait for a kernel, counts the kernels out, kills them
@@ -21,11 +21,11 @@ from typing import Any, Protocol
 from ..client import AsyncSandbox
 from ..errors import KernelUnavailable
 from ..launch.forkserver import ForkServerClient
-from ..launch.pool import KernelPool, start_sandbox
 from ..policy import SandboxPolicy
 from ..secrets import SecretError
 from .events import json_line, log
 from .network import Network, policy_name, split, with_network
+from .pool import KernelPool, start_sandbox
 
 
 class KernelSource(Protocol):
@@ -63,7 +63,7 @@ class Starts:
 
 
 class PoolSource:
-    """Kernels from a warm pool per network policy (launch/pool.py), else started on demand.
+    """Kernels from a warm pool per network policy (pool.py), else started on demand.
 
     A run takes the pool's kernel when one is ready or already starting unclaimed (it comes
     sooner than a new one). Otherwise the kernel is started here with the pool's own options

@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import ctypes
-import functools
 import io
 import json
 import logging
@@ -53,7 +52,6 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NoReturn
 
@@ -66,8 +64,8 @@ from traitlets import Dict, Type
 
 from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
+from . import file_ops, tools
 from . import oneshot_wire as wire
-from . import tools
 from .app import SandboxKernelApp, _kept_without_collection
 from .budget import BUDGET
 from .kernel import SandboxKernel
@@ -573,7 +571,7 @@ class OneShotKernelApp(SandboxKernelApp):
     def send_written_files(self) -> None:
         """The files the run wrote, if the request asked to keep them: this scratch ends with
         the process, where a ZMQ kernel's caller asks for them in further runs. Listed and
-        read by the code those runs send (client/files_in_kernel.py), in this process, after
+        read by the code those runs send (kernel/file_ops.py), in this process, after
         the run: what user code could reach, and no more trusted than its output."""
         sandbox = self.kernel.request.get("metadata", {}).get("sandbox")
         asked = sandbox.get("keep_files") if isinstance(sandbox, dict) else None
@@ -638,14 +636,10 @@ class OneShotKernelApp(SandboxKernelApp):
         os._exit(3)
 
 
-@functools.cache
 def _file_op() -> Any:
-    """The file operations' function, defined from its source text as a ZMQ kernel gets it
-    (importing it would import the client package it lives in, ZMQ client and all)."""
-    source = Path(__file__).parent.parent / "client" / "files_in_kernel.py"
-    namespace: dict[str, Any] = {}
-    exec(compile(source.read_text(encoding="utf-8"), str(source), "exec"), namespace)  # noqa: S102
-    return namespace["__sandbox_files__"]
+    """The file operations' function: the kernel's own module, which a ZMQ kernel is sent as
+    text by its client (a module attribute, so a test can stand in for it)."""
+    return file_ops.__sandbox_files__
 
 
 def build(argv: list[str]) -> OneShotKernelApp:

@@ -40,6 +40,7 @@ from pathlib import Path
 from .. import secrets
 from ..confine.environment import PASSED_THROUGH, SAFE_PATH
 from ..confine.vault import VAULT_VAR
+from ..policy import from_kernel_argv
 
 LAUNCHER_VERSION = 1  # the payload format EG's ResponseManager decodes
 PORT_COUNT = 5  # shell, iopub, stdin, heartbeat, control
@@ -421,7 +422,8 @@ def launch(request: LaunchRequest) -> None:
     # reaper, which the kernel forks before its re-exec (confine/vault.py).
     env = dict(os.environ)
     try:
-        placeholders, sealed = secrets.seal_for(request.policy_argv, env, request.kernel_id)
+        placeholders, sealed = secrets.seal_for(from_kernel_argv(list(request.policy_argv)),
+                                                env, request.kernel_id)
     except secrets.SecretError as exc:
         raise LaunchError(str(exc)) from None
     low, high = request.port_range

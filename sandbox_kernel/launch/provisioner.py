@@ -22,6 +22,7 @@ from traitlets import Bool, Float, Int, List, Unicode
 from .. import secrets
 from ..confine.environment import READY_VAR
 from ..confine.vault import VAULT_VAR
+from ..policy import from_kernel_argv
 from . import forkserver
 
 NAME = "sandbox-fork-provisioner"
@@ -107,7 +108,8 @@ class ForkServerProvisioner(LocalProvisioner):  # type: ignore[misc]
         each placeholder in its environment, set once it is confined (the policy's env). The
         placeholders are the same for a restarted kernel: its kernel id stays.
         """
-        placeholders, sealed = secrets.seal_for(cmd, env, str(self.kernel_id))
+        placeholders, sealed = secrets.seal_for(from_kernel_argv(list(cmd)), env,
+                                                str(self.kernel_id))
         return [*cmd, *placeholders], sealed
 
     async def wait(self) -> int | None:

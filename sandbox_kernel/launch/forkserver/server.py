@@ -38,6 +38,7 @@ from typing import Any
 
 from ...confine.rounds import run_round
 from ...confine.vault import VAULT_VAR
+from .child import forget_environment, reseed
 from .protocol import (
     DEFAULT_IDLE,
     DEFAULT_MAX_AGE,
@@ -667,8 +668,8 @@ class Server:
                                 kernel_env.get("MPLCONFIGDIR", ""))
             os.environ.clear()
             os.environ.update(kernel_env)
-            _forget_environment()
-            _reseed()  # after prepare: making the scratch fixed tempfile's default dir
+            forget_environment()
+            reseed()  # after prepare: making the scratch fixed tempfile's default dir
             sys.argv = [main_module(), *argv]
             code = 0
             # Its parent is this server, not the launcher; the server watches the launcher
@@ -746,27 +747,6 @@ def _unlink_own(path: str, inode: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         if inode and os.stat(path).st_ino == inode:
             os.unlink(path)
-
-
-def _reseed() -> None:
-    """What user code can observe of the server's random state: made per kernel."""
-    import random
-    import tempfile
-
-    random.seed()
-    tempfile.tempdir = None
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
-
-
-def _forget_environment() -> None:
-    """Drop what preloaded modules derived from the server's environment at import time."""
-    matplotlib = sys.modules.get("matplotlib")
-    if matplotlib is not None:  # its config and cache dirs: the kernel's scratch, not the server's
-        for name, fmt in (("get_configdir", "CONFIGDIR=%s"), ("get_cachedir", "CACHEDIR=%s")):
-            uncached = getattr(matplotlib, name).__wrapped__
-            setattr(matplotlib, name, matplotlib._logged_cached(fmt)(uncached))
 
 
 def _exit_like_python(code: int) -> None:

@@ -152,7 +152,7 @@ def _become_pooled(app: Any, listener: socket.socket, registry: int, taken: int,
     from sandbox_kernel.confine import companion
     from sandbox_kernel.confine.environment import prepare
 
-    from .server import _forget_environment, _reseed
+    from .child import forget_environment, reseed
 
     code = 1
     try:
@@ -165,8 +165,8 @@ def _become_pooled(app: Any, listener: socket.socket, registry: int, taken: int,
         fontcache.copy_lists(fonts, kernel_env.get("MPLCONFIGDIR", ""))
         os.environ.clear()
         os.environ.update(kernel_env)
-        _forget_environment()
-        _reseed()
+        forget_environment()
+        reseed()
         app.confine()
         app.serve_one(listener, taken, server_uid)
     except SystemExit as exc:

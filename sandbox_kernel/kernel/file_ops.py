@@ -1,11 +1,12 @@
-"""The file operations that run inside a kernel, sent there as source text.
+"""The file operations that run inside a kernel: imported by a one-shot, sent to a ZMQ one.
 
-`files.py` reads this file and defines it in the kernel once, then calls its entry point
-`__sandbox_files__` with the `main()` convention; a one-shot kernel, whose scratch ends with
-it, defines it from this file too and calls it after the run when its caller asks to keep the
-files the run wrote (kernel/oneshot.py). No caller imports it. Inside the kernel it reaches
-only what the kernel's own code could, under its Landlock rules. Its error texts reach
-the service's callers as they are (the MCP server words them again for a model).
+The client (client/files.py) reads this file's text and defines it in a ZMQ kernel once, then
+calls its entry point `__sandbox_files__` with the `main()` convention; a one-shot kernel,
+whose scratch ends with it, imports it (kernel/oneshot.py) and calls it after the run when its
+caller asks to keep the files the run wrote. It imports nothing but the standard library.
+Inside the kernel it reaches only what the kernel's own code could, under its Landlock rules.
+Its error texts reach the service's callers as they are (the MCP server words them again for a
+model).
 """
 
 
