@@ -18,3 +18,11 @@ def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (in CI, where .ci/run installs it)", pytrace=False)
     pytest.skip(reason)
+
+
+def unmeasured(reason: str) -> NoReturn:
+    """Skip a test whose goal could not be measured on this machine, or fail it in CI, where a
+    goal no one measured would pass unseen."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"not measured: {reason} (in CI, every goal must be measured)", pytrace=False)
+    pytest.skip(reason)

@@ -27,6 +27,22 @@ from sandbox_kernel.policy import SandboxPolicy  # noqa: E402
 from . import eg_venv  # noqa: E402
 from .ci_tools import unavailable  # noqa: E402
 
+# The slow groups (pyproject.toml's markers, docs/contributing.md): each test of these files, or
+# using Enterprise Gateway's venv, gets its group's marker and `slow`.
+SLOW_FILES = {"container": "test_container.py", "browser": "test_jupyterlab.py",
+              "load": "test_load.py", "lint": "test_lint.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    """Mark the slow groups' tests."""
+    for item in items:
+        groups = [group for group, name in SLOW_FILES.items() if item.path.name == name]
+        if "eg_python" in getattr(item, "fixturenames", ()):
+            groups.append("gateway")
+        for group in [*groups, "slow"] if groups else []:
+            item.add_marker(group)
+
 
 @pytest.fixture(scope="session")
 def eg_python():

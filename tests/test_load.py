@@ -10,6 +10,7 @@ import collections
 
 import pytest
 
+from tests.ci_tools import unmeasured
 from tests.load import check, faults, fuzz, mixed
 from tests.load.results import Goal, ScenarioResult
 
@@ -27,8 +28,8 @@ def goal(result: ScenarioResult, name: str) -> Goal:
 
 
 def assert_met(found: Goal) -> None:
-    if found.met is None:
-        pytest.skip(f"{found.name}: {found.evidence}")
+    if found.met is None:  # skipped here, failed in CI
+        unmeasured(f"{found.name}: {found.evidence}")
     assert found.met, f"{found.name}: {found.value}\n{found.evidence}"
 
 
