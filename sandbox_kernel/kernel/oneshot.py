@@ -64,7 +64,7 @@ from traitlets import Dict, Type
 
 from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
-from . import file_ops, tools
+from . import file_ops, tools  # file_ops imported in the zygote: no grant of a checkout needed
 from . import oneshot_wire as wire
 from .app import SandboxKernelApp, _kept_without_collection
 from .budget import BUDGET
@@ -360,7 +360,6 @@ class OneShotKernelApp(SandboxKernelApp):
                                  if before.get(name) != value}
             self.warm_up()
             self.warm_grants()
-            _file_op()  # made here: a checkout's own files need not be granted to a process
 
     def confine(self) -> None:
         """In a pooled process forked from the zygote: every layer, per process.
