@@ -651,3 +651,26 @@ def test_a_snapshot_opens_as_new_sessions_and_an_idle_session_pauses_and_resumes
         assert refused.is_error and "no snapshot" in text(refused)
     finally:
         client.close()
+
+
+def test_a_run_that_waits_sends_progress_to_a_client_that_asked(mcp):
+    """A caller that sent a progress token hears, every second, what its run waits for (the
+    first run after a start waits ~10 s for the fork server and its kernels, silently before)."""
+    heard: list[tuple[float, str | None]] = []
+
+    async def progress(done: float, total: float | None, message: str | None) -> None:
+        heard.append((done, message))
+
+    answer = mcp.call(lambda client: client.call_tool(
+        "run_python", {"code": "import time\ntime.sleep(2.2)\nprint('done')"},
+        progress_callback=progress)).structured_content
+    while answer["status"] == "running":  # past --patience: the rest comes with wait_run
+        answer = mcp.call(lambda client, run=answer["run"]: client.call_tool(
+            "wait_run", {"run": run}, progress_callback=progress)).structured_content
+    assert answer["status"] == "ok", answer
+    assert len(heard) >= 2, heard
+    assert [done for done, _ in heard] == sorted(done for done, _ in heard)
+    assert all(re.fullmatch(r"(starting a sandbox for the code \(\d+ s; the first run after the "
+                            r"server starts also starts its kernels, ~10 s\)|running \(\d+ s\))",
+                            message or "") for _, message in heard), heard
+    assert heard[-1][1].startswith("running"), heard

@@ -62,6 +62,20 @@ class Run:
         """Whether the run has finished (its execution is in)."""
         return self.execution is not None
 
+    @property
+    def has_kernel(self) -> bool:
+        """Whether its code has a kernel yet (the first fresh run waits for the fork server
+        and its pool to start; a session's run for the session's lock)."""
+        return self.sandbox is not None or bool(self.fresh and self.fresh.kernel_id)
+
+    def progress(self) -> str:
+        """What a progress notification says of the run while it goes on."""
+        elapsed = time.time() - self.started
+        if not self.has_kernel:
+            return (f"starting a sandbox for the code ({elapsed:.0f} s; the first run after "
+                    "the server starts also starts its kernels, ~10 s)")
+        return f"running ({elapsed:.0f} s)"
+
     def take_new(self) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
         """The output and displays the caller has not been given yet."""
         chunks, displays = self.chunks[self.seen_chunks:], self.displays[self.seen_displays:]

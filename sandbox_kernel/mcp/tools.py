@@ -7,10 +7,11 @@ failures a model can act on raise ToolError with a message written for it.
 
 
 import base64
+import time
 from collections.abc import Awaitable
 from typing import Annotated, Any, Literal, TypeVar
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ImageContent, TextContent, ToolAnnotations
 from pydantic import Field
@@ -51,6 +52,7 @@ collect the rest with wait_run."""
 
 
 T = TypeVar("T")
+PROGRESS_EVERY = 1.0  # seconds between progress notifications while a call waits for its run
 
 
 def _check(call: Any) -> Any:
@@ -85,8 +87,14 @@ def register(server: MCPServer, state: State) -> None:
             await _hosted(state.pausing.resume(key, session_id))
         return _check(lambda: state.sessions.get(key, session_id))
 
-    async def answer(run: Any, wait: float) -> CallToolResult:
-        await state.runs.wait(run, wait)
+    async def answer(run: Any, wait: float, ctx: Context | None = None) -> CallToolResult:
+        """The run's answer once it ends or `wait` passes; meanwhile, to a caller that asked
+        for progress, a notification every PROGRESS_EVERY seconds saying what it waits for."""
+        deadline = time.monotonic() + wait
+        while not run.done and (left := deadline - time.monotonic()) > 0:
+            await state.runs.wait(run, min(PROGRESS_EVERY, left))
+            if ctx is not None and not run.done:  # a no-op unless the caller sent a token
+                await ctx.report_progress(time.time() - run.started, message=run.progress())
         result = render.result(run, config)
         if run.done:
             state.runs.forget(run)
@@ -103,22 +111,24 @@ def register(server: MCPServer, state: State) -> None:
         timeout: Annotated[float | None, Field(
             description=f"Seconds the code may run (default {config.default_timeout:g}, at "
             f"most {config.max_timeout:g}).")] = None,
+        ctx: Context | None = None,
     ) -> Annotated[CallToolResult, RunResult]:
         limit = _check(lambda: config.timeout(timeout))
         held = await session_of(session) if session is not None else None
         owner = state.owner()
         run = _check(lambda: state.runs.start(owner, code, inputs, held, limit))
-        return await answer(run, config.patience)
+        return await answer(run, config.patience, ctx)
 
     async def wait_run(
         run: Annotated[str, Field(description="The run id a running answer gave.")],
         wait: Annotated[float | None, Field(
             description=f"Seconds to wait for it (default and most {config.patience:g}).",
             gt=0)] = None,
+        ctx: Context | None = None,
     ) -> Annotated[CallToolResult, RunResult]:
         """Collect more of a run that was still going: its new output, and its end if it ended."""
         found = _check(lambda: state.runs.get(state.owner(), run))
-        return await answer(found, min(wait or config.patience, config.patience))
+        return await answer(found, min(wait or config.patience, config.patience), ctx)
 
     async def create_session(
         network: Annotated[bool | None, Field(
