@@ -74,6 +74,20 @@ def test_a_kernel_that_cannot_start_is_reported_to_the_taker():
         pool.get(timeout=60)
 
 
+def test_options_a_sandbox_refuses_reach_the_taker():
+    # preload without kernel_name=None names both a kernelspec ("sandbox") and start options:
+    # the taker hears why, where it used to wait for ever (the pool's task died unseen).
+    async def scenario():
+        async with KernelPool(size=1, preload=["json"]) as pool:
+            with pytest.raises(PoolStartError, match="give either kernel_name"):
+                await asyncio.wait_for(pool.get(), 60)
+
+    asyncio.run(scenario())
+    with SandboxPool(size=1, preload=["json"]) as pool, \
+            pytest.raises(PoolStartError, match="give either kernel_name"):
+        pool.get(timeout=60)
+
+
 # What user code can see of a kernel's past: its execution count, history, namespace, output
 # cache, last result, compiled cells, loaded modules, garbage-collector state and IOPub/shell
 # leftovers (the reply's execution_count). Run as the first code in each kernel compared.

@@ -181,14 +181,19 @@ class KernelPool(_PoolSettings):
 
     async def _start_one(self) -> None:
         """Start one kernel and queue it (or its failure, for a waiting get() to hear of)."""
-        sandbox = AsyncSandbox(**self.sandbox_options)
+        sandbox = None
         try:
+            # Made inside the try: options a sandbox refuses (a kernelspec and a policy both)
+            # reach the waiting get() as its PoolStartError, rather than leaving it waiting.
+            sandbox = AsyncSandbox(**self.sandbox_options)
             await sandbox.start()
         except asyncio.CancelledError:  # close() while it starts: it must not live on
-            await asyncio.shield(_close_quietly(sandbox))
+            if sandbox is not None:
+                await asyncio.shield(_close_quietly(sandbox))
             raise
         except Exception as exc:  # a kernel that cannot start: tell a taker, go on
-            await _close_quietly(sandbox)
+            if sandbox is not None:
+                await _close_quietly(sandbox)
             failure = _failure(exc)
             self.last_error = str(exc)
             self._ready.put_nowait(failure)
@@ -266,12 +271,14 @@ class SandboxPool(_PoolSettings):
             filled = True
             self._wanted.clear()
             while not self._closed.is_set() and self._ready.qsize() < self.size:
-                sandbox = Sandbox(**self.sandbox_options)
+                sandbox = None
                 try:
+                    sandbox = Sandbox(**self.sandbox_options)  # inside: see _start_one
                     sandbox.start()
                 except Exception as exc:
                     with contextlib.suppress(Exception):
-                        sandbox.close()
+                        if sandbox is not None:
+                            sandbox.close()
                     self._ready.put(_failure(exc))
                     self._wanted.clear()  # try again once a taker has heard of it
                     self._closed.wait(_RETRY_SECONDS)
