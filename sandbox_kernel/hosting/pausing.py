@@ -7,7 +7,7 @@ instance or another sharing the dir, on a fresh kernel of the same network and r
 restored from the snapshot, with the same id. While a kernel runs it, the instance holds the
 session's lease (store.py): a second instance is refused (409), never a silent double.
 
-Rules an agent platform needs spelled out (README.md says the same):
+Rules an agent platform needs spelled out (docs/service.md says the same):
 - Limits: a paused session holds disk, not a kernel: it does not count against --max-sessions
   (kernels), but does against its key's limit, so pausing is no way around it; resuming takes
   a kernel slot as creating does (429 when the service is full).
