@@ -177,8 +177,8 @@ def test_papermill_with_parameters(notebook):
 
 
 def test_papermill_needs_language_for_a_notebook_without_language_metadata(kernelspecs, tmp_path):
-    # README's note: papermill takes the language for its parameters cell from the notebook,
-    # not from the kernelspec; `--language python` supplies it.
+    # docs/notebooks.md's note: papermill takes the language for its parameters cell from the
+    # notebook, not from the kernelspec; `--language python` supplies it.
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]}),
                 nbformat.v4.new_code_cell("print(x * 2)")]
