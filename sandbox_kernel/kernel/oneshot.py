@@ -27,7 +27,7 @@ This module holds every difference:
 - the tool bridge (kernel/tools.py): a tool call goes out as a message record, its answer
   comes back as a TOOL_REPLY record on the same connection (there is no stdin channel).
 - the request: the process is confined *before* a request exists (a pool keeps it waiting,
-  launch/forkserver/server.py); it accepts exactly one connection, closes the listener, reads
+  launch/forkserver/pools.py); it accepts exactly one connection, closes the listener, reads
   the request itself, runs it, and exits.
 
 A one-shot kernel has no stdin (input() raises), no comms (widgets), no control channel (its

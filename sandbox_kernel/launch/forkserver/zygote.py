@@ -1,6 +1,6 @@
 """A pool's zygote: the one-shot kernel built and warmed once, forked for each pooled process.
 
-The fork server forks one zygote per pool (server.py). It does what a pooled process used to do
+The fork server forks one zygote per pool (pools.py). It does what a pooled process used to do
 before its confinement, once: the pool's environment, the application with its configuration,
 the kernel and its shell, a warm-up execution (kernel/oneshot.py `build`). It then forks, on the
 server's word, one process per pool member; each makes its per-process parts and confines itself
