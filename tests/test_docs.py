@@ -45,7 +45,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
         *sorted((ROOT / "deploy").rglob("*.md"))]
 # The pages each kind of user starts from zero on: every block marked, the runnable ones run.
 PAGES = ["notebooks.md", "python.md", "policy.md", "service.md", "dify.md", "deploy.md",
-         "benchmarks.md"]
+         "benchmarks.md", "agents.md"]
 # Run after the README's blocks, in its checkout copy, in this order (deploy.md has its own).
 RUN_AFTER_README = ["notebooks.md", "python.md", "policy.md", "service.md", "dify.md"]
 MARKED = re.compile(r"<!-- (runnable|not run)([^>]*)-->\n[ \t]*```(bash|sh|python)\n(.*?)```", re.S)
@@ -195,6 +195,8 @@ def test_every_runnable_doc_has_blocks():
     assert len(runnable_blocks(ROOT / "README.md")) == 2
     assert len(runnable_blocks(ROOT / "docs" / "deploy.md")) == 2
     assert len(runnable_blocks(ROOT / "docs" / "secrets.md")) == 1
+    # one venv per framework's extra: tests/test_frameworks.py runs these
+    assert len(runnable_blocks(ROOT / "docs" / "agents.md")) == 7
     for page in RUN_AFTER_README:
         assert runnable_blocks(ROOT / "docs" / page), page
 
