@@ -563,14 +563,17 @@ class _SandboxCore:
                    on_stdout: Callback = None, on_stderr: Callback = None,
                    on_display: Callback = None, entrypoint: str = "main",
                    raw_result: bool = False,
-                   tools: Mapping[str, Callable[..., Any]] | None = None) -> Steps[Execution]:
+                   tools: Mapping[str, Callable[..., Any]] | Toolbox | None = None,
+                   ) -> Steps[Execution]:
         """Run code; with inputs, then call `entrypoint(**inputs)` and return its dict.
 
         raw_result: leave a main() result as its JSON bytes in `result_json` (checked, never
         parsed into objects), for a caller that only passes it on (the service).
         tools: the tools this run grants instead of the sandbox's ({}: none); calls are in
-        `Execution.tool_calls`."""
-        toolbox = self.toolbox if tools is None else self.toolbox.with_tools(tools)
+        `Execution.tool_calls`; a Toolbox: these tools with its own limits, hook and audit
+        settings (a host's, for its callers' runs)."""
+        toolbox = self.toolbox if tools is None else tools if isinstance(tools, Toolbox) \
+            else self.toolbox.with_tools(tools)
         return (yield from self._execute_steps(code, inputs, timeout, on_stdout, on_stderr,
                                                on_display, entrypoint, raw_result,
                                                toolbox=toolbox))

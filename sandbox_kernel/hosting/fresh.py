@@ -27,6 +27,7 @@ import zmq
 
 from ..client import AsyncSandbox, Execution, oneshot
 from ..client.collect import info_of
+from ..client.tools import Toolbox
 from ..errors import ExecutionTimeout, KernelUnavailable, OutputLimitExceeded, ServiceStopping
 from ..launch.oneshot import OneShotUnavailable
 from .admission import Admission
@@ -144,23 +145,26 @@ class Runner:
                   on_output: Callable[[str, Any], None] | None = None,
                   entrypoint: str = "main", raw_result: bool = True,
                   keep: Callable[[AsyncSandbox, Execution], Awaitable[None]] | None = None,
-                  ) -> tuple[Execution, bool]:
+                  tools: Toolbox | None = None) -> tuple[Execution, bool]:
         """Wait for the tenant's worker, run on a fresh kernel, discard it; the execution, and
         whether the host had to end it. Needs an admission slot of the tenant's. With inputs,
         entrypoint(**inputs) is called after the code (the main() convention). keep: what to
         read from a ZMQ kernel before it is discarded (the files it wrote), unless it was lost.
+        tools: what the run grants `sandbox_tools` (client/tools.py; a face's declared tools:
+        tools.py), served on this loop on either kind of kernel.
         """
         budget = OutputBudget(self.output_limit)
         async with self.admission.worker(tenant):
             if await self._has_one_shot(network):
                 try:
                     return await self.run_one_shot(code, network, timeout, inputs, record,
-                                                   budget, on_output, entrypoint, raw_result)
+                                                   budget, on_output, entrypoint, raw_result,
+                                                   tools)
                 except OneShotUnavailable as exc:  # nothing ran: a ZMQ kernel runs it
                     log.warning(json_line(event="one_shot_not_taken", error=str(exc),
                                           policy=policy_name(network)))
             return await self.run_on_kernel(code, network, timeout, inputs, record, budget,
-                                            on_output, entrypoint, raw_result, keep)
+                                            on_output, entrypoint, raw_result, keep, tools)
 
     async def _has_one_shot(self, network: Network) -> bool:
         one_shots = self.one_shots
@@ -172,7 +176,7 @@ class Runner:
                             on_output: Callable[[str, Any], None] | None, entrypoint: str,
                             raw_result: bool,
                             keep: Callable[[AsyncSandbox, Execution], Awaitable[None]] | None,
-                            ) -> tuple[Execution, bool]:
+                            tools: Toolbox | None = None) -> tuple[Execution, bool]:
         """The run on a fresh ZMQ kernel, discarded whenever the run ends."""
         sandbox = record.sandbox = await self.kernels.get(network)
         record.kernel_id = kernel_id(sandbox)
@@ -181,7 +185,7 @@ class Runner:
             execution, lost = await bounded(
                 sandbox.run(code, inputs, timeout=timeout, on_stdout=on["stdout"],
                             on_stderr=on["stderr"], on_display=on["display"],
-                            raw_result=raw_result, entrypoint=entrypoint),
+                            raw_result=raw_result, entrypoint=entrypoint, tools=tools),
                 timeout, self.grace, record, self.stopping)
             if keep is not None and not (lost or execution.state_lost):
                 await keep(sandbox, execution)
@@ -197,7 +201,8 @@ class Runner:
     async def run_one_shot(self, code: str, network: Network, timeout: float,
                            inputs: dict | None, record: RunRecord, budget: OutputBudget,
                            on_output: Callable[[str, Any], None] | None, entrypoint: str,
-                           raw_result: bool) -> tuple[Execution, bool]:
+                           raw_result: bool, tools: Toolbox | None = None,
+                           ) -> tuple[Execution, bool]:
         """The run on a one-shot kernel of the network's pool, killed whenever the run ends;
         OneShotUnavailable when none took it."""
         assert self.one_shots is not None
@@ -210,7 +215,9 @@ class Runner:
                 oneshot.run(pool, code, inputs, timeout, on_stdout=on["stdout"],
                             on_stderr=on["stderr"], on_display=on["display"],
                             limits=self.one_shots.limits[allowed], raw_result=raw_result,
-                            grace=self.grace, entrypoint=entrypoint, handle=record.one_shot),
+                            grace=self.grace, entrypoint=entrypoint, handle=record.one_shot,
+                            tools=tools if tools is not None and tools.tools else None,
+                            owner=record),
                 timeout, self.grace, record, self.stopping)
         except OutputLimitExceeded as exc:
             return output_limited(record, exc, state_lost=True), False

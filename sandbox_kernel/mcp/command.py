@@ -10,9 +10,11 @@ import sys
 from typing import Any
 
 from .. import flags, policy
+from ..client.tools import ToolLimits
 from ..extras import install_hint
 from ..launch import preload
 from . import configs
+from .bridge import Upstream, bridge_problem
 from .config import McpConfig
 
 DESCRIPTION = """An MCP server that runs Python for agents in sandboxed kernels. Over stdio by \
@@ -30,6 +32,13 @@ def _host_port(text: str) -> tuple[str, int]:
 def _size(text: str) -> int:
     try:
         return policy.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _upstream(text: str) -> Upstream:
+    try:
+        return Upstream.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -105,6 +114,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       default=defaults.session_pause_after,
                       help="seconds idle before a session is snapshotted into --state-dir and "
                       "its kernel stopped; the next call naming it resumes it (0: never)")
+    bridged = command.add_argument_group("tools from other MCP servers")
+    bridged.add_argument("--tools-from", metavar="NAME=COMMAND|URL", type=_upstream,
+                         action="append", default=[],
+                         help="connect to this MCP server (a command started over stdio with "
+                         "this server's environment, or a Streamable HTTP URL) and let "
+                         "run_python's code call its tools, as `from sandbox_tools import "
+                         "NAME__tool` (repeatable; see docs/mcp.md)")
+    tool_defaults = ToolLimits()
+    bridged.add_argument("--tool-timeout", type=float, default=tool_defaults.timeout,
+                         metavar="S", help="seconds one such call may take")
+    bridged.add_argument("--tool-max-calls", type=int, default=tool_defaults.max_calls,
+                         metavar="N", help="such calls one run may make")
     command.add_argument("--runtime", metavar="NAME", default="",
                          help="run kernels on this runtime (`sandbox-kernel runtime create`)")
     flags.add_arguments(command)
@@ -129,7 +150,10 @@ def config_from(args: argparse.Namespace) -> McpConfig:
         state_dir=args.state_dir, max_snapshot_size=args.max_snapshot_size,
         max_snapshots_per_key=max(1, args.max_snapshots_per_key),
         max_snapshot_bytes_per_key=max(1, args.max_snapshot_bytes_per_key),
-        session_pause_after=max(0.0, args.session_pause_after))
+        session_pause_after=max(0.0, args.session_pause_after),
+        tools_from=list(args.tools_from),
+        tool_limits=ToolLimits(max_calls=max(1, args.tool_max_calls),
+                               timeout=max(0.1, args.tool_timeout)))
 
 
 def _sdk_missing() -> str | None:
@@ -187,7 +211,10 @@ def main(args: argparse.Namespace) -> int:
     if args.print_tools:
         from .openai import definitions
 
-        print(json.dumps(definitions(config, args.print_tools), indent=2))
+        try:
+            print(json.dumps(definitions(config, args.print_tools), indent=2))
+        except Exception as exc:
+            return _stopped_by_bridge(exc)
         return 0
     refused = _preload_refusal(config)
     if refused:
@@ -207,7 +234,10 @@ def main(args: argparse.Namespace) -> int:
             print("sandbox-kernel mcp: --keys is for --http (stdio serves the one client "
                   "that started it)", file=sys.stderr)
             return 2
-        server.run_stdio(config)
+        try:
+            server.run_stdio(config)
+        except Exception as exc:
+            return _stopped_by_bridge(exc)
         return 0
     if not args.keys:
         print("sandbox-kernel mcp: --http needs --keys FILE: every request must carry one of "
@@ -221,5 +251,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
         return 2
     host, port = args.http
-    server.run_http(config, host, port, keys)
+    try:
+        server.run_http(config, host, port, keys)
+    except Exception as exc:
+        return _stopped_by_bridge(exc)
     return 0
+
+
+def _stopped_by_bridge(exc: Exception) -> int:
+    """Exit 2 saying which --tools-from server could not be used; re-raise anything else."""
+    problem = bridge_problem(exc)
+    if problem is None:
+        raise exc
+    print(f"sandbox-kernel mcp: {problem}", file=sys.stderr)
+    return 2

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..client.tools import ToolLimits
 from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
 from ..policy import SandboxPolicy
+from .bridge import Upstream
 
 DEFAULT_TIMEOUT = 60.0  # seconds a run may take when neither the call nor --timeout says
 
@@ -39,6 +41,10 @@ class McpConfig:
     max_snapshots_per_key: int = 64  # snapshots one key (the client, over stdio) keeps
     max_snapshot_bytes_per_key: int = 8 * 2**30  # and their bytes, in all
     session_pause_after: float = 0.0  # seconds idle before a session is paused (0: never)
+    # other MCP servers whose tools run_python's code may call (mcp/bridge.py), and the
+    # bridge's limits on those calls (per call and per run)
+    tools_from: list[Upstream] = field(default_factory=list)
+    tool_limits: ToolLimits = field(default_factory=ToolLimits)
 
     @property
     def default_timeout(self) -> float:

@@ -19,8 +19,9 @@ FORMATS = ("openai", "openai-chat", "mcp")
 
 async def tool_definitions(config: McpConfig, form: str = "openai") -> list[dict[str, Any]]:
     """The tool definitions in the given form (mcp: the MCP Tool objects as JSON)."""
-    server, _ = build(config)
-    listed = await server.list_tools()
+    server, state = build(config)
+    async with state.bridged():  # the --tools-from servers' stubs, in run_python's description
+        listed = await server.list_tools()
     if form == "mcp":
         return [tool.model_dump(mode="json", by_alias=True, exclude_none=True)
                 for tool in listed]

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..client import AsyncSandbox, Execution, oneshot
 from ..client.collect import info_of
+from ..client.tools import Toolbox
 from ..errors import KernelUnavailable, ServiceStopping
 from ..hosting.admission import Admission, Busy
 from ..hosting.fresh import Runner, RunRecord
@@ -91,6 +92,7 @@ class Runs:
         self.runner = runner
         self.sessions = sessions
         self._runs: dict[str, Run] = {}
+        self.toolbox: Toolbox | None = None  # the --tools-from servers' tools, every run's
 
     def get(self, owner: str, run_id: str) -> Run:
         """The caller's run of that id; SessionProblem when it is not theirs or gone."""
@@ -193,6 +195,7 @@ class Runs:
             run.sandbox = session.sandbox
             try:
                 run.execution = await session.sandbox.run(code, inputs, timeout=run.timeout,
+                                                          tools=self.toolbox,
                                                           **self._callbacks(run))
                 await self._find_written(run, session.sandbox)
             except Exception:
@@ -220,7 +223,7 @@ class Runs:
         run.execution, _ = await self.runner.run(
             code, network=self.config.policy.allow_network, timeout=run.timeout,
             tenant=run.owner, inputs=inputs, record=run.fresh, on_output=on_output,
-            raw_result=False, keep=keep)
+            raw_result=False, keep=keep, tools=self.toolbox)
         if run.fresh.on_one_shot and run.fresh.one_shot is not None \
                 and not run.execution.state_lost:
             try:

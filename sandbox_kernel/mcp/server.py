@@ -17,6 +17,7 @@ from .. import __version__
 from ..hosting.events import http_url
 from ..hosting.keys import ApiKey, BearerKeys
 from . import resources, tools
+from .bridge import BridgeError
 from .config import McpConfig
 from .state import State
 
@@ -50,11 +51,16 @@ def build(config: McpConfig, keys: list[ApiKey] | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_server: MCPServer) -> AsyncIterator[dict[str, Any]]:
-        state.start()
         try:
-            yield {}
-        finally:
-            await state.close()
+            async with state.bridged():
+                state.start()
+                try:
+                    yield {}
+                finally:
+                    await state.close()
+        except BridgeError as exc:
+            log.error("%s", exc)
+            raise
 
     auth: dict[str, Any] = {}
     if keys is not None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from mcp.server.auth.middleware.auth_context import get_access_token
 
 from ..client.sandbox import GRACE_SECONDS
+from ..client.tools import Toolbox
 from ..hosting.admission import Admission, fair_share
 from ..hosting.fresh import Runner
 from ..hosting.keys import ApiKey
@@ -18,6 +20,7 @@ from ..hosting.pausing import Pausing
 from ..hosting.sessions import Sessions
 from ..hosting.sources import Kernels, PoolSource, make_source
 from ..hosting.store import Quota, Store
+from .bridge import Bridge
 from .config import McpConfig
 from .runs import Runs
 
@@ -36,6 +39,8 @@ class State:
     sessions: Sessions = field(init=False)
     runs: Runs = field(init=False)
     pausing: Pausing | None = field(default=None, init=False)  # with --state-dir
+    # run_python's registration, its description given the bridged tools' stubs (tools.py)
+    describe: Callable[[str], None] | None = field(default=None, init=False)
     _culler: asyncio.Task[None] | None = field(default=None, init=False)
     _pauser: asyncio.Task[None] | None = field(default=None, init=False)
     _starting: asyncio.Future[None] | None = field(default=None, init=False)
@@ -69,6 +74,22 @@ class State:
             store = Store(config.state_dir, config.max_snapshot_size,
                           Quota(config.max_snapshots_per_key, config.max_snapshot_bytes_per_key))
             self.pausing = Pausing(self.sessions, store, config.runtime)
+
+    @contextlib.asynccontextmanager
+    async def bridged(self) -> AsyncIterator[None]:
+        """The --tools-from servers connected while the block runs: their tools granted to
+        every run and listed in run_python's description (mcp/bridge.py)."""
+        if not self.config.tools_from:
+            yield
+            return
+        async with Bridge(self.config.tools_from) as bridge:
+            self.runs.toolbox = Toolbox(bridge.tools(), limits=self.config.tool_limits)
+            if self.describe is not None:
+                self.describe(bridge.stubs())
+            try:
+                yield
+            finally:
+                self.runs.toolbox = None
 
     def start(self) -> None:
         """Begin filling the pool and culling idle sessions and uncollected runs."""

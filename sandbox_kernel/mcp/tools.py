@@ -7,6 +7,7 @@ failures a model can act on raise ToolError with a message written for it.
 
 
 import base64
+import contextlib
 import time
 from collections.abc import Awaitable
 from typing import Annotated, Any, Literal, TypeVar
@@ -21,6 +22,7 @@ from ..hosting.sessions import Session, SessionError
 from ..hosting.store import StoreError
 from ..secrets import SecretError
 from . import files, messages, render
+from .bridge import described
 from .problems import SessionProblem, for_model
 from .shapes import (
     Done,
@@ -74,7 +76,8 @@ async def _hosted(call: Awaitable[T]) -> T:
 
 
 def register(server: MCPServer, state: State) -> None:
-    """Add every tool to the server."""
+    """Add every tool to the server; `state.describe(stubs)` adds the --tools-from servers'
+    tools to run_python's description once they are known (mcp/bridge.py)."""
     config = state.config
     network = " and no network" if not config.policy.allow_network else ""
     Code = Annotated[str, Field(description="Python source code.", max_length=1_000_000)]
@@ -269,10 +272,19 @@ def register(server: MCPServer, state: State) -> None:
 
     if state.pausing is not None:
         _register_snapshots(server, state, SessionId, session_of)
-    server.add_tool(run_python, description=RUN_PYTHON.format(
-        network=network, patience=config.patience), title="Run Python in a sandbox",
-        annotations=ToolAnnotations(destructive_hint=False,
-                                    open_world_hint=config.policy.allow_network))
+    def describe(stubs: str = "") -> None:
+        """(Re)add run_python, its description listing the bridged tools' stubs."""
+        with contextlib.suppress(Exception):  # not added yet
+            server.remove_tool("run_python")
+        server.add_tool(run_python, description=RUN_PYTHON.format(
+            network=network, patience=config.patience) + described(stubs),
+            title="Run Python in a sandbox",
+            annotations=ToolAnnotations(destructive_hint=False,
+                                        open_world_hint=config.policy.allow_network
+                                        or bool(stubs)))
+
+    describe()
+    state.describe = describe
     server.add_tool(wait_run, annotations=ToolAnnotations(read_only_hint=True))
     changing: tuple[Any, ...] = (create_session, close_session, restart_session, interrupt,
                                  write_file)
