@@ -698,3 +698,58 @@ def test_a_one_shot_sandbox_interrupts_its_run_from_another_thread():
         assert ex.stdout == "looping\n" and ex.duration < 30
         assert sandbox.run("def main():\n    return {'next': 1}", {}).result == {"next": 1}
         sandbox.interrupt()  # after the run: its process is gone, nothing to do
+
+
+def _refuse_zmq(monkeypatch):
+    """zmq.Context and KernelManager constructors that raise: a one-shot run needs neither."""
+    import zmq
+    from jupyter_client.manager import KernelManager
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a one-shot sandbox made a ZMQ context or a kernel manager")
+
+    monkeypatch.setattr(zmq.Context, "__init__", refused)
+    monkeypatch.setattr(KernelManager, "__init__", refused)
+
+
+def test_a_one_shot_sandbox_makes_no_zmq_context_or_kernel_manager(pool, monkeypatch):
+    """Sandbox(one_shot=True) and its async twin run, interrupt and close on the pool alone."""
+    from sandbox_kernel.client import AsyncSandbox
+
+    policy = SandboxPolicy(**POLICY)
+    one_shot(pool, "pass")  # the pool's server is up: what follows only asks it
+    _refuse_zmq(monkeypatch)
+    with Sandbox(None, policy=policy, one_shot=True) as sandbox:
+        assert sandbox.run("def main(x):\n    return {'y': x * 2}", {"x": 21}).result == \
+            {"y": 42}
+        sandbox.interrupt()
+    assert sandbox.total_usage().cpu_user_seconds is not None  # the run was counted
+
+    async def on_the_loop():
+        async with AsyncSandbox(None, policy=policy, one_shot=True) as sandbox:
+            return (await sandbox.run("print('hi')")).stdout
+
+    assert asyncio.run(on_the_loop()) == "hi\n"
+
+
+def test_a_one_shot_sandbox_that_falls_back_makes_its_manager_then(monkeypatch):
+    """No pool to be had: the run takes a ZMQ kernel, whose manager is made for it."""
+    from sandbox_kernel.client import sandbox as sandbox_module
+
+    def unavailable(self):
+        raise OneShotUnavailable("no pool in this test")
+
+    monkeypatch.setattr(OneShotPool, "ask", unavailable)
+    made = []
+    real = sandbox_module.SandboxKernelManager.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sandbox_module.SandboxKernelManager, "__init__", counted)
+    sandbox = Sandbox(None, policy=SandboxPolicy(**POLICY), one_shot=True)
+    assert not made
+    with sandbox:
+        assert sandbox.run("print('zmq')").stdout == "zmq\n"
+        assert sandbox.one_shot_pool is None and len(made) == 1

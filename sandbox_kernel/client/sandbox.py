@@ -370,13 +370,12 @@ class _SandboxCore:
             installed_policy(kernel_name) if kernel_name else SandboxPolicy().as_dict())
         # Enforced here on what arrives, whatever the kernel does (see receive.py).
         self.limits = CallerLimits.from_policy(recorded, max_output, max_result)
-        self.context = shared_context(self.limits, self.context_class)
-        # The manager's control socket lives on the same context (its own was one more
-        # I/O thread per kernel).
-        self.manager = self.manager_class(
-            context=self.context,
-            **manager_kwargs(kernel_name, policy, cold_start, preload, python))
-        jsonwire.use_exact_json(self.manager.session)  # results exact with or without orjson
+        # The ZMQ context and kernel manager are made when first used (`context`, `manager`):
+        # a one-shot sandbox's runs need neither, unless they fall back to a ZMQ kernel. The
+        # arguments are checked now, as they always were.
+        self._manager_kwargs = manager_kwargs(kernel_name, policy, cold_start, preload, python)
+        self._context: Any = None
+        self._manager: Any = None
         self.startup_timeout = startup_timeout
         self.grace = grace
         self.timeout_source = timeout_source
@@ -401,6 +400,27 @@ class _SandboxCore:
         self.toolbox = Toolbox(tools or {}, limits=tool_limits, approve=approve_tool,
                                audit_payloads=audit_tool_payloads)
         self._tool_loop: ToolLoop | None = None  # a blocking Sandbox's loop for its tools
+
+    @property
+    def context(self) -> Any:
+        """The ZMQ context of this sandbox's sockets (the shared bounded one), once used."""
+        if self._context is None:
+            self._context = shared_context(self.limits, self.context_class)
+        return self._context
+
+    @context.setter
+    def context(self, context: Any) -> None:
+        self._context = context
+
+    @property
+    def manager(self) -> Any:
+        """The kernel manager of this sandbox's ZMQ kernels, made when first used."""
+        if self._manager is None:
+            # Its control socket lives on the sandbox's context (its own was one more I/O
+            # thread per kernel).
+            self._manager = self.manager_class(context=self.context, **self._manager_kwargs)
+            jsonwire.use_exact_json(self._manager.session)  # results exact with or without orjson
+        return self._manager
 
     @property
     def holds_callers_secrets(self) -> bool:
@@ -495,7 +515,7 @@ class _SandboxCore:
         if self._tool_loop is not None:
             self._tool_loop.close()
             self._tool_loop = None
-        if self.manager.has_kernel:
+        if self._manager is not None and self._manager.has_kernel:  # a one-shot's has none
             self._total.retire(self._process)  # before it ends: its last ticks are readable
             # Graceful by default; either way the scratch reaper removes the scratch directory.
             try:
