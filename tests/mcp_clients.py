@@ -86,14 +86,16 @@ def free_port() -> int:
 class HttpServer:
     """`sandbox-kernel mcp --http` in a subprocess on 127.0.0.1, stopped with SIGTERM."""
 
-    def __init__(self, tmp: Path, keys: Path, *flags: str) -> None:
+    def __init__(self, tmp: Path, keys: Path, *flags: str,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.log = tmp / f"mcp-{self.port}.log"
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
                 [*SERVER, *FLAGS, "--http", f"127.0.0.1:{self.port}", "--keys", str(keys),
-                 *flags], stdout=log, stderr=subprocess.STDOUT)
+                 *flags], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()

@@ -5,12 +5,15 @@ A case speaks to a `Face`: run code (fresh or in a session), open, snapshot, lis
 sessions. Each face translates its protocol's answer back into the same terms (the output, the
 error's name, or the kind of refusal), so a case added to CASES runs on both. Fresh runs run on
 both transports: a one-shot kernel (the servers' default here) and a ZMQ kernel (a server with
---one-shot-pool-size 0, the fallback rule's other kernel); every run is a real sandboxed kernel.
+--one-shot-pool-size 0, the fallback rule's other kernel), and through the fallback itself (a
+server whose one-shot pool cannot be had runs them on ZMQ kernels, and says nothing different);
+every run is a real sandboxed kernel.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,10 +213,12 @@ CASES: list[Callable[[Face], None]] = [
     a_keys_session_limit_is_its_own, a_snapshot_opens_as_a_new_session,
     an_unknown_snapshot_is_refused, an_idle_session_pauses_and_resumes_with_its_state]
 ON_ZMQ_TOO = [fresh_runs, an_error_is_named]  # fresh runs: the other transport's kernel
+FALLBACK = "-fallback"  # a face whose one-shot pool cannot be had (unreachable_pools)
 RUNS = [pytest.param(case, face, id=f"{case.__name__}-{face}")
         for face in ("service", "mcp") for case in CASES] + [
     pytest.param(case, face, id=f"{case.__name__}-{face}")
-    for face in ("service-zmq", "mcp-zmq") for case in ON_ZMQ_TOO]
+    for face in ("service-zmq", "mcp-zmq", "service" + FALLBACK, "mcp" + FALLBACK)
+    for case in ON_ZMQ_TOO]
 
 
 # --- the faces ---------------------------------------------------------------------------------
@@ -232,6 +237,24 @@ def flags(tmp: Any, one_shots: str) -> list[str]:
             str(tmp / "state"), "--session-pause-after", PAUSE_AFTER]
 
 
+def unreachable_pools(tmp: Any) -> dict[str, str]:
+    """The environment of a server whose one-shot pools cannot be had: a JUPYTER_RUNTIME_DIR
+    where the fork server's sockets fit in a unix socket's path and a pool's, a few bytes
+    longer, does not (the server answers the pool request with why). Its fresh runs take the
+    fallback: ZMQ kernels (hosting/oneshots.py), fork-served as ever."""
+    from sandbox_kernel.launch.forkserver.pools import pool_path
+    from sandbox_kernel.launch.forkserver.protocol import pools_path, server_key
+
+    key, name = server_key(sys.executable, ()), "r"
+    while True:
+        sockets = f"{tmp}/{name}/sandbox-kernel"
+        if len(pool_path(sockets, key, [], {}, "/")) > 108:  # sun_path: 108 bytes at most
+            break
+        name += "r"
+    assert len(pools_path(f"{sockets}/{key}.sock")) < 108, "no length fits the server's"
+    return {"JUPYTER_RUNTIME_DIR": f"{tmp}/{name}"}
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, keys) -> Any:
     """Each face's server, started when a case first needs it, stopped after the module."""
@@ -241,14 +264,18 @@ def servers(tmp_path_factory, keys) -> Any:
         if name not in started:
             tmp = tmp_path_factory.mktemp(name)
             one_shots = "0" if name.endswith("zmq") else "1"
+            env = unreachable_pools(tmp) if name.endswith(FALLBACK) else {}
             if name.startswith("service"):
-                server = Server(tmp, "--api-keys-file", str(keys), *flags(tmp, one_shots))
+                # Not ready while a pool cannot be had (/ready says why): it answers runs.
+                server = Server(tmp, "--api-keys-file", str(keys), *flags(tmp, one_shots),
+                                env=env, ready=not env)
                 started[name] = (server, ServiceFace(server))
             else:
-                server = HttpServer(tmp, keys, *flags(tmp, one_shots))
+                server = HttpServer(tmp, keys, *flags(tmp, one_shots), env=env)
                 started[name] = (server, McpFace(server))
         return started[name][1]
 
+    face.log = lambda name: started[name][0].log  # type: ignore[attr-defined]
     yield face
     for server, face_of in started.values():
         if isinstance(face_of, McpFace):
@@ -259,3 +286,5 @@ def servers(tmp_path_factory, keys) -> Any:
 @pytest.mark.parametrize(("case", "face"), RUNS)
 def test_a_case_behaves_the_same_on_both_faces(case, face, servers):
     case(servers(face))
+    if face.endswith(FALLBACK):  # the runs did take the fallback
+        assert "one_shot_unavailable" in servers.log(face).read_text()
