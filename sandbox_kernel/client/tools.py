@@ -314,6 +314,10 @@ class ToolRun:
         try:
             result = await _invoke(tool.function, *args, is_async=tool.is_async, **kwargs)
         except Exception as exc:  # the tool's own error: its type and message, no traceback
+            kind = getattr(exc, "tool_kind", "error")  # a host's tool that cannot be served
+            if kind in ("refused", "unavailable"):
+                record.outcome, record.message = "refused", str(exc)
+                return {"status": "error", "kind": kind, "evalue": str(exc)[:MAX_MESSAGE_TEXT]}
             record.outcome, record.message = "error", f"{type(exc).__name__}: {exc}"
             return {"status": "error", "kind": "error", "ename": type(exc).__name__,
                     "evalue": str(exc)[:MAX_MESSAGE_TEXT]}

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .. import jsonwire
+from ..client.tools import Toolbox, ToolLimits
 from ..kernel.tools import RESERVED
 
 MAX_DESCRIPTION = 8192  # characters of a declared tool's description kept
@@ -42,6 +43,20 @@ _SCALARS = {"string": "str", "integer": "int", "number": "float", "boolean": "bo
 class ToolFailed(Exception):
     """A declared tool's own failure (the other server's error, the caller's `error` answer):
     the kernel gets it as `ToolError` with ename `ToolFailed` and this message."""
+
+
+class ToolUnavailable(Exception):
+    """No one can serve the tool on this run (the caller did not take the event stream): the
+    kernel gets it as `ToolUnavailable`, at once, with this message."""
+
+    tool_kind = "unavailable"  # what client/tools.py answers the kernel with
+
+
+def unserved(why: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
+    """The function of a declared tool nobody serves: each call fails at once, saying why."""
+    async def send(arguments: dict[str, Any]) -> Any:
+        raise ToolUnavailable(why)
+    return send
 
 
 def is_tool_name(name: object) -> bool:
@@ -296,6 +311,21 @@ class Desk:
                 if run.waiting.pop(call.id, None) is not None:  # not answered: its deadline
                     self._finish(run, call.id, "expired")
         return send
+
+    def grant(self, run: DeskRun, declared: list[Declared], timeout: float,
+              announce: Announce, max_calls: int = ToolLimits.max_calls) -> Toolbox:
+        """The run's toolbox: each declared tool served by announcing its calls and waiting
+        for their answers here, `timeout` seconds each (the bridge's per-call timeout, so the
+        kernel gets ToolTimeout when it passes), results capped at this desk's size."""
+        limits = ToolLimits(max_calls=max_calls, timeout=timeout, max_result=self.max_answer)
+        return Toolbox(granted([(one, self.sender(run, one, timeout, announce))
+                                for one in declared]), limits=limits)
+
+    @staticmethod
+    def unserved(declared: list[Declared], why: str) -> Toolbox:
+        """The toolbox of a run nobody answers for: each call fails at once (ToolUnavailable
+        in the kernel), saying why."""
+        return Toolbox(granted([(one, unserved(why)) for one in declared]))
 
     def answer(self, owner: str, run_id: str, call_id: str, answer: Mapping[str, Any]) -> None:
         """Settle a waiting call with `{"result": ...}` or `{"error": "message"}`; raises

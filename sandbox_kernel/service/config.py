@@ -196,6 +196,17 @@ class ServiceConfig(Configurable):
         "one execution, whatever the kernel's own --max-output says; past it the run ends.",
     ).tag(config=True, flag="max-output-total", env="SANDBOX_MAX_OUTPUT_TOTAL", metavar="BYTES")
 
+    instance_id = Unicode(
+        "", help="This instance's id, the prefix of its run ids: an answer to a tool call "
+        "that reaches another instance is refused there with a 409 naming this one (empty: "
+        "a random id at start).",
+    ).tag(config=True, flag="instance-id", env="SANDBOX_INSTANCE_ID", metavar="ID")
+
+    max_tool_timeout = Float(
+        60.0, help="Seconds the service waits at most for the caller's answer to a tool call "
+        "of a run (a run's tool_timeout asks for less).",
+    ).tag(config=True, flag="max-tool-timeout", env="SANDBOX_MAX_TOOL_TIMEOUT", metavar="S")
+
     kernel_grace = Float(
         2.0, help="Seconds past its timeout a kernel gets to stop by itself before the service "
         "interrupts it (sessions) or discards it (stateless runs).",

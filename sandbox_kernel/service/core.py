@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from .. import __version__
 from ..client import Execution
+from ..client.tools import ToolLimits
 from ..errors import ExecutionTimeout
 from ..hosting.admission import DIFY_TENANT, Admission, fair_share, tenant_of
 from ..hosting.events import http_url
@@ -20,6 +22,7 @@ from ..hosting.pausing import Pausing
 from ..hosting.sessions import Sessions
 from ..hosting.sources import Kernels, KernelSource, make_source
 from ..hosting.store import Quota, Store
+from ..hosting.tools import Desk
 from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
 from .access import json_line
@@ -57,6 +60,9 @@ class Service:
             config.max_workers_per_key or fair_share(config.max_workers, tenants))
         self.runner = Runner(self.kernels, self.admission, config.kernel_grace,
                              config.max_output_total, self.make_one_shots())
+        # Runs whose tool calls the caller answers on a route of the run (hosting/tools.py);
+        # its id starts every run id, so another instance can name this one.
+        self.tool_desk = Desk(config.instance_id or secrets.token_hex(4), ToolLimits.max_result)
         self.sessions = Sessions(self.kernels, config.max_sessions,
                                  config.max_sessions_per_key
                                  or fair_share(config.max_sessions, len(keys)))

@@ -12,10 +12,13 @@ from starlette.responses import Response
 
 from ...client import AsyncSandbox, Execution
 from ...client.sandbox import install_code
+from ...client.tools import Toolbox
 from ...errors import OutputLimitExceeded
 from ...hosting.admission import Busy, tenant_of
 from ...hosting.fresh import OutputBudget, RunRecord, bounded, callbacks, output_limited
+from ...hosting.keys import ApiKey
 from ...hosting.sessions import Session
+from ...hosting.tools import Declared, DeskRun, ToolAnswerError
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
 from ..disconnects import client_left, unless_disconnected
@@ -25,11 +28,14 @@ from .schemas import (
     ExecutionShape,
     InstallRequest,
     OneShotRequest,
+    ToolAnswer,
     network_choice,
 )
 from .stream import EventStream, ExecutionJSON, wants_events
 
 router = APIRouter()
+NO_STREAM = ("the caller declared tools but did not take the run's event stream (Accept: "
+             "text/event-stream), where tool calls are served: ask for the stream to call them")
 
 
 @router.post("/execute", response_model=ExecutionShape,
@@ -54,19 +60,22 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
                             headers={"Retry-After": "1"}) from None
     record = RunRecord()
     request.state.record = record
+    stream = EventStream() if wants_events(request) else None
+    toolbox, desk_run = _tools(service, key, body, stream)
 
     async def work(on_output: Any = None) -> Execution:
         try:
             execution, _ = await service.runner.run(
                 body.code, network=network, timeout=timeout, tenant=tenant, inputs=body.inputs,
-                record=record, on_output=on_output)
+                record=record, on_output=on_output, tools=toolbox)
             service.count_run("native", execution)
             return execution
         finally:
             release()
+            if desk_run is not None:
+                service.tool_desk.close(desk_run)
 
-    if wants_events(request):
-        stream = EventStream()
+    if stream is not None:
         return stream.response(asyncio.ensure_future(work(stream)))
     execution = await unless_disconnected(request, work())
     if execution is None:
@@ -74,8 +83,27 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     return ExecutionJSON(execution)
 
 
+def _tools(service: Service, key: ApiKey, body: ExecuteRequest, stream: EventStream | None,
+           ) -> tuple[Toolbox | None, DeskRun | None]:
+    """The run's declared tools: served through its event stream (each call a `tool_call`
+    event, waiting for the caller's answer on the run's route), or, without a stream, each
+    call failing at once saying why; and the desk's run, to close when the run ends."""
+    if not body.tools:
+        return None, None
+    declared = [Declared(tool.name, tool.description, tool.parameters, tool.returns)
+                for tool in body.tools]
+    desk = service.tool_desk
+    if stream is None:
+        return desk.unserved(declared, NO_STREAM), None
+    limit = min(body.tool_timeout or service.config.max_tool_timeout,
+                service.config.max_tool_timeout)
+    run = desk.open(key.id)
+    return desk.grant(run, declared, limit, lambda call: stream("tool_call", call)), run
+
+
 async def _session_run(service: Service, session: Session, sandbox: AsyncSandbox,
-                       body: ExecuteRequest, timeout: float, on_output: Any = None) -> Execution:
+                       body: ExecuteRequest, timeout: float, on_output: Any = None,
+                       tools: Toolbox | None = None) -> Execution:
     """Run in the session's kernel; if even the client's restart does not end it, it is lost.
 
     Raises SessionError(410) when the kernel cannot be reached any more (its restart failed,
@@ -88,7 +116,8 @@ async def _session_run(service: Service, session: Session, sandbox: AsyncSandbox
     try:
         execution, lost = await bounded(
             sandbox.run(body.code, body.inputs, timeout=timeout, on_stdout=on["stdout"],
-                        on_stderr=on["stderr"], on_display=on["display"], raw_result=True),
+                        on_stderr=on["stderr"], on_display=on["display"], raw_result=True,
+                        tools=tools),
             timeout, 2 * service.config.kernel_grace + service.restart_allowance, record,
             service.runner.stopping)
     except OutputLimitExceeded as exc:
@@ -139,22 +168,26 @@ async def execute_in_session(session_id: str, body: ExecuteRequest, request: Req
     sandbox = await service.sessions.acquire(session)
     abandon = _stop_when_abandoned(service, sandbox)
     caller_left = False
+    stream = EventStream(abandon=lambda task: left(task)) if wants_events(request) else None
+    toolbox, desk_run = _tools(service, key, body, stream)
 
     async def work(on_output: Any = None) -> Execution:
         try:
-            execution = await _session_run(service, session, sandbox, body, timeout, on_output)
+            execution = await _session_run(service, session, sandbox, body, timeout, on_output,
+                                           toolbox)
             session.lost_unseen = session.lost_unseen or (caller_left and execution.state_lost)
             return execution
         finally:
             service.sessions.release(session)
+            if desk_run is not None:
+                service.tool_desk.close(desk_run)
 
     def left(task: asyncio.Task[Execution]) -> None:
         nonlocal caller_left
         caller_left = True
         abandon(task)
 
-    if wants_events(request):
-        stream = EventStream(abandon=left)
+    if stream is not None:
         return stream.response(service.background(work(stream)))
     task = service.background(work())  # not the request's task: it must not be cancelled
     if await client_left(request, task):
@@ -175,5 +208,25 @@ async def install_in_session(session_id: str, body: InstallRequest, request: Req
         code = install_code(body.packages, body.upgrade)
     except ValueError as exc:  # not a requirement the %pip magic takes: the caller's to fix
         raise HTTPException(422, str(exc)) from None
-    request_body = ExecuteRequest(code=code, inputs=None, timeout=body.timeout)
+    request_body = ExecuteRequest(code=code, inputs=None, timeout=body.timeout, tools=None,
+                                  tool_timeout=None)
     return await execute_in_session(session_id, request_body, request, key, service)
+
+
+@router.post("/runs/{run_id}/tool_calls/{call_id}", status_code=204,
+             summary="Answer a tool call of a run (its tool_call event): {result} or {error}",
+             responses={404: {"description": "no such run of this key, or no such call"},
+                        409: {"description": "answered already, or the run is held by another "
+                              "instance (named)"},
+                        410: {"description": "the call's deadline passed, or the run ended"},
+                        413: {"description": "the result is larger than a call may return"}})
+async def answer_tool_call(run_id: str, call_id: str, body: ToolAnswer, key: Key,
+                           service: ServiceDep) -> Response:
+    """Settle the call: the code's call returns the result, or raises ToolError with the
+    error; once per call, within its deadline, by the API key that started the run."""
+    given = {name: getattr(body, name) for name in body.model_fields_set}
+    try:
+        service.tool_desk.answer(key.id, run_id, call_id, given)
+    except ToolAnswerError as exc:
+        raise HTTPException(exc.status, str(exc)) from None
+    return Response(status_code=204)

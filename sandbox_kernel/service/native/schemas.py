@@ -7,7 +7,35 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field
 
 from ...hosting.network import NetworkChoice
+from ...hosting.tools import MAX_TOOLS, is_tool_name
 from ..validation import sendable
+
+
+def _tool_name(name: str) -> str:
+    if not is_tool_name(name):
+        raise ValueError("a tool's name is a Python identifier that does not start with _ "
+                         "and is not one of sandbox_tools' error classes")
+    return name
+
+
+class ToolDeclaration(BaseModel):
+    """A tool the run's code may call (`from sandbox_tools import name`), answered by the caller
+    on the run's event stream: its stub is typed from `parameters`."""
+
+    name: Annotated[str, Field(max_length=64), AfterValidator(_tool_name)]
+    description: str = Field("", max_length=8192, description="The stub's docstring.")
+    parameters: dict[str, Any] = Field(
+        default_factory=dict, description="JSON schema of the arguments, an object: its "
+        "properties become the stub's parameters (required first; str, int, float, bool, "
+        "list, dict where the schema says).")
+    returns: str | None = Field(None, max_length=200,
+                                description="The stub's return annotation, as text.")
+
+
+def _unique(tools: list[ToolDeclaration] | None) -> list[ToolDeclaration] | None:
+    if tools is not None and len({tool.name for tool in tools}) < len(tools):
+        raise ValueError("each tool is declared once")
+    return tools
 
 
 class ExecuteRequest(BaseModel):
@@ -20,6 +48,14 @@ class ExecuteRequest(BaseModel):
         None, gt=0, description="Seconds the execution may run (default: the service's "
         "--session-timeout in a session, --worker-timeout on a fresh kernel; at most "
         "--max-timeout).")
+    tools: Annotated[list[ToolDeclaration] | None, AfterValidator(_unique)] = Field(
+        None, max_length=MAX_TOOLS, description="Tools the code may call; each call is a "
+        "`tool_call` event on the run's event stream (Accept: text/event-stream), answered on "
+        "POST /api/v1/runs/{run}/tool_calls/{call}. Without the stream a call fails at once "
+        "(ToolUnavailable).")
+    tool_timeout: float | None = Field(
+        None, gt=0, description="Seconds a tool call waits for its answer (default and at "
+        "most --max-tool-timeout); then ToolTimeout in the code.")
 
 
 def _host_entries(hosts: list[str]) -> list[str]:
@@ -198,6 +234,14 @@ class ListedFile(BaseModel):
     path: str = Field(description="Relative to the scratch directory.")
     size: int = Field(description="Bytes.")
     modified: float = Field(description="Unix time of its last change.")
+
+
+class ToolAnswer(BaseModel):
+    """The answer to one tool call: its JSON result, or an error message (one of the two)."""
+
+    result: Any = Field(None, description="The tool's result (JSON).")
+    error: str | None = Field(None, max_length=4096,
+                              description="Why the tool failed: the code gets ToolError.")
 
 
 class FileListShape(BaseModel):

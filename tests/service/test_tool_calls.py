@@ -1,0 +1,170 @@
+"""The native API's tool calls: a run declares tools, each call is a `tool_call` event on its
+stream, and the caller answers on POST /api/v1/runs/{run}/tool_calls/{call}, once, in time,
+with its own key, within the size cap; without the stream a call fails at once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from .helpers import KEY_A, KEY_B, Server, auth, http
+
+SEARCH = {"name": "search", "description": "Search the catalogue.",
+          "parameters": {"type": "object", "properties": {
+              "query": {"type": "string"}, "limit": {"type": "integer", "default": 5}},
+              "required": ["query"]}, "returns": "list"}
+PRICE = {"name": "price", "description": "A price.", "parameters": {
+    "type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]}}
+CODE = ("from sandbox_tools import search, price, ToolError\n"
+        "import inspect\n"
+        "def main(words):\n"
+        "    found = [search(w, limit=2) for w in words]\n"
+        "    try:\n        price('broken')\n        failed = None\n"
+        "    except ToolError as exc:\n        failed = str(exc)\n"
+        "    return {'found': found, 'failed': failed, 'sig': str(inspect.signature(search))}\n")
+
+
+def answer(base, run, call, key=KEY_A, **body):
+    return http.post(f"{base}/api/v1/runs/{run}/tool_calls/{call}", headers=auth(key),
+                     json=body, timeout=30)
+
+
+def serve(base, url, body, key, reply, checks=None, timeout=60):
+    """Run with the stream, answering each tool_call with reply(event); the events."""
+    headers = {**auth(key), "Accept": "text/event-stream"}
+    events = []
+    with http.stream("POST", url, headers=headers, json=body, timeout=timeout) as response:
+        assert response.status_code == 200, response.read()
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event:"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and name:
+                data = json.loads(line[5:])
+                events.append((name, data))
+                if name == "tool_call":
+                    if checks is not None:
+                        checks(data)
+                    reply(data)
+                name = None
+    return events
+
+
+def hostile_checks(base):
+    def checks(call):
+        run, call_id = call["run"], call["call"]
+        # another key: as unknown as no run at all
+        assert answer(base, run, call_id, key=KEY_B, result=1).status_code == 404
+        assert answer(base, run, "no-such-call", result=1).status_code == 404
+        assert answer(base, run, call_id, result=1, error="x").status_code == 422
+        big = answer(base, run, call_id, result="x" * (1 << 20 + 1))
+        assert big.status_code == 413, big.text
+    return checks
+
+
+def reply_for(base, answered):
+    def reply(call):
+        run, call_id = call["run"], call["call"]
+        if call["tool"] == "price":
+            done = answer(base, run, call_id, error="no price for that")
+        else:
+            done = answer(base, run, call_id, result=[f"{call['arguments']['query']}-"
+                                                      f"{i}" for i in range(call[
+                                                          "arguments"]["limit"])])
+        assert done.status_code == 204, done.text
+        again = answer(base, run, call_id, result=1)  # answering twice: refused
+        assert again.status_code == 409 and "already answered" in again.json()["detail"]
+        answered.append(call)
+    return reply
+
+
+@pytest.mark.parametrize("which", ["server", "one_shot_server"])
+def test_a_run_calls_tools_and_the_caller_answers_each_on_the_stream(which, request):
+    base = request.getfixturevalue(which).url
+    answered: list = []
+    events = serve(base, base + "/api/v1/execute",
+                   {"code": CODE, "inputs": {"words": ["chair", "desk"]},
+                    "tools": [SEARCH, PRICE]}, KEY_A, reply_for(base, answered),
+                   hostile_checks(base))
+    done = dict(events)["done"]
+    assert done["error"] is None, done["error"]
+    assert done["result"]["found"] == [["chair-0", "chair-1"], ["desk-0", "desk-1"]]
+    assert "no price for that" in done["result"]["failed"]
+    assert done["result"]["sig"] == "(query: str, limit: int = 5) -> list"
+    assert done["usage"]["tool_calls"] == 3
+    assert [c["tool"] for c in answered] == ["search", "search", "price"]
+    assert answered[0]["arguments"] == {"query": "chair", "limit": 2}
+    # the run has ended: a late answer is told so
+    late = answer(base, answered[0]["run"], "whatever", result=1)
+    assert late.status_code == 410
+
+
+def test_a_session_run_serves_them_too(server, session):
+    answered: list = []
+    events = serve(server.url, session + "/execute",
+                   {"code": CODE, "inputs": {"words": ["lamp"]}, "tools": [SEARCH, PRICE]},
+                   KEY_B, lambda call: answered.append(call) or answer(
+                       server.url, call["run"], call["call"], key=KEY_B,
+                       **({"error": "none"} if call["tool"] == "price" else
+                          {"result": ["lamp"]})))
+    done = dict(events)["done"]
+    assert done["result"]["found"] == [["lamp"]] and done["usage"]["tool_calls"] == 2
+
+
+def test_without_the_stream_a_call_fails_at_once_saying_why(server):
+    code = ("from sandbox_tools import search, ToolUnavailable\nimport time\n"
+            "def main():\n    t = time.monotonic()\n    try:\n        search('x')\n"
+            "    except ToolUnavailable as exc:\n"
+            "        return {'why': str(exc), 'seconds': time.monotonic() - t}\n")
+    done = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), timeout=60,
+                     json={"code": code, "inputs": {}, "tools": [SEARCH]}).json()
+    assert done["error"] is None, done["error"]
+    assert "event stream" in done["result"]["why"] and done["result"]["seconds"] < 2
+
+
+def test_a_call_nobody_answers_ends_at_its_deadline_and_a_late_answer_is_refused(server):
+    code = ("from sandbox_tools import search, ToolTimeout\n"
+            "def main():\n    try:\n        search('x')\n"
+            "    except ToolTimeout as exc:\n        return {'timeout': str(exc)}\n")
+    calls: list = []
+    started = time.monotonic()
+    events = serve(server.url, server.url + "/api/v1/execute",
+                   {"code": code, "inputs": {}, "tools": [SEARCH], "tool_timeout": 1},
+                   KEY_A, calls.append)
+    done = dict(events)["done"]
+    assert done["result"]["timeout"] and time.monotonic() - started < 10
+    assert calls[0]["timeout"] == 1
+    late = answer(server.url, calls[0]["run"], calls[0]["call"], result=["x"])
+    assert late.status_code == 410, late.text
+
+
+@pytest.mark.parametrize("tools", [[{"name": "_hidden"}], [{"name": "ToolError"}],
+                                   [SEARCH, SEARCH], [{"name": "x", "parameters": 3}]])
+def test_bad_declarations_are_422(server, tools):
+    refused = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A),
+                        json={"code": "1", "tools": tools})
+    assert refused.status_code == 422, refused.text
+
+
+def test_an_answer_at_the_instance_not_holding_the_run_is_409_naming_it(tmp_path, keys_file):
+    holder = Server(tmp_path, "--api-keys-file", str(keys_file), "--pool-size", "0",
+                    "--instance-id", "holder-1")
+    other = Server(tmp_path, "--api-keys-file", str(keys_file), "--pool-size", "0",
+                   "--instance-id", "other-2")
+    try:
+        def reply(call):
+            assert call["run"].startswith("holder-1.")
+            elsewhere = answer(other.url, call["run"], call["call"], result=["x"])
+            assert elsewhere.status_code == 409 and "holder-1" in elsewhere.json()["detail"]
+            assert answer(holder.url, call["run"], call["call"], result=["x"]).status_code \
+                == 204
+
+        code = "from sandbox_tools import search\ndef main():\n    return {'r': search('q')}\n"
+        events = serve(holder.url, holder.url + "/api/v1/execute",
+                       {"code": code, "inputs": {}, "tools": [SEARCH]}, KEY_A, reply)
+        assert dict(events)["done"]["result"] == {"r": ["x"]}
+    finally:
+        holder.stop()
+        other.stop()
