@@ -197,9 +197,8 @@ class ServiceConfig(Configurable):
     ).tag(config=True, flag="max-output-total", env="SANDBOX_MAX_OUTPUT_TOTAL", metavar="BYTES")
 
     instance_id = Unicode(
-        "", help="This instance's id, the prefix of its run ids: an answer to a tool call "
-        "that reaches another instance is refused there with a 409 naming this one (empty: "
-        "a random id at start).",
+        "", help="The prefix of this instance's run ids, which another instance names in "
+        "its 409 to an answer for a tool call of them (empty: a random id at start).",
     ).tag(config=True, flag="instance-id", env="SANDBOX_INSTANCE_ID", metavar="ID")
 
     max_tool_timeout = Float(
