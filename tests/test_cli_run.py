@@ -55,7 +55,8 @@ def test_chart_example_json_and_saved_png(tmp_path):
     assert own_lines(done.stderr) == ""
     report = json.loads(done.stdout)
     assert set(report) == {"result", "text", "logs", "displays", "error", "duration",
-                           "state_lost", "usage", "stdout", "stderr", "saved_displays"}
+                           "state_lost", "usage", "stdout", "stderr", "saved_displays",
+                           "tool_calls"}
     assert report["result"] == CHART
     usage = report["usage"]  # measured from outside the kernel (tests/test_usage.py has more)
     assert usage["output_bytes"] == len(b"drawing 6 bars\n")
