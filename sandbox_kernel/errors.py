@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
-    "CODES", "ExecutionTimeout", "KernelDied", "KernelRefused", "KernelUnavailable",
-    "MessageTooLarge", "OutputLimitExceeded", "ResultTooLarge", "SandboxError",
-    "ServiceStopping",
+    "CODES", "ExecutionAborted", "ExecutionTimeout", "KernelDied", "KernelRefused",
+    "KernelUnavailable", "MessageTooLarge", "OutputLimitExceeded", "ResultTooLarge",
+    "SandboxError", "ServiceStopping",
 ]
 
 
@@ -82,6 +82,13 @@ class KernelRefused(SandboxError):
     code = "KernelRefused"
 
 
+class ExecutionAborted(SandboxError):
+    """The kernel did not run the code: it aborted the request (a Jupyter kernel aborts what
+    is queued behind a cell that failed with stop_on_error, and everything at shutdown)."""
+
+    code = "ExecutionAborted"
+
+
 class KernelUnavailable(SandboxError, RuntimeError):
     """No kernel could be had: it did not start, or not in time; nothing ran."""
 
@@ -90,4 +97,4 @@ class KernelUnavailable(SandboxError, RuntimeError):
 
 CODES: dict[str, type[SandboxError]] = {cls.code: cls for cls in (
     ExecutionTimeout, KernelDied, MessageTooLarge, ResultTooLarge, OutputLimitExceeded,
-    ServiceStopping, KernelRefused, KernelUnavailable)}
+    ServiceStopping, KernelRefused, KernelUnavailable, ExecutionAborted)}

@@ -202,3 +202,28 @@ def test_save_displays_writes_each_in_its_richest_format(tmp_path):
     contents = [(tmp_path / "out" / name).read_bytes() for name in names]
     assert contents == [PNG_1x1, b"<svg/>", b"<b>hi</b>", b'{\n  "k": [\n    1\n  ]\n}', b"# T",
                         b"only text"]
+
+
+def test_a_cancelled_run_that_then_fails_does_not_abort_the_next():
+    """A run whose task was cancelled goes on in the kernel; when it fails, the run queued
+    behind it still runs (it was aborted, and read as an empty success)."""
+    async def go():
+        async with AsyncSandbox(None) as sb:
+            task = asyncio.ensure_future(sb.run("import time\ntime.sleep(2)\n1 / 0"))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await sb.run("print('next')\n6 * 7")
+
+    ex = asyncio.run(go())
+    assert (ex.error, ex.stdout, ex.text) == (None, "next\n", "42")
+
+
+def test_a_run_the_kernel_aborts_is_an_error_never_an_empty_success():
+    with Sandbox(None) as sb:
+        sb.client.execute("import time\ntime.sleep(1)\n1 / 0", stop_on_error=True)
+        ex = sb.run("print('never')")
+    assert ex.error.name == "ExecutionAborted"
+    assert ex.error.value.startswith("the kernel aborted this run without running it")
+    assert ex.stdout == ""

@@ -33,13 +33,14 @@ import zmq.asyncio
 
 from .. import advice, jsonwire
 from ..confine import paths
+from ..errors import ExecutionAborted
 from ..install import DEFAULT_NAME
 from ..kernel.snapshot import CHUNK_MESSAGE, DEFAULT_MAX_FILES  # names only: nothing unpickles
 from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from ..policy import SandboxPolicy
 from ..resultcheck import checked_elsewhere
 from . import oneshot
-from .collect import POLL, Call, Callback, Collector, Watchdog
+from .collect import POLL, Call, Callback, Collector, Watchdog, info_of
 from .execution import Execution, Usage, error_from
 from .inbox import AsyncInbox, Inbox, queued_reply
 from .managers import AsyncSandboxKernelManager, SandboxKernelManager
@@ -92,10 +93,15 @@ Steps = Generator[Call, Any, T]
 
 def _reply_error(execution: Execution, reply: dict[str, Any] | None) -> None:
     """Take the error from the execute_reply when no `error` message came (e.g. a kernel at its
-    thread limit cannot format and publish one): a failed run never reads as a success."""
+    thread limit cannot format and publish one, or one that aborted the request without running
+    it): a failed run never reads as a success."""
     content = (reply or {}).get("content", {})
     if execution.error is None and content.get("status") == "error":
         execution.error = error_from(content)
+    elif execution.error is None and content.get("status") == "aborted":
+        execution.error = info_of(ExecutionAborted(
+            "the kernel aborted this run without running it (it was shutting down, or another "
+            "client's cell queued before it failed); run it again"))
 
 
 def _sandbox_metadata(inputs: dict | None, timeout: float | None, entrypoint: str,
@@ -116,7 +122,9 @@ def _execute_request(client: Any, code: str, inputs: dict | None, timeout: float
         # A main() call is not a notebook cell: no history to write (it costs the kernel a thread
         # wake-up and a database row per call).
         "code": code, "silent": False, "store_history": inputs is None,
-        "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})
+        # Not stop_on_error: a run the caller stopped waiting for (a cancelled task) that then
+        # fails must not abort the next run queued behind it, as a notebook's "run all" would.
+        "user_expressions": {}, "allow_stdin": False, "stop_on_error": False})
     msg["metadata"].update(_sandbox_metadata(inputs, timeout, entrypoint, timeout_source))
     return msg  # type: ignore[no-any-return]
 
