@@ -18,13 +18,17 @@ and sent through the standard library instead, so the value is the same either w
 
 from __future__ import annotations
 
+import binascii
 import gc
 import json
 import math
+import numbers
 import os
 import re
 import threading
 import uuid
+from collections.abc import Iterable
+from datetime import date, datetime
 from enum import Enum
 from typing import Any
 
@@ -181,6 +185,72 @@ def dumps(value: Any) -> bytes:
             pass
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
                       default=natives).encode("utf-8")
+
+
+_MESSAGE_OPTIONS = 0 if orjson is None else orjson.OPT_NAIVE_UTC | orjson.OPT_UTC_Z
+
+
+def _message_default(value: Any) -> Any:
+    """What jupyter_client's packer writes for values that are not JSON (its json_default)."""
+    if isinstance(value, datetime):
+        if value.tzinfo is None:  # as jupyter_client: a naive time is local time
+            value = value.astimezone()
+        return value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return binascii.b2a_base64(value, newline=False).decode("ascii")
+    if isinstance(value, Iterable):
+        return list(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{value!r} is not JSON serializable")
+
+
+def _std_pack_message(value: Any) -> bytes:
+    return json.dumps(value, default=_message_default, ensure_ascii=False,
+                      allow_nan=False).encode("utf8", errors="surrogateescape")
+
+
+def pack_message(value: Any) -> bytes:
+    """A message part (header, parent header, metadata, content) as JSON, byte for byte what
+    jupyter_client's Session packs (orjson when installed, else the standard library), so a
+    message built without jupyter_client (kernel/messages.py) reads as one built with it.
+    What neither encoder takes (NaN beside a 20-digit integer, say) is cleaned as
+    jupyter_client cleans it: NaN and Infinity as their repr, keys as strings."""
+    if orjson is not None:
+        try:
+            return orjson.dumps(value, default=_message_default, option=_MESSAGE_OPTIONS)
+        except Exception:  # noqa: BLE001 - as jupyter_client: the standard library decides
+            pass
+    try:
+        return _std_pack_message(value)
+    except (TypeError, ValueError):
+        return _std_pack_message(_cleaned(value))
+
+
+def _cleaned(value: Any) -> Any:
+    """The value as jupyter_client's deprecated last resort (json_clean) makes it JSON."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value) if math.isfinite(value) else repr(value)
+    if isinstance(value, bytes):
+        return binascii.b2a_base64(value, newline=False).decode("ascii")
+    if isinstance(value, dict):
+        if len({str(key) for key in value}) != len(value):
+            raise ValueError("dict cannot be safely converted to JSON: "
+                             "key collision would lead to dropped values")
+        return {str(key): _cleaned(item) for key, item in value.items()}
+    if isinstance(value, (datetime, date)):
+        return value.strftime("%Y-%m-%dT%H:%M:%S.%f")
+    if isinstance(value, (list, tuple, set, frozenset)) or hasattr(value, "__next__"):
+        return [_cleaned(item) for item in value]
+    raise ValueError(f"Can't clean for JSON: {value!r}")
 
 
 def encode_result(value: dict[str, Any]) -> bytes:
@@ -365,9 +435,10 @@ def kernel_loads(data: bytes | bytearray | memoryview | str) -> Any:
     return loads(data, keep=True)  # the request lives until its execution ends
 
 
-def use_in_kernel(session: Any) -> None:
-    """Exact parsing, and peeks that do not parse a request's inputs a second time."""
+def use_in_kernel(session: Any, session_class: type[PeekingSession] = PeekingSession) -> None:
+    """Exact parsing, and peeks that do not parse a request's inputs a second time
+    (session_class: PeekingSession or a subclass, the kernel's)."""
     session.unpack = kernel_loads
     # The app made a plain Session and every part of the kernel already holds it: change what
     # it is rather than replace it (its message counter and digest history must stay one).
-    session.__class__ = PeekingSession
+    session.__class__ = session_class

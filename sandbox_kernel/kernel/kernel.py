@@ -73,6 +73,9 @@ class SandboxKernel(IPythonKernel):
                        klass="ipykernel.zmqshell.ZMQInteractiveShell",
                        help="ipykernel's shell, adopted from a fork server (prebuilt.py).")
 
+    session_class: type[jsonwire.PeekingSession] = jsonwire.PeekingSession  # what the app's
+    # Session becomes in the kernel (a one-shot's builds its messages without jupyter_client)
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._started = threading.Event()  # start() has returned (shutdown_request)
@@ -80,7 +83,8 @@ class SandboxKernel(IPythonKernel):
         pip.load_ipython_extension(self.shell)  # %pip, in-process, into the session
         cell_warnings.load_ipython_extension(self.shell)  # "Cell In[N], line L: UserWarning"
         figures.load_ipython_extension(self.shell)  # Agg's figures shown, not lost
-        jsonwire.use_in_kernel(self.session)  # exact inputs, parsed once, whatever is installed
+        # exact inputs, parsed once, whatever is installed
+        jsonwire.use_in_kernel(self.session, self.session_class)
         self._skip_unshown_log_records()
         self._cell_pause = self._execute_sleep  # as configured, for notebook cells
         self.runner = Runner(self.shell, self.policy, is_user_frame=self.is_cell_frame,

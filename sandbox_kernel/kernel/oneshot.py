@@ -58,13 +58,13 @@ from typing import Any, NoReturn
 import zmq
 from ipykernel.kernelapp import IPKernelApp
 from IPython.paths import get_ipython_dir
-from jupyter_client.session import new_id
 from traitlets import Any as AnyTrait
 from traitlets import Dict, Type
 
+from .. import jsonwire
 from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
-from . import file_ops, tools  # file_ops imported in the zygote: no grant of a checkout needed
+from . import file_ops, messages, tools  # file_ops: imported in the zygote, no grant
 from . import oneshot_wire as wire
 from .app import SandboxKernelApp, _kept_without_collection
 from .budget import BUDGET
@@ -144,9 +144,29 @@ class Channel:
 def _as_bytes(frame: Any) -> bytes:
     if isinstance(frame, bytes):
         return frame
-    if isinstance(frame, zmq.Frame):
-        return frame.bytes
-    return bytes(frame)
+    return bytes(getattr(frame, "bytes", frame))  # a zmq.Frame's bytes, or a buffer's
+
+
+class ChannelSession(jsonwire.PeekingSession):
+    """The one-shot kernel's Session: its messages built by kernel/messages.py, unsigned.
+
+    ipykernel, IPython's display hooks and the streams send through Session.send, which builds
+    with `msg` and frames with `serialize`: here both are the message builder's, the same
+    shapes and bytes without jupyter_client (as the lean one-shot process builds them)."""
+
+    def msg(self, msg_type: str, content: dict[str, Any] | None = None,
+            parent: dict[str, Any] | None = None, header: dict[str, Any] | None = None,
+            metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Session.msg, by the builder; ids from this session's count, as before."""
+        head = messages.header(self.msg_id, msg_type, self.username, self.session) \
+            if header is None else header
+        return messages.message(head, content, parent, {**self.metadata, **(metadata or {})})
+
+    def serialize(self, msg: dict[str, Any], ident: Any = None) -> list[bytes]:
+        """Session.serialize with key b"", by the builder: a one-shot signs nothing."""
+        if self.auth is not None:
+            raise ValueError("a one-shot kernel's messages are unsigned (its key is b\"\")")
+        return messages.serialize(msg, ident)
 
 
 class CapturedStream(io.TextIOBase):
@@ -270,6 +290,8 @@ class _Discarded(io.TextIOBase):
 class OneShotKernel(SandboxKernel):
     """SandboxKernel whose shell stream is the one-shot channel (not a ZMQStream)."""
 
+    session_class = ChannelSession
+
     request = Dict(help="The one request, as ipykernel parsed it (kept by set_parent).")
     shell_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
     control_stream = AnyTrait(allow_none=True)  # type: ignore[assignment]
@@ -302,7 +324,7 @@ class OneShotKernel(SandboxKernel):
         self.ident = str(uuid.uuid4())
         session = self.session
         assert session is not None, "the application gives the kernel its session"
-        session.session = new_id()
+        session.session = messages.new_id()
         session.pid = os.getpid()  # Session.send refuses to send from "a fork" otherwise
         session.message_count = 0
         self.runner.renew()
