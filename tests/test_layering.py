@@ -30,3 +30,12 @@ def test_the_runner_imports_no_kernel_class():
     imported = _imported_after("sandbox_kernel.kernel.runner")
     assert "sandbox_kernel.kernel.runner" in imported
     assert sorted(name for name in imported if name.split(".")[0] == "ipykernel") == []
+
+
+def test_the_runner_and_the_message_builder_import_no_zmq_or_jupyter_client():
+    """The lean one-shot process runs cells and answers with neither (kernel/messages.py)."""
+    for module in ("sandbox_kernel.kernel.runner", "sandbox_kernel.kernel.messages"):
+        imported = _imported_after(module)
+        assert module in imported
+        assert sorted({name.split(".")[0] for name in imported}
+                      & {"zmq", "jupyter_client", "ipykernel"}) == [], module

@@ -9,6 +9,7 @@ import jupyter_client.session
 import pytest
 
 from sandbox_kernel import jsonwire
+from sandbox_kernel.kernel import peeking
 from tests.helpers import ok
 
 BIG = "def main(x):\n    return {'x': x, 'up': 2**70, 'down': -2**70, 'edge': 2**64, 'f': 0.1}"
@@ -135,7 +136,7 @@ def _repo():
 
 def _kernel_session():
     session = jupyter_client.session.Session(key=b"secret")
-    jsonwire.use_in_kernel(session)
+    peeking.use_in_kernel(session)
     return session
 
 
@@ -170,7 +171,7 @@ def test_the_main_thread_trusts_a_signature_its_peek_verified(monkeypatch):
     session = _kernel_session()
     parts = _large_request(session)
     peeked = _on_another_thread(session, parts)
-    assert isinstance(peeked["metadata"], jsonwire.Unparsed)  # the inputs were not parsed
+    assert isinstance(peeked["metadata"], peeking.Unparsed)  # the inputs were not parsed
     computed = []
     original = jupyter_client.session.Session.sign
     monkeypatch.setattr(jupyter_client.session.Session, "sign",

@@ -36,10 +36,11 @@ from traitlets import Float
 from traitlets.config.application import Application
 from traitlets.config.loader import KVArgParseConfigLoader
 
-from sandbox_kernel import jsonwire
 from sandbox_kernel.kernel import app as kernel_app
+from sandbox_kernel.kernel import peeking
 from sandbox_kernel.kernel.app import SandboxHeartbeat, SandboxKernelApp
 from sandbox_kernel.kernel.kernel import SandboxKernel
+from sandbox_kernel.kernel.oneshot import ChannelSession
 from sandbox_kernel.kernel.parser_cache import PrebuiltParser
 
 # (upstream class, private method, our class that overrides it)
@@ -52,8 +53,10 @@ OVERRIDES = [
     (ConnectionFileMixin, "_ip_default", SandboxKernelApp),
     (Application, "_classes_with_config_traits", PrebuiltParser),
     (Application, "_create_loader", PrebuiltParser),
-    (Session, "deserialize", jsonwire.PeekingSession),
-    (Session, "sign", jsonwire.PeekingSession),
+    (Session, "deserialize", peeking.PeekingSession),
+    (Session, "sign", peeking.PeekingSession),
+    (Session, "msg", ChannelSession),
+    (Session, "serialize", ChannelSession),
 ]
 
 

@@ -21,10 +21,10 @@ from ipykernel.ipkernel import IPythonKernel
 from IPython.core.inputtransformer2 import TransformerManager
 from traitlets import Dict, Type
 
-from .. import __version__, jsonwire
+from .. import __version__
 from ..confine import denials
 from ..policy import SandboxPolicy
-from . import cell_warnings, figures, main_call, pip, tools
+from . import cell_warnings, figures, main_call, peeking, pip, tools, tools_zmq
 from .prebuilt import ZMQInteractiveShell
 from .runner import Runner
 from .usage import SelfUsage
@@ -73,7 +73,7 @@ class SandboxKernel(IPythonKernel):
                        klass="ipykernel.zmqshell.ZMQInteractiveShell",
                        help="ipykernel's shell, adopted from a fork server (prebuilt.py).")
 
-    session_class: type[jsonwire.PeekingSession] = jsonwire.PeekingSession  # what the app's
+    session_class: type[peeking.PeekingSession] = peeking.PeekingSession  # what the app's
     # Session becomes in the kernel (a one-shot's builds its messages without jupyter_client)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -84,7 +84,7 @@ class SandboxKernel(IPythonKernel):
         cell_warnings.load_ipython_extension(self.shell)  # "Cell In[N], line L: UserWarning"
         figures.load_ipython_extension(self.shell)  # Agg's figures shown, not lost
         # exact inputs, parsed once, whatever is installed
-        jsonwire.use_in_kernel(self.session, self.session_class)
+        peeking.use_in_kernel(self.session, self.session_class)
         self._skip_unshown_log_records()
         self._cell_pause = self._execute_sleep  # as configured, for notebook cells
         self.runner = Runner(self.shell, self.policy, is_user_frame=self.is_cell_frame,
@@ -192,7 +192,8 @@ class SandboxKernel(IPythonKernel):
     def tool_transport(self) -> tools.Transport:
         """Where this execution's tool calls travel: the stdin channel, to the client that
         sent the request (ipykernel's `_input_request` routes its input_request the same way)."""
-        return tools.StdinTransport(self.session, self.stdin_socket, self._parent_ident["shell"])
+        return tools_zmq.StdinTransport(self.session, self.stdin_socket,
+                                        self._parent_ident["shell"])
 
     def _send_interrupt_children(self) -> None:
         # An interrupt_request makes ipykernel signal its process group, which the filter

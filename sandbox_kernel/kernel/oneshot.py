@@ -61,10 +61,9 @@ from IPython.paths import get_ipython_dir
 from traitlets import Any as AnyTrait
 from traitlets import Dict, Type
 
-from .. import jsonwire
 from ..confine import denials, paths, privileges
 from ..confine.errors import ConfinementError
-from . import file_ops, messages, tools  # file_ops: imported in the zygote, no grant
+from . import file_ops, messages, peeking, tools  # file_ops: imported in the zygote
 from . import oneshot_wire as wire
 from .app import SandboxKernelApp, _kept_without_collection
 from .budget import BUDGET
@@ -147,7 +146,7 @@ def _as_bytes(frame: Any) -> bytes:
     return bytes(getattr(frame, "bytes", frame))  # a zmq.Frame's bytes, or a buffer's
 
 
-class ChannelSession(jsonwire.PeekingSession):
+class ChannelSession(peeking.PeekingSession):
     """The one-shot kernel's Session: its messages built by kernel/messages.py, unsigned.
 
     ipykernel, IPython's display hooks and the streams send through Session.send, which builds

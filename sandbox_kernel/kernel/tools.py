@@ -12,8 +12,9 @@ object, callable or pickle can reach the kernel, and the caller parses nothing e
 
 The messages travel on channels the kernel already has: a ZMQ kernel's stdin channel (the one
 `input()` waits on: a synchronous cell holds the shell channel), with the request's parent the
-execute_request, as ipykernel's `_input_request` sends; a one-shot kernel's connection, as a
-message record out and a `TOOL_REPLY` record back (kernel/oneshot_wire.py). No socket is made
+execute_request, as ipykernel's `_input_request` sends (kernel/tools_zmq.py: the one part that
+imports ZMQ); a one-shot kernel's connection, as a message record out and a `TOOL_REPLY` record
+back (kernel/oneshot_wire.py). No socket is made
 and the filter is unchanged.
 
 Calls may come from several threads (and from asyncio, through `tool.acall`, which waits in a
@@ -42,8 +43,6 @@ import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import zmq
 
 from .. import jsonwire
 from . import oneshot_wire as wire
@@ -154,48 +153,6 @@ class Transport(Protocol):
 
     def receive(self, timeout: float) -> list[dict[str, Any]]:
         """The replies that arrive within timeout seconds (none is fine)."""
-
-
-class StdinTransport:
-    """A ZMQ kernel's stdin channel: requests routed to the client that sent the execute_request."""
-
-    def __init__(self, session: Any, socket: Any, ident: Any) -> None:
-        self.session, self.socket, self.ident = session, socket, ident
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """Send, refusing at once (ROUTER_MANDATORY) rather than drop it when the client has
-        no stdin channel; one that is still connecting gets CONNECT_WAIT seconds."""
-        give_up = time.monotonic() + CONNECT_WAIT
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        try:
-            while True:
-                try:
-                    self.session.send(self.socket, msg, ident=self.ident)
-                    return
-                except zmq.ZMQError as exc:
-                    waiting = exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN)
-                    if not waiting or time.monotonic() > give_up:
-                        raise ToolUnavailable(
-                            "no client serves tools on this kernel's stdin channel (a client "
-                            "that serves tools opens it: see docs/tools.md)") from None
-                time.sleep(0.01)
-        finally:
-            self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-
-    def receive(self, timeout: float) -> list[dict[str, Any]]:
-        """Every reply queued within timeout seconds (badly signed messages skipped)."""
-        replies: list[dict[str, Any]] = []
-        if not zmq.select([self.socket], [], [], timeout)[0]:
-            return replies
-        while True:
-            try:
-                _, msg = self.session.recv(self.socket, mode=zmq.NOBLOCK)
-            except ValueError:  # not signed with the session's key, or not a message
-                continue
-            if msg is None:
-                return replies
-            if msg["header"].get("msg_type") == REPLY:
-                replies.append(msg)
 
 
 class ToolSession:
