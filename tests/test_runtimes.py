@@ -181,3 +181,64 @@ def test_remove_takes_the_kernelspec_and_the_environment(runtime):  # runs last:
     assert f"sandbox-{NAME}" not in KernelSpecManager().find_kernel_specs()
     assert not (runtime["base"] / "store" / NAME).exists()
     assert json.loads(runtime_cli("list", "--json").stdout) == []
+
+
+@pytest.mark.timeout(900)  # four builds
+def test_by_default_a_runtime_preloads_what_it_installs_and_says_what_it_skipped(tmp_path):
+    """No --preload: every top-level module the requirements install that imports cleanly,
+    each measured; private names, tests, failing and thread-starting imports skipped."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    make_wheel(wheels, "autobase", "1.0", {"autobase/__init__.py": "X = 1\n"})
+    make_wheel(wheels, "autouser", "1.0", {
+        "autouser/__init__.py": "import autobase\n", "autosolo.py": "Y = 2\n",
+        "_autoprivate.py": "", "tests/__init__.py": "",
+        "autobroken/__init__.py": "raise RuntimeError('no display here')\n",
+        "autothreads/__init__.py": "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"},
+        requires=("autobase",))
+    (tmp_path / "requirements.txt").write_text(f"--find-links {wheels}\nautouser\n")
+    saved = os.environ.get("SANDBOX_KERNEL_RUNTIMES")
+    os.environ["SANDBOX_KERNEL_RUNTIMES"] = str(tmp_path / "store")
+    try:
+        done = runtime_cli("create", "auto", "-r", str(tmp_path / "requirements.txt"),
+                           "--user")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Preloads autobase, autosolo, autouser (what it installs;" in done.stdout
+        assert "not preloaded: autobroken: RuntimeError: no display here" in done.stdout
+        shown = json.loads(runtime_cli("show", "auto").stdout)
+        assert shown["preload"] == ["autobase", "autosolo", "autouser"]
+        assert shown["preload_from"] == "installed"
+        assert shown["preload_modules"]["autouser"]["loads"] == ["autobase", "autouser"]
+        assert shown["preload_modules"]["autosolo"]["loads"] == ["autosolo"]
+        skipped = shown["preload_skipped"]
+        assert skipped["_autoprivate"] == "a private module"
+        assert skipped["tests"] == "a test package"
+        assert skipped["autobroken"] == "RuntimeError: no display here"
+        assert "starts 1 thread(s)" in skipped["autothreads"]
+        assert "ipykernel" not in shown["preload"] + list(skipped)  # the kernel's own: left out
+        spec = KernelSpecManager().get_kernel_spec("sandbox-auto")
+        assert spec.metadata["kernel_provisioner"]["config"]["preload"] == shown["preload"]
+        with Sandbox("sandbox-auto") as sb:  # a session starts with them loaded
+            done = sb.run("import sys\nprint(sorted(m for m in ('autobase', 'autosolo', "
+                          "'autouser', 'autobroken') if m in sys.modules))")
+            assert done.stdout == "['autobase', 'autosolo', 'autouser']\n", done
+
+        off = runtime_cli("update", "auto", "--no-preload", "--force")
+        assert off.returncode == 0, off.stderr[-2000:]
+        assert "Preloads nothing (--no-preload)" in off.stdout
+        shown = json.loads(runtime_cli("show", "auto").stdout)
+        assert (shown["preload"], shown["preload_from"]) == ([], "none")
+        refused = runtime_cli("update", "auto", "--preload", "autobroken", "--force")
+        assert refused.returncode == 1
+        assert "autobroken: RuntimeError: no display here" in refused.stderr
+        back = runtime_cli("update", "auto", "--preload-installed", "--force")
+        assert back.returncode == 0, back.stderr[-2000:]
+        assert json.loads(runtime_cli("show", "auto").stdout)["preload"] == [
+            "autobase", "autosolo", "autouser"]
+    finally:
+        runtime_cli("remove", "auto", "--force")
+        if saved is None:
+            os.environ.pop("SANDBOX_KERNEL_RUNTIMES")
+        else:
+            os.environ["SANDBOX_KERNEL_RUNTIMES"] = saved

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from . import modules
+from .modules import Preloads
 from .store import RuntimesError
 
 DISTRIBUTION = "sandbox-kernel"
@@ -86,30 +88,18 @@ def freeze(python: Path, tool: str) -> list[str]:
     return [line for line in done.stdout.splitlines() if line.strip()]
 
 
-def check_imports(python: Path, modules: list[str]) -> None:
-    """Fail the build when a module the fork server is to preload does not import."""
-    if not modules:
-        return
-    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)"
-    done = subprocess.run([str(python), "-I", "-c", code, *modules], capture_output=True,
-                          text=True, check=False)
-    if done.returncode:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimesError(f"a module to preload does not import in the new environment: "
-                            f"{last}; add its package to the requirements or drop it from "
-                            "--preload")
-
-
-def build(base_python: str, requirements: Path, target: Path, preload: list[str]) -> str:
-    """Build the environment at target (removed again on failure); the installer used."""
+def build(base_python: str, requirements: Path, target: Path,
+          preload: list[str] | None) -> tuple[str, Preloads]:
+    """Build the environment at target (removed again on failure); the installer used and what
+    the build preloads (modules.py: the modules given, or by default, None, what it installs)."""
     tool = installer()
     try:
         python = make_environment(base_python, target, tool)
         install(python, requirements, tool)
-        check_imports(python, preload)
+        preloads = modules.preloads(python, preload)
         frozen = freeze(python, tool)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
     (target / "frozen.txt").write_text("\n".join(frozen) + "\n")
-    return tool
+    return tool, preloads

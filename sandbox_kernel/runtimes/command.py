@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import policy
 from . import manage
-from .store import ROOT_VAR, RuntimesError, find, names, root
+from .store import ROOT_VAR, Runtime, RuntimesError, find, names, root
 
 FAILED = 1
 
@@ -17,19 +17,22 @@ FAILED = 1
 def _create(args: argparse.Namespace) -> int:
     runtime = manage.create(
         args.name, Path(args.requirements), policy.from_arguments(args),
-        base_python=args.python, preload=args.preload, user=args.user,
-        prefix=sys.prefix if args.sys_prefix else args.prefix, display_name=args.display_name,
-        cold_start=args.cold_start)
+        base_python=args.python, preload=[] if args.no_preload else args.preload,
+        user=args.user, prefix=sys.prefix if args.sys_prefix else args.prefix,
+        display_name=args.display_name, cold_start=args.cold_start)
     print(f"Created runtime {runtime.name} ({len(runtime.frozen())} packages, with "
           f"{runtime.installer}) in {runtime.build_dir()}")
+    _print_preloads(runtime)
     print(f"Installed kernelspec {runtime.kernel_name} in {runtime.kernelspec}")
     return 0
 
 
 def _update(args: argparse.Namespace) -> int:
     before = find(args.name).frozen()
+    preload = ([] if args.no_preload else manage.INSTALLED if args.preload_installed
+               else args.preload)
     runtime = manage.update(args.name, Path(args.requirements) if args.requirements else None,
-                            preload=args.preload, force=args.force)
+                            preload=preload, force=args.force)
     after = runtime.frozen()
     changes = [f"- {line}" for line in before if line not in after] + \
               [f"+ {line}" for line in after if line not in before]
@@ -37,7 +40,21 @@ def _update(args: argparse.Namespace) -> int:
           + (":" if changes else " (no package changed)"))
     for line in changes:
         print(f"  {line}")
+    _print_preloads(runtime)
     return 0
+
+
+def _print_preloads(runtime: Runtime) -> None:
+    """What the build preloads (and what it costs), and each installed module it skipped."""
+    if not runtime.preload:
+        print("Preloads nothing" + (" (--no-preload)" if runtime.preload_from == "none" else ""))
+    else:
+        total = sum(int(module.get("rss_kb", 0)) for module in runtime.preload_modules.values())
+        print(f"Preloads {', '.join(runtime.preload)} ("
+              + ("what it installs" if runtime.preload_from == manage.INSTALLED else "--preload")
+              + f"; {total / 1024:.0f} MB imported together at most)")
+    for name, why in runtime.preload_skipped.items():
+        print(f"  not preloaded: {name}: {why}")
 
 
 def _remove(args: argparse.Namespace) -> int:
@@ -97,9 +114,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="the interpreter to build it from (default: this one)")
     create.add_argument("--display-name", help="shown in JupyterLab's launcher (default: "
                         "'Python 3 (sandbox: NAME)')")
-    create.add_argument("--preload", metavar="MODULES", type=_modules, default=[],
-                        help="comma-separated modules its fork server imports before forking "
-                        "kernels (e.g. numpy,pandas): free to import in every kernel")
+    chosen = create.add_mutually_exclusive_group()
+    chosen.add_argument("--preload", metavar="MODULES", type=_modules, default=None,
+                        help="comma-separated modules its fork servers import before forking "
+                        "kernels (e.g. numpy,pandas), instead of the default: every top-level "
+                        "module the requirements install that imports cleanly")
+    chosen.add_argument("--no-preload", action="store_true",
+                        help="preload nothing: every kernel imports what it uses itself")
     create.add_argument("--cold-start", action="store_true",
                         help="start its kernels cold instead of from the fork server")
     where = create.add_mutually_exclusive_group()
@@ -119,8 +140,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     upd.add_argument("name")
     upd.add_argument("-r", "--requirements", metavar="FILE",
                      help="a new requirements file (default: the recorded one)")
-    upd.add_argument("--preload", metavar="MODULES", type=_modules,
-                     help="replace the modules its fork server preloads")
+    chosen = upd.add_mutually_exclusive_group()
+    chosen.add_argument("--preload", metavar="MODULES", type=_modules,
+                        help="replace the modules its fork servers preload (default: as "
+                        "before: what it installs, or the list it was given)")
+    chosen.add_argument("--preload-installed", action="store_true",
+                        help="preload what it installs again (the default of create)")
+    chosen.add_argument("--no-preload", action="store_true", help="preload nothing")
     upd.add_argument("--force", action="store_true",
                      help="update even while kernels run on it (they keep their environment)")
     upd.set_defaults(handler=_handle(_update))

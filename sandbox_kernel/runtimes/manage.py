@@ -22,9 +22,11 @@ from pathlib import Path
 from .. import install as kernelspecs
 from ..policy import SandboxPolicy
 from . import build, in_use
+from .modules import Preloads
 from .store import Runtime, RuntimesError, check_name, find, kernel_name
 
 DISPLAY_NAME = "Python 3 (sandbox: {name})"
+INSTALLED = "installed"  # preload what the runtime installs (modules.py): the default
 
 
 def _now() -> str:
@@ -69,14 +71,16 @@ def _running_kernels(runtime: Runtime, build_number: int) -> bool:
 
 
 def create(name: str, requirements: Path, policy: SandboxPolicy | None = None, *,
-           base_python: str | None = None, preload: Sequence[str] = (), user: bool = False,
+           base_python: str | None = None, preload: Sequence[str] | None = None,
+           user: bool = False,
            prefix: str | None = None, display_name: str | None = None,
            cold_start: bool = False) -> Runtime:
-    """Build runtime NAME from a requirements file and install its kernelspec."""
+    """Build runtime NAME from a requirements file and install its kernelspec. preload: the
+    modules its fork servers import; None (the default): what it installs (modules.py)."""
     check_name(name)
     runtime = Runtime(name=name, base_python=base_python or sys.executable,
-                      preload=sorted(set(preload)), build=1, created=_now(), updated=_now(),
-                      source=str(requirements.absolute()))
+                      preload_from=_preload_from(preload), build=1, created=_now(),
+                      updated=_now(), source=str(requirements.absolute()))
     if (runtime.directory / "runtime.json").exists():
         raise RuntimesError(f"runtime {name!r} exists already; `sandbox-kernel runtime update "
                             f"{name} -r FILE` changes it, `runtime remove {name}` removes it")
@@ -84,8 +88,9 @@ def create(name: str, requirements: Path, policy: SandboxPolicy | None = None, *
     try:
         with _locked(runtime.directory):
             staged = _copy_requirements(requirements, runtime)
-            runtime.installer = build.build(runtime.base_python, staged, runtime.build_dir(),
-                                            runtime.preload)
+            runtime.installer, preloads = build.build(runtime.base_python, staged,
+                                                      runtime.build_dir(), _listed(preload))
+            _record(runtime, preloads)
             os.replace(staged, runtime.requirements)
             spec = kernelspecs.install(
                 policy or SandboxPolicy(), name=runtime.kernel_name,
@@ -101,10 +106,11 @@ def create(name: str, requirements: Path, policy: SandboxPolicy | None = None, *
     return runtime
 
 
-def update(name: str, requirements: Path | None = None, *, preload: Sequence[str] | None = None,
-           force: bool = False) -> Runtime:
+def update(name: str, requirements: Path | None = None, *,
+           preload: Sequence[str] | str | None = None, force: bool = False) -> Runtime:
     """Build a new environment for NAME from a requirements file: the one given, else the
-    operator's file it was last built from (read again, as dify-sandbox reads its own)."""
+    operator's file it was last built from (read again, as dify-sandbox reads its own).
+    preload: the modules to preload instead, INSTALLED for what it installs, None: as before."""
     runtime = find(name)
     with _locked(runtime.directory):
         if not force and _running_kernels(runtime, runtime.build):
@@ -113,16 +119,35 @@ def update(name: str, requirements: Path | None = None, *, preload: Sequence[str
             runtime.source = str(requirements.absolute())
         source = Path(runtime.source) if runtime.source else runtime.requirements
         staged = _copy_requirements(source, runtime)
-        new_preload = runtime.preload if preload is None else sorted(set(preload))
+        if preload is None:  # as the record says: what it installs now, or the same list
+            wanted = None if runtime.preload_from == INSTALLED else list(runtime.preload)
+        else:
+            wanted = None if preload == INSTALLED else list(preload)
         number = max(runtime.builds(), default=0) + 1
-        runtime.installer = build.build(runtime.base_python, staged, runtime.build_dir(number),
-                                        new_preload)
+        runtime.installer, preloads = build.build(runtime.base_python, staged,
+                                                  runtime.build_dir(number), wanted)
         os.replace(staged, runtime.requirements)
-        runtime.build, runtime.preload, runtime.updated = number, new_preload, _now()
+        runtime.build, runtime.updated = number, _now()
+        runtime.preload_from = _preload_from(wanted)
+        _record(runtime, preloads)
         _point_kernelspec(runtime)
         runtime.save()  # from here on new kernels start on the new build
         _retire_old_builds(runtime)
     return runtime
+
+
+def _preload_from(preload: Sequence[str] | None) -> str:
+    return INSTALLED if preload is None else "given" if preload else "none"
+
+
+def _listed(preload: Sequence[str] | None) -> list[str] | None:
+    return None if preload is None else sorted(set(preload))
+
+
+def _record(runtime: Runtime, preloads: Preloads) -> None:
+    """Note in the record what the build preloads and what it skipped."""
+    for key, value in preloads.as_record().items():
+        setattr(runtime, key, value)
 
 
 def _point_kernelspec(runtime: Runtime) -> None:

@@ -49,7 +49,12 @@ class Runtime:
 
     name: str
     base_python: str  # the interpreter its builds were made from
-    preload: list[str] = field(default_factory=list)  # modules its fork server imports
+    preload: list[str] = field(default_factory=list)  # modules its fork servers import
+    # "installed": what it installs (modules.py, the default), "given": --preload's, "none"
+    # (a record from before the default is what --preload gave: "given")
+    preload_from: str = "given"
+    preload_modules: dict[str, dict] = field(default_factory=dict)  # name: modules.Module
+    preload_skipped: dict[str, str] = field(default_factory=dict)  # installed, not preloaded
     build: int = 0  # the build new kernels run on
     kernelspec: str = ""  # the directory of its kernelspec
     created: str = ""
