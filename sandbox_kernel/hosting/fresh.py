@@ -29,7 +29,7 @@ from ..client import AsyncSandbox, Execution, oneshot
 from ..client.collect import info_of
 from ..client.tools import Toolbox
 from ..errors import ExecutionTimeout, KernelUnavailable, OutputLimitExceeded, ServiceStopping
-from ..launch.oneshot import OneShotUnavailable
+from ..launch.oneshot import OneShotPool, OneShotUnavailable
 from .admission import Admission
 from .events import json_line, log
 from .network import Network, policy_name, split
@@ -84,6 +84,7 @@ class RunRecord:
     sandbox: AsyncSandbox | None = None
     one_shot: oneshot.RunHandle | None = None
     on_one_shot: bool = False  # whether a one-shot kernel ran it (its handle has the files)
+    preloaded: tuple[str, ...] = ()  # what the one-shot's zygote preloaded (launch/imports.py)
 
     async def interrupt(self) -> None:
         """Interrupt the run's code, on whichever kernel it runs."""
@@ -155,21 +156,26 @@ class Runner:
         """
         budget = OutputBudget(self.output_limit)
         async with self.admission.worker(tenant):
-            if await self._has_one_shot(network):
+            pool = await self._one_shot_pool(network, code)
+            if pool is not None:
                 try:
                     return await self.run_one_shot(code, network, timeout, inputs, record,
                                                    budget, on_output, entrypoint, raw_result,
-                                                   tools)
+                                                   tools, pool)
                 except OneShotUnavailable as exc:  # nothing ran: a ZMQ kernel runs it
                     log.warning(json_line(event="one_shot_not_taken", error=str(exc),
                                           policy=policy_name(network)))
             return await self.run_on_kernel(code, network, timeout, inputs, record, budget,
                                             on_output, entrypoint, raw_result, keep, tools)
 
-    async def _has_one_shot(self, network: Network) -> bool:
+    async def _one_shot_pool(self, network: Network, code: str) -> OneShotPool | None:
+        """The one-shot pool this run takes (its preload set's, chosen from its code), or None
+        when it runs on a ZMQ kernel."""
         one_shots = self.one_shots
-        return one_shots is not None and one_shots.pool_for(network) is not None \
-            and await one_shots.had(split(network)[0])
+        if one_shots is None or one_shots.pool_for(network) is None \
+                or not await one_shots.had(split(network)[0]):
+            return None
+        return one_shots.pool_for(network, code)
 
     async def run_on_kernel(self, code: str, network: Network, timeout: float,
                             inputs: dict | None, record: RunRecord, budget: OutputBudget,
@@ -202,13 +208,15 @@ class Runner:
                            inputs: dict | None, record: RunRecord, budget: OutputBudget,
                            on_output: Callable[[str, Any], None] | None, entrypoint: str,
                            raw_result: bool, tools: Toolbox | None = None,
+                           pool: OneShotPool | None = None,
                            ) -> tuple[Execution, bool]:
-        """The run on a one-shot kernel of the network's pool, killed whenever the run ends;
-        OneShotUnavailable when none took it."""
+        """The run on a one-shot kernel of the pool given (default: the network's lean pool),
+        killed whenever the run ends; OneShotUnavailable when none took it."""
         assert self.one_shots is not None
         allowed = split(network)[0]
-        pool = self.one_shots.pools[allowed]
+        pool = pool or self.one_shots.pools[allowed]
         record.kernel_id, record.on_one_shot = "one-shot", True
+        record.preloaded = tuple(pool.preload)
         on = callbacks(record, budget, on_output)
         try:
             return await bounded(

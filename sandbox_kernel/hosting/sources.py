@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from ..client import AsyncSandbox
 from ..errors import KernelUnavailable
 from ..launch.forkserver import ForkServerClient
+from ..launch.imports import PreloadSets
 from ..policy import SandboxPolicy
 from ..secrets import SecretError
 from .events import json_line, log
@@ -81,6 +82,8 @@ class PoolSource:
     def __init__(self, options: dict[bool, dict[str, Any]], pool_size: int,
                  filled: Iterable[bool] | None = None, probe: bool = True) -> None:
         self.options = options  # AsyncSandbox's keyword arguments, per network policy
+        # A runtime's preloads as sets, for the one-shot pools (oneshots.py), or None
+        self.preload_sets: PreloadSets | None = None
         self.pools = {network: KernelPool(pool_size, **kwargs)
                       for network, kwargs in options.items()} if pool_size > 0 else {}
         self.filled = set(options if filled is None else filled)
@@ -203,21 +206,28 @@ def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
     """The kernel source a face uses: the one place to change how it gets kernels.
 
     With a runtime, kernels run on its current build with its modules preloaded (and
-    `preload`'s); cold_start: each kernel exec'd, no fork server.
+    `preload`'s): every one of them for ZMQ kernels (a session's), by set for one-shot kernels
+    (the source's preload_sets, launch/imports.py); cold_start: each kernel exec'd, no fork
+    server.
     """
     on_runtime: dict[str, Any] = {"python": sys.executable, "preload": list(preload)}
+    sets = None
     if runtime:
         from ..runtimes import find
 
         record = find(runtime)
         on_runtime = {"python": str(record.python()),
                       "preload": list(dict.fromkeys([*record.preload, *preload]))}
+        if record.preload:  # one-shot pools by preload set; ZMQ kernels preload everything
+            sets = PreloadSets.from_record(record.preload, record.preload_modules, preload)
     extra = {"grace": grace} if grace is not None else {}
     if cold_start:
         extra["cold_start"] = True
-    return PoolSource({network: {"kernel_name": None, **extra, **on_runtime,
-                                 "policy": with_network(base, network, upstream_proxy)}
-                       for network in networks}, pool_size, filled, probe)
+    source = PoolSource({network: {"kernel_name": None, **extra, **on_runtime,
+                                   "policy": with_network(base, network, upstream_proxy)}
+                         for network in networks}, pool_size, filled, probe)
+    source.preload_sets = sets
+    return source
 
 
 def kernel_id(sandbox: AsyncSandbox) -> str:

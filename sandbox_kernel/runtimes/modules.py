@@ -15,10 +15,13 @@ code outside any sandbox, as `--preload` always has: they are the operator's own
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..launch.forkserver.client import server_env
 from .store import RuntimesError
 
 # Distributions every runtime has for its own sake: never preloaded by default (the kernel's own
@@ -154,12 +157,16 @@ class Preloads:
 
 
 def _python_json(python: Path, script: str, arguments: list[str], what: str) -> list[dict]:
-    try:
-        done = subprocess.run([str(python), "-I", "-c", script, *arguments],  # noqa: S603
-                              capture_output=True, text=True, timeout=IMPORT_TIMEOUT,
-                              check=False, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise RuntimesError(f"{what} took longer than {IMPORT_TIMEOUT} s") from None
+    """Run script with the runtime's Python in a fork server's environment (one BLAS thread,
+    its own matplotlib folder: server_env), each line of JSON it prints."""
+    with tempfile.TemporaryDirectory(prefix="sandbox-kernel-preload-") as home:
+        try:
+            done = subprocess.run([str(python), "-I", "-c", script, *arguments],  # noqa: S603
+                                  capture_output=True, text=True, timeout=IMPORT_TIMEOUT,
+                                  check=False, stdin=subprocess.DEVNULL,
+                                  env=server_env(os.environ, Path(home) / "home"))
+        except subprocess.TimeoutExpired:
+            raise RuntimesError(f"{what} took longer than {IMPORT_TIMEOUT} s") from None
     if done.returncode:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimesError(f"{what} failed: {last}")

@@ -18,6 +18,7 @@ from traitlets.config import Configurable
 
 from .. import flags
 from ..hosting import keys as auth
+from ..hosting.oneshots import DEFAULT_MAX_PRELOADED
 from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
 
 
@@ -127,6 +128,14 @@ class ServiceConfig(Configurable):
         "policy for stateless runs (the dify route, the native one-shot execute), each used "
         "for exactly one run; 0 runs them on fresh ZMQ kernels from --pool-size's pools.",
     ).tag(config=True, flag="one-shot-pool-size", env="SANDBOX_ONE_SHOT_POOL_SIZE", metavar="N")
+
+    max_preload_pools = Int(
+        DEFAULT_MAX_PRELOADED, help="On a --runtime that preloads modules: one-shot pools whose "
+        "zygote holds a set of them (chosen per run from the modules its code imports) alive "
+        "at once, the least recently used retired to make room; runs importing none of them, "
+        "or whose set has no pool, take the lean pool. Each costs its fork server, its zygote "
+        "and --one-shot-pool-size processes (docs/deploy.md); 0: every run on the lean pool.",
+    ).tag(config=True, flag="max-preload-pools", env="SANDBOX_MAX_PRELOAD_POOLS", metavar="N")
 
     max_sessions = Int(
         32, help="Sessions open at once over all keys; each holds a kernel.",
@@ -305,7 +314,8 @@ def check(config: ServiceConfig) -> None:
         if getattr(config, name) is not None and getattr(config, name) <= 0:
             raise TraitError(f"{name.replace('_', '-')} must be positive, "
                              f"got {getattr(config, name)}")
-    for name in ("pool_size", "one_shot_pool_size", "kernel_grace", "shutdown_grace",
+    for name in ("pool_size", "one_shot_pool_size", "max_preload_pools", "kernel_grace",
+                 "shutdown_grace",
                  "session_idle_timeout", "session_pause_after"):
         if getattr(config, name) < 0:
             raise TraitError(f"{name.replace('_', '-')} must not be negative")

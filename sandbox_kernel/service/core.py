@@ -95,7 +95,9 @@ class Service:
         options = getattr(self.kernels.source, "options", None)
         if not self.config.one_shot_pool_size or not isinstance(options, dict):
             return None
-        return OneShots(options, self.config.one_shot_pool_size)
+        return OneShots(options, self.config.one_shot_pool_size,
+                        getattr(self.kernels.source, "preload_sets", None),
+                        max(0, self.config.max_preload_pools))
 
     async def use_current_runtime(self) -> None:
         """New kernels from the runtime's current build (after an update); old ones drain."""
