@@ -428,10 +428,12 @@ def _service_setting(service: dict, name: str) -> int:
 
 def kernels_at_most(service: dict) -> int:
     """Kernels the service may hold at once: every session's, both policies' pools of each
-    kind, and the runs executing (a run with its own allowlist gets a kernel of its own)."""
+    kind, the pools of preload sets (as many as --max-preload-pools over both policies), and
+    the runs executing (a run with its own allowlist gets a kernel of its own)."""
     return (_service_setting(service, "max_sessions")
             + 2 * _service_setting(service, "pool_size")
-            + 2 * _service_setting(service, "one_shot_pool_size")
+            + (2 + _service_setting(service, "max_preload_pools"))
+            * _service_setting(service, "one_shot_pool_size")
             + _service_setting(service, "max_workers"))
 
 
