@@ -44,26 +44,36 @@ def test_what_cannot_be_read_without_running_it_goes_to_the_lean_pool(code):
     assert SETS.choose(code) == ()
 
 
-def test_the_roots_are_the_modules_no_other_loads():
-    assert sorted(SETS.covers) == ["jinja2", "pandas", "pylab", "requests"]
-    assert SETS.covers["pandas"] == {"dateutil", "numpy", "pandas", "pytz"}
+def test_the_roots_are_the_modules_no_other_loads_and_the_light_ones_share_a_set():
+    assert sorted(SETS.covers) == [("jinja2", "requests"), ("pandas",), ("pylab",)]
+    assert SETS.covers[("pandas",)] == {"dateutil", "numpy", "pandas", "pytz"}
+    assert SETS.covers[("jinja2", "requests")] == {
+        "certifi", "idna", "jinja2", "markupsafe", "requests", "urllib3"}
+    assert SETS.cost_kb[("jinja2", "requests")] == 13000
 
 
 @pytest.mark.parametrize(("code", "preload"), [
     ("def main():\n    return {'a': 1}\n", ()),
     ("import json, os\nprint('pandas')", ()),  # the name only in a string
-    ("import jinja2", ("jinja2",)),
-    ("from markupsafe import escape", ("jinja2",)),
-    ("import requests", ("requests",)),
+    ("import jinja2", ("jinja2", "requests")),
+    ("from markupsafe import escape", ("jinja2", "requests")),
+    ("import requests", ("jinja2", "requests")),
     ("import numpy as np", ("pylab",)),  # the cheaper of the two sets holding numpy
     ("import pandas as pd", ("pandas",)),
     ("import matplotlib.pyplot as plt", ("pylab",)),
-    ("import pandas, jinja2", ("jinja2", "pandas")),  # no one set: the fewest roots
+    ("import pandas, jinja2", ("jinja2", "pandas", "requests")),  # no one set: the fewest
     ("import pandas, matplotlib", ("pandas", "pylab")),
     ("import pandas, yaml", ("pandas",)),  # a module not preloaded changes nothing
 ])
 def test_a_run_gets_the_cheapest_set_holding_what_it_imports(code, preload):
     assert SETS.choose(code) == preload
+
+
+def test_a_set_running_already_is_taken_over_a_cheaper_one_not_running():
+    assert SETS.choose("import numpy") == ("pylab",)
+    assert SETS.choose("import numpy", live=[("pandas",)]) == ("pandas",)
+    assert SETS.choose("import numpy", live=[("pandas",), ("pylab",)]) == ("pylab",)
+    assert SETS.choose("import numpy", live=[("jinja2", "requests")]) == ("pylab",)
 
 
 def test_a_base_preload_is_in_every_set_and_a_record_without_measures_still_works():

@@ -75,7 +75,8 @@ class OneShots:
         lean = None if hosts is not None else self.pools.get(allowed)
         if lean is None or self.sets is None or not self.max_preloaded or not code:
             return lean
-        preload = self.sets.choose(code)
+        preload = self.sets.choose(code, [key[1] for key, pool in self.preloaded.items()
+                                          if key[0] == allowed and pool.path])
         if preload == lean.preload:
             return lean
         key = (allowed, preload)

@@ -27,10 +27,12 @@ def preloading(tmp_path_factory, keys_file):
     base = tmp_path_factory.mktemp("preload-sets")
     wheels = base / "wheels"
     wheels.mkdir()
-    make_wheel(wheels, "psa", "1.0", {"psa/__init__.py": "A = 1\n"})
+    # 12 MB each: above launch/imports.py's LIGHT_KB, so each root is a set of its own
+    heavy = "HEAVY = bytes(range(256)) * (48 * 1024)\n"
+    make_wheel(wheels, "psa", "1.0", {"psa/__init__.py": heavy + "A = 1\n"})
     make_wheel(wheels, "psb", "1.0", {"psb/__init__.py": "import psa\nB = 2\n"},
                requires=("psa",))
-    make_wheel(wheels, "psc", "1.0", {"psc.py": "C = 3\n"})
+    make_wheel(wheels, "psc", "1.0", {"psc.py": heavy + "C = 3\n"})
     requirements = base / "requirements.txt"
     requirements.write_text(f"--find-links {wheels}\npsb\npsc\n")
     environ = {**os.environ, "SANDBOX_KERNEL_RUNTIMES": str(base / "store")}
