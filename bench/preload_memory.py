@@ -55,7 +55,8 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def measure(python: str, preload: tuple[str, ...], size: int) -> dict[str, object]:
+def measure(python: str, preload: tuple[str, ...], size: int
+            ) -> tuple[float, dict[str, list[dict[str, int]]]]:
     """Have the set's pool, let it fill, read its processes' memory."""
     pool = OneShotPool(SandboxPolicy(), size, python=python, preload=preload)
     started = time.monotonic()
@@ -76,7 +77,7 @@ def measure(python: str, preload: tuple[str, ...], size: int) -> dict[str, objec
     parts = {"server": [rollup(server)], "zygote": [rollup(pid) for pid in zygotes],
              "waiting": [rollup(pid) for pid in waiting]}
     ForkServerClient(python=python, preload=preload).stop_server()
-    return {"preload": preload, "ready_s": ready, **parts}
+    return ready, parts
 
 
 def main() -> None:
@@ -86,20 +87,21 @@ def main() -> None:
     args = parser.parse_args()
     record = find(args.runtime)
     sets = PreloadSets.from_record(record.preload, record.preload_modules)
-    chosen = {}
+    chosen: dict[tuple[str, ...], list[str]] = {}
     for node, code in NODES.items():
         chosen.setdefault(sets.choose(code), []).append(node)
     rows = []
     for preload, nodes in chosen.items():
-        measured = measure(str(record.python()), preload, args.size)
-        total = sum(int(part["pss"]) for key in ("server", "zygote", "waiting")
-                    for part in measured[key])  # type: ignore[attr-defined]
-        one = lambda key, what: measured[key][0][what] // 1024 if measured[key] else 0  # noqa
+        ready, measured = measure(str(record.python()), preload, args.size)
+        total = sum(part["pss"] for parts in measured.values() for part in parts)
+
+        def one(key: str, what: str, measured: dict = measured) -> int:
+            return measured[key][0][what] // 1024 if measured[key] else 0
         rows.append(f"| {', '.join(nodes)} | {', '.join(preload) or '(lean)'} | "
                     f"{one('server', 'rss')} / {one('server', 'uss')} | "
                     f"{one('zygote', 'rss')} / {one('zygote', 'uss')} | "
                     f"{one('waiting', 'rss')} / {one('waiting', 'uss')} | "
-                    f"{total // 1024} | {measured['ready_s']:.1f} |")
+                    f"{total // 1024} | {ready:.1f} |")
         print(rows[-1], flush=True)
     load = os.getloadavg()
     text = (f"# One-shot pools per preload set: memory (runtime {args.runtime}, "

@@ -492,9 +492,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="a dify-sandbox already running (its start.sh), instead of one "
                         "started and stopped here")
     parser.add_argument("--anchor-key", default=KEY, help="that dify-sandbox's key")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--imports", metavar="RUNTIME",
+                        help="the import mix instead (bench/service_imports.py): nodes "
+                        "importing jinja2, requests, numpy, pandas, matplotlib through the "
+                        "dify route, against serve's defaults and serve --runtime RUNTIME, "
+                        "and the 70/20/10 mixed load")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    return publish(run(args), args.out)
+    if args.imports:
+        from bench import service_imports
+
+        return publish(service_imports.run(args), args.out or service_imports.RESULTS)
+    return publish(run(args), args.out or RESULTS)
 
 
 if __name__ == "__main__":
