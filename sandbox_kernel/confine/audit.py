@@ -32,7 +32,7 @@ from typing import Any
 
 from .denials import library_probe, uncounted
 from .logrelay import LineSink, TokenBucket, escaped
-from .share import PAUSE, CpuShare
+from .share import LONGEST_PAUSE, PAUSE, CpuShare
 from .tally import Tally
 
 # struct seccomp_notif: u64 id; u32 pid; u32 flags; struct seccomp_data {int nr; u32 arch;
@@ -138,6 +138,7 @@ class Auditor:
         self.kernel_id, self.uid = kernel_id, uid
         self.share = CpuShare(pid)  # pid: the kernel's, whose CPU pays for its answers
         self.paused_until: float | None = None  # past its share: when one more is answered
+        self.pause = PAUSE  # ... after this long, doubled at each answer while still past it
         self.hung_up = False  # no process uses the filter any more: nothing will wait again
         self.poller = select.poll()
         self.poller.register(listener, select.POLLIN)
@@ -149,10 +150,11 @@ class Auditor:
         self.suppressed_since = 0.0
 
     def answer(self, since: float, floor: bool = False) -> None:
-        """Answer the calls waiting (EPERM): one if floor (the kernel's pause is over), else at
-        most BATCH while the kernel's share allows; charge the kernel this thread's CPU from
-        `since` (its CPU clock, time.thread_time(), when the work for it began)."""
-        for _ in range(1 if floor else BATCH if self.share.allows() else 0):
+        """Answer the calls waiting (EPERM): at most BATCH, while the kernel's share allows or
+        once its pause is over (floor: the wake-up is most of an answer's cost, so one turn
+        frees every waiting thread); charge the kernel this thread's CPU from `since` (its CPU
+        clock, time.thread_time(), when the work for it began)."""
+        for _ in range(BATCH if floor or self.share.allows() else 0):
             if not self._waiting():
                 break
             self._answer_one()
@@ -162,10 +164,13 @@ class Auditor:
         if self.tally is not None:
             self.tally.charge_answers(spent)
         if self.share.allows():
-            self.paused_until = None
+            self.paused_until, self.pause = None, PAUSE
         else:
-            self.pauses += self.paused_until is None  # counted in the next summary record
-            self.paused_until = time.monotonic() + PAUSE
+            if self.paused_until is None:
+                self.pauses += 1  # counted in the next summary record
+            else:  # still past its share after a paid-by-time answer: wait twice as long
+                self.pause = min(2 * self.pause, LONGEST_PAUSE)
+            self.paused_until = time.monotonic() + self.pause
 
     def _waiting(self) -> bool:
         """Whether a call waits for its answer (a receive would block otherwise).

@@ -9,9 +9,11 @@ every one-shot. So a kernel's answers are paid from a budget: FREE seconds of th
 CPU at first (tens of answers, each of the first hundred with its record: more than an ordinary
 run's library probes ask for), refilled by SHARE of the CPU the kernel itself spends (read from
 /proc/<pid>/stat, which user code cannot alter; in clock ticks, so up to SAVED is kept for
-later), never by time alone. A kernel past its budget waits: one of its waiting calls is answered
-every PAUSE seconds until its own CPU has paid for more. A flood crawls, nothing hangs, and what
-the companion spends on a kernel stays within FREE + SHARE x its CPU + an answer per PAUSE.
+later), never by time alone. A kernel past its budget waits: its waiting calls (BATCH at most)
+are answered in one turn after PAUSE seconds, then after twice as long, and so on up to
+LONGEST_PAUSE, until its own CPU has paid for more. A flood crawls, nothing hangs, and what the
+companion spends on a kernel stays within FREE + SHARE x its CPU + one turn per pause (a run
+that waits out a 60 s deadline gets about seventeen).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from .logrelay import TokenBucket
 FREE = 0.002  # the companion's CPU seconds a kernel's answers may take at first ...
 SHARE = 0.25  # ... and per second of CPU the kernel spends after that ...
 SAVED = 0.005  # ... of which at most this much is kept for later (more than a clock tick's)
-PAUSE = 1.0  # past both, seconds between answers: a flood slows down, it never stops
+PAUSE = 1.0  # past both, seconds before the next answer: a flood slows down, never stops;
+LONGEST_PAUSE = 4.0  # the pause doubles while the kernel stays past its share, up to this
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
