@@ -315,6 +315,25 @@ def test_check_passes_with_the_compose_settings(image):
     assert "the service's kernels will start" in done.stdout
 
 
+def test_the_images_runtime_preloads_what_it_installs_and_a_pandas_node_runs_on_it(shipped):
+    """No --preload in the Dockerfile: the runtime preloads what it installs (#49), and a run
+    importing pandas lands, once its set's pool is up, on a zygote that holds pandas, while a
+    run importing nothing stays on the lean one."""
+    shown = json.loads(_docker("exec", shipped.name, "sandbox-kernel", "runtime", "show",
+                               "default").stdout)
+    assert shown["preload_from"] == "installed"
+    assert {"jinja2", "requests", "numpy", "pandas", "matplotlib"} <= set(shown["preload"])
+    probe = "import sys\nprint('pandas' in sys.modules)\n"
+    deadline, seen = time.monotonic() + 120, []
+    while time.monotonic() < deadline:
+        seen.append(shipped.run(probe + "import pandas\n", network=False)["data"]["stdout"])
+        if seen[-1] == "True\n":
+            break
+        time.sleep(0.5)
+    assert seen[-1] == "True\n", seen
+    assert shipped.run(probe, network=False)["data"]["stdout"] == "False\n"
+
+
 def test_ready_only_once_every_policy_started(shipped):
     status, state = shipped.answers[-1]
     assert status == 200 and state["ready"] is True
