@@ -102,7 +102,11 @@ def test_rendered_pod_is_a_valid_hardened_pod(k8s_spec):
     assert context["seccompProfile"] == {"type": "Localhost",
                                          "localhostProfile": "profiles/sandbox-kernel.json"}
     assert container["command"] == ["python", "-I", "-m", "sandbox_kernel", "eg-launch"]
-    assert container["args"] == ["--SandboxPolicy.timeout=30.0"]
+    # The policy, and how its operator changes it (a refusal's advice names this install).
+    prefix = k8s_spec.parent.parent.parent.parent
+    assert container["args"] == [
+        f"--SandboxPolicy.changed_with=sandbox-kernel install --prefix {prefix} "
+        "--name sandbox_kubernetes", "--SandboxPolicy.timeout=30.0"]
     limits = container["resources"]["limits"]
     assert limits == {"cpu": "1", "memory": "3Gi", "ephemeral-storage": "2Gi"}  # memory: client
     assert spec["volumes"][0]["emptyDir"] == {"sizeLimit": "512Mi"}

@@ -212,4 +212,5 @@ def test_a_sessions_description_totals_cpu_spent_after_its_last_execution(server
             break
         assert time.monotonic() < deadline, usage
         time.sleep(0.3)
-    assert set(usage) == {"cpu_user_seconds", "cpu_system_seconds", "egress_cpu_seconds"}
+    assert set(usage) == {"cpu_user_seconds", "cpu_system_seconds", "egress_cpu_seconds",
+                          "companion_cpu_seconds"}
