@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -301,14 +302,11 @@ def test_warnings_name_the_cell_as_tracebacks_do_and_agg_charts_are_shown(kernel
     assert outputs["saved"] == []  # a figure the code closed is not shown
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="started by root, user code has a uid of its own")
-def test_a_write_into_a_root_owned_folder_granted_read_only_is_explained(kernelspecs):
-    """As root in a root-owned 0755 folder with --grant-cwd, a write once gave a bare
-    "Permission denied" (a 0777 folder got the explanation): it says the folder is granted
-    read-only, how to grant write, and that the host keeps the kernel's uid out too (#45
-    item 4)."""
-    install_cli("--name", "ro-root-folder", "--grant-cwd")
-    base = Path(tempfile.mkdtemp(prefix="sandbox-ro-root-folder-"))
+@contextlib.contextmanager
+def write_in_a_root_owned_folder(kernel_name: str):
+    """A notebook in a root-owned 0755 folder whose one cell writes summary.csv, run with
+    `jupyter execute` on kernel_name: the folder and the cell's error output."""
+    base = Path(tempfile.mkdtemp(prefix=f"sandbox-{kernel_name}-"))
     try:
         base.chmod(0o755)
         folder = base / "project"
@@ -317,11 +315,24 @@ def test_a_write_into_a_root_owned_folder_granted_read_only_is_explained(kernels
         nb.cells = [nbformat.v4.new_code_cell("open('summary.csv', 'w').write('a,b')",
                                               metadata={"tags": ["raises-exception"]})]
         nbformat.write(nb, folder / "report.ipynb")
-        result = run(["jupyter", "execute", "--kernel_name=ro-root-folder", "--output=done",
+        result = run(["jupyter", "execute", f"--kernel_name={kernel_name}", "--output=done",
                       "report.ipynb"], cwd=folder)
         assert result.returncode == 0, result.stderr
         [error] = nbformat.read(folder / "done.ipynb", as_version=4).cells[0].outputs
         assert error.ename == "PermissionError"
+        yield folder, error
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="started by root, user code has a uid of its own")
+def test_a_write_into_a_root_owned_folder_granted_read_only_is_explained(kernelspecs):
+    """As root in a root-owned 0755 folder with --grant-cwd, a write once gave a bare
+    "Permission denied" (a 0777 folder got the explanation): it says the folder is granted
+    read-only, how to grant write, and that the host keeps the kernel's uid out too (#45
+    item 4)."""
+    install_cli("--name", "ro-root-folder", "--grant-cwd")
+    with write_in_a_root_owned_folder("ro-root-folder") as (folder, error):
         install = "sandbox-kernel install --user --name ro-root-folder"
         assert error.evalue.startswith(
             "[Errno 13] Permission denied: 'summary.csv': the sandbox refused it: this kernel "
@@ -333,8 +344,6 @@ def test_a_write_into_a_root_owned_folder_granted_read_only_is_explained(kernels
             f"there, have user code run as a user (not root) who may write in {folder}: " \
             f"reinstall the kernelspec with `{install} --run-as USER`" in error.evalue
         assert f"`chmod o+w {folder}`" in error.evalue
-    finally:
-        shutil.rmtree(base)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="started by root, user code has a uid of its own")
@@ -345,20 +354,8 @@ def test_a_folder_the_host_keeps_the_kernels_uid_out_of_is_said_so_with_what_hel
     installed = install_cli("--name", "root-folder", "--grant-cwd=rw")
     assert "sandbox-kernel install: warning: --grant-cwd=rw: user code runs as a uid of its own" \
         in installed.stderr
-    base = Path(tempfile.mkdtemp(prefix="sandbox-root-folder-"))
-    try:
-        base.chmod(0o755)
-        folder = base / "project"
-        folder.mkdir(mode=0o755)
-        nb = nbformat.v4.new_notebook(metadata={"language_info": {"name": "python"}})
-        nb.cells = [nbformat.v4.new_code_cell("open('summary.csv', 'w').write('a,b')",
-                                              metadata={"tags": ["raises-exception"]})]
-        nbformat.write(nb, folder / "report.ipynb")
-        result = run(["jupyter", "execute", "--kernel_name=root-folder", "--output=done",
-                      "report.ipynb"], cwd=folder)
-        assert result.returncode == 0, result.stderr
-        [error] = nbformat.read(folder / "done.ipynb", as_version=4).cells[0].outputs
-        assert error.ename == "PermissionError" and said in error.evalue, error.evalue
+    with write_in_a_root_owned_folder("root-folder") as (folder, error):
+        assert said in error.evalue, error.evalue
         assert error.evalue.startswith("[Errno 13] Permission denied: 'summary.csv': ")
         assert f"which {folder} (owner uid 0, mode 0755) does not let write" in error.evalue
         assert "`sandbox-kernel install --user --name root-folder --run-as USER`" in \
@@ -366,5 +363,3 @@ def test_a_folder_the_host_keeps_the_kernels_uid_out_of_is_said_so_with_what_hel
         checked = run(["sandbox_kernel", "check", "--grant-cwd=rw"], cwd=folder)
         assert f"  but --grant-cwd=rw here ({folder}): {said}" in checked.stdout
         assert "sandbox-kernel check: warning: --grant-cwd=rw here" in checked.stderr
-    finally:
-        shutil.rmtree(base)
