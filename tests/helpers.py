@@ -83,3 +83,22 @@ def write_keys(path, entries):
     path.write_text(json.dumps({"keys": entries}))
     os.chmod(path, 0o600)
     return path
+
+
+def at_once(calls):
+    """The answers of calls made from threads released in the same instant."""
+    import threading
+
+    answers = [None] * len(calls)
+    together = threading.Barrier(len(calls))
+
+    def call(number):
+        together.wait()
+        answers[number] = calls[number]()
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return answers

@@ -5,13 +5,12 @@ with two keys sharing one --state-dir; every call runs real sandboxed kernels.""
 from __future__ import annotations
 
 import re
-import threading
 import time
 
 import pytest
 
 pytest.importorskip("mcp")
-from tests.helpers import write_keys
+from tests.helpers import at_once, write_keys
 from tests.mcp_clients import HttpServer
 
 KEY_A = "mcp-key-a-0123456789abcdef"
@@ -174,18 +173,3 @@ def test_two_servers_resuming_one_paused_session_at_the_same_instant(tmp_path):
         second.stop()
 
 
-def at_once(calls: list) -> list:
-    """The answers of calls made from threads released in the same instant."""
-    answers: list = [None] * len(calls)
-    together = threading.Barrier(len(calls))
-
-    def call(number: int) -> None:
-        together.wait()
-        answers[number] = calls[number]()
-
-    threads = [threading.Thread(target=call, args=(n,)) for n in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return answers

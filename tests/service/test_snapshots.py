@@ -7,7 +7,6 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -215,6 +214,7 @@ def test_pause_after_needs_a_state_dir():
 
 httpx = pytest.importorskip("httpx")
 from ..ci_tools import unavailable  # noqa: E402
+from ..helpers import at_once  # noqa: E402
 from .helpers import KEY_A, KEY_B, Server, auth, free_port, http  # noqa: E402
 
 STATE = """
@@ -665,23 +665,6 @@ def live_sessions(srv) -> float:
     """The sessions an instance holds a kernel for, as its /metrics shows them."""
     shown = http.get(srv.url + "/metrics").text
     return float(shown.split("\nsandbox_sessions ")[1].split()[0])
-
-
-def at_once(calls: list) -> list:
-    """The answers of calls made from threads released in the same instant."""
-    answers: list = [None] * len(calls)
-    together = threading.Barrier(len(calls))
-
-    def call(number: int) -> None:
-        together.wait()
-        answers[number] = calls[number]()
-
-    threads = [threading.Thread(target=call, args=(n,)) for n in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return answers
 
 
 def test_two_instances_resuming_one_paused_session_at_the_same_instant(tmp_path, keys_file):
