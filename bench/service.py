@@ -291,16 +291,23 @@ def sequential(target: Target, count: int) -> Phase:
     return measure(target, work)
 
 
-def concurrent(target: Target, clients: int, seconds: float) -> Phase:
+def concurrent(target: Target, clients: int, seconds: float,
+               picker: Callable[[int], Callable[[], Client]] | None = None) -> Phase:
+    """`clients` threads sending requests back to back for `seconds`; picker(index) gives a
+    thread the function that chooses each request's client (default: one client of its own)."""
+    def own_client(index: int) -> Callable[[], Client]:
+        client = Client(target.port, target.route)
+        return lambda: client
+
     def work() -> tuple[list[float], int]:
         stop = time.perf_counter() + seconds
         latencies: list[list[float]] = [[] for _ in range(clients)]
         failures = [0] * clients
 
         def drive(index: int) -> None:
-            client = Client(target.port, target.route)
+            next_client = (picker or own_client)(index)
             while time.perf_counter() < stop:
-                elapsed, good = client.request()
+                elapsed, good = next_client().request()
                 latencies[index].append(elapsed)
                 failures[index] += not good
         threads = [threading.Thread(target=drive, args=(i,)) for i in range(clients)]

@@ -22,8 +22,8 @@ import os
 import random
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from bench.service import (
     Phase,
     Route,
     Target,
+    concurrent,
     dify_route,
     dify_wrapped,
     measure,
@@ -106,29 +107,15 @@ def sequential(target: Target, node: str, count: int) -> Phase:
 
 
 def mixed(target: Target, clients: int, seconds: float, seed: int) -> Phase:
+    """The MIX from `clients` threads, each choosing its nodes with a seed of its own."""
     routes = {node: dify_route_for(target, node) for node, _ in MIX}
+    names, weights = zip(*MIX, strict=True)
 
-    def work() -> tuple[list[float], int]:
-        stop = time.perf_counter() + seconds
-        latencies: list[list[float]] = [[] for _ in range(clients)]
-        failures = [0] * clients
-
-        def drive(index: int) -> None:
-            pick = random.Random(seed + index)  # noqa: S311 (a load mix, not a secret)
-            connections = {node: Client(target.port, route) for node, route in routes.items()}
-            names, weights = zip(*MIX, strict=True)
-            while time.perf_counter() < stop:
-                node = pick.choices(names, weights)[0]
-                elapsed, good = connections[node].request()
-                latencies[index].append(elapsed)
-                failures[index] += not good
-        threads = [threading.Thread(target=drive, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return [x for each in latencies for x in each], sum(failures)
-    return measure(target, work)
+    def picker(index: int) -> Callable[[], Client]:
+        pick = random.Random(seed + index)  # noqa: S311 (a load mix, not a secret)
+        connections = {node: Client(target.port, route) for node, route in routes.items()}
+        return lambda: connections[pick.choices(names, weights)[0]]
+    return concurrent(target, clients, seconds, picker)
 
 
 def warm(target: Target, node: str, settle: float) -> str:
