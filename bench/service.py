@@ -276,9 +276,11 @@ def measure(target: Target, work: Callable[[], tuple[list[float], int]]) -> Phas
                  _stat_times(target.pid) - server0, parts)
 
 
-def sequential(target: Target, count: int) -> Phase:
-    client = Client(target.port, target.route)
-    for _ in range(3):
+def sequential(target: Target, count: int, route: Route | None = None, warm: int = 3) -> Phase:
+    """`count` requests one after another on one connection (to `route`, else the target's),
+    after `warm` unmeasured ones."""
+    client = Client(target.port, route or target.route)
+    for _ in range(warm):
         client.request()  # a connection and a route warmed up
 
     def work() -> tuple[list[float], int]:

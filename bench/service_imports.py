@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import service
 from bench.service import (
     KEY,
     Client,
@@ -36,7 +37,6 @@ from bench.service import (
     concurrent,
     dify_route,
     dify_wrapped,
-    measure,
     start_anchor,
     stop_anchor,
 )
@@ -93,17 +93,8 @@ def dify_route_for(target: Target, node: str) -> Route:
 
 
 def sequential(target: Target, node: str, count: int) -> Phase:
-    client = Client(target.port, dify_route_for(target, node))
-    client.request()  # the connection warmed up
-
-    def work() -> tuple[list[float], int]:
-        latencies, failures = [], 0
-        for _ in range(count):
-            elapsed, good = client.request()
-            latencies.append(elapsed)
-            failures += not good
-        return latencies, failures
-    return measure(target, work)
+    """`count` requests of one node, one after another, after one that warms the connection."""
+    return service.sequential(target, count, dify_route_for(target, node), warm=1)
 
 
 def mixed(target: Target, clients: int, seconds: float, seed: int) -> Phase:
