@@ -38,10 +38,14 @@ def blocks(extra: str) -> list[str]:
 
 
 def run_in(extra: str, block: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """A doc block in bash, with that extra's venv first on PATH (as if activated)."""
+    """A doc block in bash, with that extra's venv first on PATH (as if activated), and a
+    Jupyter data dir of its own: a kernelspec a recipe installs (`sandbox-kernel install --user
+    --name sandbox`, for Kernel Gateway) must not replace the session's, which later tests'
+    kernels start from (they then ran on that venv's interpreter)."""
     bin_dir = alone(extra)
     environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-               "VIRTUAL_ENV": str(bin_dir.parent), **env}
+               "VIRTUAL_ENV": str(bin_dir.parent), "JUPYTER_DATA_DIR": str(cwd / "jupyter-data"),
+               **env}
     environ.pop("BANK_API_KEY", None)
     return subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=RUN_TIMEOUT)
