@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import eg
 
         return eg.main(given[1:])
-    args = parser().parse_args(argv)
+    args = parser().parse_args(policy.spell_bare_flags(list(given)))
     try:
         status = int(args.handler(args))
         sys.stdout.flush()  # a reader that left is heard here, not at the interpreter's exit

@@ -441,6 +441,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help=help_text, **optional)
 
 
+def spell_bare_flags(argv: list[str]) -> list[str]:
+    """argv with each bare flag that has a `flag_const` spelled out (`--grant-cwd=ro`) unless
+    a value of its own follows it.
+
+    argparse lets an optional value take whatever word comes next, so `run --grant-cwd job.py`
+    read job.py as the flag's value and refused it, where the user meant a bare flag and a file.
+    """
+    choices = {f"--{trait.metadata['flag']}": (trait.metadata["flag_const"],
+                                               {str(v) for v in trait.values or () if v})
+               for _, trait in _flagged() if "flag_const" in trait.metadata}
+    spelled: list[str] = []
+    for index, word in enumerate(argv):
+        if word == "--":
+            return spelled + argv[index:]
+        if word in choices:
+            const, values = choices[word]
+            following = argv[index + 1] if index + 1 < len(argv) else None
+            if following not in values:
+                word = f"{word}={const}"
+        spelled.append(word)
+    return spelled
+
+
 def from_arguments(args: argparse.Namespace) -> SandboxPolicy:
     """A validated policy from argparse flags, grants made absolute.
 

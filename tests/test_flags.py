@@ -43,3 +43,19 @@ def test_the_mcp_face_builds_its_parser_without_the_cli():
 def test_preload_reads_a_comma_separated_list():
     args = _subcommand("run").parse_args(["x.py", "--preload", "numpy, pandas,,"])
     assert (args.preload, args.cold_start) == (["numpy", "pandas"], False)
+
+
+@pytest.mark.parametrize(("argv", "grant", "file"), [
+    (["--grant-cwd", "job.py"], "ro", "job.py"),
+    (["--grant-cwd", "rw", "job.py"], "rw", "job.py"),
+    (["--grant-cwd=rw", "job.py"], "rw", "job.py"),
+    (["job.py", "--grant-cwd"], "ro", "job.py"),
+    (["--grant-cwd", "-"], "ro", "-"),
+    (["--", "--grant-cwd"], None, "--grant-cwd"),
+])
+def test_a_bare_flag_before_the_file_leaves_the_file_alone(argv, grant, file):
+    """`run --grant-cwd job.py` took job.py as the flag's value and refused it (not ro|rw)."""
+    from sandbox_kernel.policy import spell_bare_flags
+
+    args = _subcommand("run").parse_args(spell_bare_flags(argv))
+    assert (args.grant_cwd, args.file) == (grant, file)

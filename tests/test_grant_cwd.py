@@ -275,7 +275,8 @@ def test_run_reads_beside_it_and_keeps_what_it_writes(tmp_path, start):
 @pytest.mark.parametrize("start", [[], ["--cold-start"]], ids=["one-shot", "cold-start"])
 def test_run_refuses_a_folder_it_cannot_grant_and_says_why(tmp_path, start):
     (tmp_path / "job.py").write_text("print('the job ran')\n")
-    done = run_cli("/", str(tmp_path / "job.py"), "--grant-cwd", *start)
+    # The bare flag before the file: argparse once read the file as the flag's value.
+    done = run_cli("/", "--grant-cwd", str(tmp_path / "job.py"), *start)
     assert done.returncode == 3, done.stderr
     assert "the job ran" not in done.stdout + done.stderr
     assert done.stderr == f"sandbox-kernel run: the kernel did not start: {REFUSED_AT_ROOT}\n"
