@@ -136,9 +136,10 @@ class Runner:
         self.deadline: Deadline | None = None
         self.file_access: denials.FileAccess | None = None  # set once the process is confined
         self.usage = SelfUsage()  # reported in each execute_reply's metadata
-        # IPython's hook for errors it shows: the ones the sandbox has something to say about.
-        shell.set_custom_exc((asyncio.CancelledError, ExecutionTimeout, OSError),
-                             self.show_error)
+        # IPython's hook for errors it shows: the ones the sandbox has something to say about
+        # (a tool call's error is the tool's, raised deep in kernel/tools.py: see show_error).
+        shell.set_custom_exc((asyncio.CancelledError, ExecutionTimeout, OSError,
+                              tools.ToolError), self.show_error)
 
     def renew(self) -> None:
         """In a forked process, before it is confined: usage figures of its own (rusage
@@ -201,10 +202,11 @@ class Runner:
     def show_error(self, shell: Any, etype: type, value: BaseException, tb: Any,
                    tb_offset: int | None = None) -> None:
         """IPython's handler for the errors above: a refusal says why, and its traceback ends
-        at the user's call (no sandbox or library frames after it)."""
+        at the user's call (no sandbox or library frames after it); so does a tool call's
+        error, whose message is the tool's (the bridge's own frames would say nothing)."""
         shown = self.translate_error(value)
         shown = denials.explain_file_error(shown, self.file_access) or shown
-        if isinstance(shown, ExecutionTimeout) or denials.is_refusal(shown):
+        if isinstance(shown, (ExecutionTimeout, tools.ToolError)) or denials.is_refusal(shown):
             tb = denials.user_part(tb, self.is_user_frame)
         shell.showtraceback((type(shown), shown, tb), tb_offset=tb_offset)
 
