@@ -63,10 +63,10 @@ __all__ = ["OneShotUnavailable", "RunHandle", "run"]
 def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: str = "main",
             timeout_source: str = "Sandbox.run(timeout=)",
             keep_files: dict[str, Any] | None = None,
-            tools: Toolbox | None = None) -> dict[str, Any]:
+            tools: Toolbox | None = None, max_message: int = -1) -> dict[str, Any]:
     """The execute_request a ZMQ client would send for this run (client/sandbox.py's); with
     keep_files (kernel/file_ops.py's "keep" inputs), the process sends the files it wrote;
-    with tools, the grant of their calls."""
+    with tools, the grant of their calls, none larger than max_message (the caller's)."""
     header = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request",
               "username": "sandbox-kernel", "session": _SESSION_ID,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -79,7 +79,7 @@ def request(code: str, inputs: dict | None, timeout: float | None, entrypoint: s
     if keep_files is not None:
         meta.update(keep_files=keep_files)
     if tools is not None:
-        meta.update(tools=tools.metadata())
+        meta.update(tools=tools.metadata(max_message))
     return {"header": header, "msg_id": header["msg_id"], "msg_type": header["msg_type"],
             "parent_header": {}, "metadata": {"sandbox": meta} if meta else {},
             "content": {"code": code, "silent": False, "store_history": inputs is None,
@@ -174,7 +174,8 @@ async def run(pool: OneShotPool, code: str, inputs: dict | None = None,
     limits = limits or CallerLimits()
     handle = handle or RunHandle()
     loop = asyncio.get_running_loop()
-    msg = request(code, inputs, timeout, entrypoint, timeout_source, handle.keep_files, tools)
+    msg = request(code, inputs, timeout, entrypoint, timeout_source, handle.keep_files, tools,
+                  limits.max_message)
     payload = wire.pack_frames(serialize(msg))
     collector = Collector(msg["header"]["msg_id"], on_stdout, on_stderr, on_display, limits,
                           None, raw_result)

@@ -618,7 +618,8 @@ class _SandboxCore:
             return None
         self.client.stdin_channel.start()  # connected now, if it was not (kernel/tools.py
         # gives a request a moment to find it)
-        msg["metadata"].setdefault("sandbox", {})["tools"] = toolbox.metadata()
+        msg["metadata"].setdefault("sandbox", {})["tools"] = toolbox.metadata(
+            self.limits.max_message)
         return toolbox.start(msg["header"]["msg_id"], self)
 
     def _execute_steps(self, code: str, inputs: dict | None = None,

@@ -183,11 +183,23 @@ class Toolbox:
         return Toolbox(tools, limits=self.limits, approve=self.approve,
                        audit_payloads=self.audit_payloads)
 
-    def metadata(self) -> dict[str, Any]:
-        """The request's `metadata.sandbox.tools`: the grant the kernel builds stubs from."""
+    def metadata(self, max_message: int = -1) -> dict[str, Any]:
+        """The request's `metadata.sandbox.tools`: the grant the kernel builds stubs from.
+        max_message: the largest message the caller's connection takes (-1: any)."""
         return {"protocol": PROTOCOL, "specs": [tool.spec for tool in self.tools.values()],
                 "timeout": self.limits.timeout, "max_calls": self.limits.max_calls,
-                "max_args": self.limits.max_args}
+                "max_args": self.max_args(max_message)}
+
+    def max_args(self, max_message: int) -> int:
+        """Bytes of arguments a call may send (0: any): the limit, and never more than one
+        message the caller's connection takes can hold. A larger request would make the
+        connection refuse it (a ZMQ client's stdin channel is then dropped for good, a
+        one-shot's run lost), so the kernel refuses such a call itself, at once, naming the
+        size: the caller's check on what arrives (_decide) stays as it was."""
+        if max_message <= 0:
+            return self.limits.max_args
+        room = max(max_message - ENVELOPE, 1)
+        return min(self.limits.max_args, room) if self.limits.max_args else room
 
     def start(self, msg_id: str, owner: object) -> ToolRun:
         """The serving state of one run (its execute_request's msg_id), for sandbox `owner`."""
