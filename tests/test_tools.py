@@ -310,3 +310,141 @@ def test_reserved_and_private_names_are_refused_at_once():
     for name in ("ToolError", "_private", "not a name", "class"):
         with pytest.raises(ValueError, match="not a tool name"):
             Toolbox({name: search})
+
+
+# --- what the bridge must survive: a cap, an interrupt, a stock client, a tool's error ---------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_call_larger_than_the_callers_message_cap_fails_in_the_kernel_at_once(transport):
+    # The caller's connection takes 1,049,576 bytes a message (1,000 of output or result plus
+    # MESSAGE_ROOM); its tools' own cap is off. A larger request would have the connection
+    # refuse it (a ZMQ stdin channel dropped for good, a one-shot run lost): the grant says so.
+    sizes = []
+    with Sandbox(None, policy=SandboxPolicy(), one_shot=transport == "one-shot",
+                 max_output=1000, max_result=1000, tools={"size": lambda v: sizes.append(
+                     len(v)) or len(v)}, tool_limits=ToolLimits(max_args=0)) as sb:
+        assert sb.limits.max_message == 1_049_576
+        started = time.monotonic()
+        ex = sb.run("import os\nfrom sandbox_tools import size\nkernel = os.getpid()\n"
+                    "size('y' * 3_000_000)", timeout=60)
+        assert time.monotonic() - started < 10  # at once: no timeout waited for
+        assert (ex.error.name, ex.error.value) == (
+            "ToolRefused", "size(): 3,000,025 bytes of arguments, more than the 1,045,480 a "
+                           "call may send")
+        assert ex.tool_calls == [] and sizes == []  # refused in the kernel: nothing was sent
+        # Just under the cap crosses (the grant is not tighter than the connection), and the
+        # client's channel, the kernel (on ZMQ, the same one with its state) and the tools
+        # all still work.
+        ex = sb.run("import os\nfrom sandbox_tools import size\n"
+                    "print(size('y' * 1_045_400), os.getpid() == globals().get('kernel'))",
+                    timeout=60)
+        assert _ok(ex) == f"1045400 {transport == 'zmq'}\n"
+        assert [c.outcome for c in ex.tool_calls] == ["ok"] and sizes == [1_045_400]
+
+
+def _traceback(ex) -> str:
+    return "\n".join(ex.error.traceback)
+
+
+def test_a_tools_error_shows_the_users_frames_and_none_of_the_bridges(sb):
+    def failing(x):
+        raise ValueError(f"no such item: {x}")
+
+    grant(sb, {"failing": failing})
+    cell = sb.run("import sandbox_tools\ndef lookup():\n    return sandbox_tools.failing(7)\n"
+                  "lookup()")
+    main = sb.run("import sandbox_tools\ndef main():\n    return {'x': sandbox_tools.failing(8)}",
+                  inputs={})
+    refused = sb.run("from sandbox_tools import delete_everything")
+    for ex, value, line in (
+            (cell, "failing(): ValueError: no such item: 7", "return sandbox_tools.failing(7)"),
+            (main, "failing(): ValueError: no such item: 8", "sandbox_tools.failing(8)"),
+            (refused, "no tool named 'delete_everything' was granted to this run; granted: "
+                      "failing", "from sandbox_tools import delete_everything")):
+        text = _traceback(ex)
+        assert (ex.error.name, ex.error.value) == (value.split(" ")[0] and ex.error.name, value)
+        assert line in text and text.rstrip().endswith(f"{ex.error.name}: {value}"), text
+        # No frame of the bridge (kernel/tools.py), nor IPython's note of hidden ones.
+        assert "tools.py" not in text and "hidden" not in text, text
+    assert [cell.error.name, main.error.name, refused.error.name] == [
+        "ToolError", "ToolError", "ToolNotGranted"]
+
+
+def test_an_interrupt_ends_a_call_in_flight_on_both_sides_and_no_stale_reply_is_taken(sb):
+    entered, release = threading.Event(), threading.Event()
+
+    def hang() -> str:
+        entered.set()
+        release.wait(30)
+        return "stale"  # computed after its run ended: must reach no later call
+
+    def fresh() -> str:
+        release.set()  # the interrupted call's answer is made now, during this run's call
+        time.sleep(0.5)
+        return "fresh"
+
+    grant(sb, {"hang": hang, "fresh": fresh})
+    box = {}
+    runner = threading.Thread(target=lambda: box.update(ex=sb.run(
+        "from sandbox_tools import hang\nhang()", timeout=60)))
+    runner.start()
+    assert entered.wait(30)
+    started = time.monotonic()
+    sb.interrupt()
+    runner.join(30)
+    interrupted = box["ex"]
+    assert time.monotonic() - started < 5  # ended by the interrupt, not the call's timeout
+    assert interrupted.error.name == "KeyboardInterrupt", interrupted.error
+    assert [(c.tool, c.outcome) for c in interrupted.tool_calls] == [("hang", "abandoned")]
+    ex = sb.run("from sandbox_tools import fresh, hang\nprint(fresh())\nprint(fresh())",
+                timeout=60)
+    assert _ok(ex) == "fresh\nfresh\n"
+    assert [(c.tool, c.outcome) for c in ex.tool_calls] == [("fresh", "ok")] * 2
+
+
+def test_a_stock_jupyter_client_calling_a_tool_fails_at_once(kernelspecs):
+    """jupyter_client's own BlockingKernelClient: no stdin channel, allow_stdin false."""
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="sandbox")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels(shell=True, iopub=True, stdin=False,  # noqa: S604 (channels, no shell)
+                      hb=False, control=False)
+    try:
+        kc.wait_for_ready(timeout=60)
+
+        def execute(code, metadata=None):
+            msg = kc.session.msg("execute_request", {
+                "code": code, "silent": False, "store_history": True, "user_expressions": {},
+                "allow_stdin": False, "stop_on_error": False},  # the next one not aborted
+                metadata=metadata or {})
+            kc.shell_channel.send(msg)
+            started = time.monotonic()
+            while (reply := kc.get_shell_msg(timeout=60))["parent_header"].get(
+                    "msg_id") != msg["header"]["msg_id"]:
+                pass
+            return reply["content"], time.monotonic() - started
+
+        # Granting none (every stock client): the import, or a call through the module.
+        for code in ("from sandbox_tools import search", "import sandbox_tools\n"
+                                                         "sandbox_tools.search('chairs')"):
+            reply, seconds = execute(code)
+            assert (reply["ename"], reply["evalue"]) == (
+                "ToolNotGranted", "no tool named 'search' was granted to this run; none was "
+                "granted to this run (its client serves no tools: see docs/tools.md)")
+            assert seconds < 5
+        # A client that grants a tool but never opens its stdin channel: at once too (the
+        # channel is given tools.CONNECT_WAIT, 2 s, to connect), not at the call's 30 s.
+        grant_only = {"sandbox": {"tools": Toolbox({"search": search}).metadata()}}
+        reply, seconds = execute("from sandbox_tools import search\nsearch('chairs')",
+                                 grant_only)
+        assert reply["ename"] == "ToolUnavailable" and "no client serves tools on this " \
+            "kernel's stdin channel" in reply["evalue"], reply
+        assert seconds < 10
+        reply, _ = execute("print('alive')")
+        assert reply["status"] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -174,3 +174,14 @@ def test_a_flood_of_requests_spends_the_budget_and_no_more(sb, ran):
     assert len(ex.tool_calls) == 5 + MAX_RECORDS_BEYOND_BUDGET  # the audit is bounded too
     assert {c.message for c in ex.tool_calls[5:]} == {
         "this run's budget of 5 tool calls is spent"}
+
+
+def test_a_request_forged_for_a_run_that_has_ended_is_dropped(sb, ran):
+    # The first run keeps its own parent header (a one-shot's is printed: its process ends
+    # with the run); a later run, granting the same tool, sends a request under it.
+    first, _ = forged(sb, "print(json.dumps(kernel.get_parent()['header'], default=str))")
+    out, ex = forged(sb, f"old = {{'header': {first!r}}}\n"
+                         "forge({'tool': 'search', 'args': ['late'], 'kwargs': {}}, parent=old)\n"
+                         "print(json.dumps(answers(1, wait=1.0)))")
+    assert out == {}  # the ended run is served no more, and this run does not take it as its own
+    assert ran == [] and ex.tool_calls == [] and ex.usage.tool_calls == 0
