@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -579,6 +580,76 @@ SPECIAL = [
          "RESPONSE_ADDRESS to eg-launch (tests/test_enterprise_gateway_launcher.py)",
          "KERNEL_ID=../../etc/cron.d/x", "exit 2, one line naming the value",
          "eg-launch: strict parsing before anything is written"),
+    # The tool bridge (docs/tools.md): each case is the named tests' own, on both transports.
+    Case("T01", "tools", "a tool request forged with a made-up parent (not the run's "
+         "execute_request) "
+         "(tests/test_tools_hostile.py::"
+         "test_a_request_with_a_parent_other_than_the_run_is_dropped)",
+         "forge(request, parent={'header': {'msg_id': 'an-earlier-run'}})", "dropped "
+         "unanswered; nothing runs", "caller: serves only the run's own requests, dropped "
+         "before parsing"),
+    Case("T02", "tools", "a tool request over the caller's argument cap (forged past the "
+         "kernel's check), or over what its connection takes "
+         "(tests/test_tools_hostile.py::test_an_oversized_request_is_refused_before_it_is_parsed, "
+         "tests/test_tools.py::"
+         "test_a_call_larger_than_the_callers_message_cap_fails_in_the_kernel_at_once)",
+         "forge({'tool': 'search', 'args': ['x' * 20000]})", "refused before parsing; over the "
+         "connection's cap refused in the kernel at once, client and kernel unharmed",
+         "caller: size checked before parsing; the grant's max_args within the connection's cap"),
+    Case("T03", "tools", "malformed tool requests (args not a list, content not an object, an "
+         "object-like dict) "
+         "(tests/test_tools_hostile.py::"
+         "test_malformed_requests_are_refused_and_arguments_stay_data)",
+         "forge({'tool': 'search', 'args': 'x', 'kwargs': {}})", "refused; a dict stays a dict",
+         "caller: request shape checked, arguments only JSON data"),
+    Case("T04", "tools", "a tool request replayed under the same call id "
+         "(tests/test_tools_hostile.py::test_a_replayed_request_runs_once)", "forge(request, "
+         "msg_id=earlier_id)", "the tool runs once; the replay refused", "caller: call ids used "
+         "once per run"),
+    Case("T05", "tools", "a flood of 300 tool requests against a budget of 5 "
+         "(tests/test_tools_hostile.py::test_a_flood_of_requests_spends_the_budget_and_no_more)",
+         "[forge(request) for n in range(300)]", "5 run, 295 refused; 69 records kept",
+         "caller: the run's call budget, a bounded audit"),
+    Case("T06", "tools", "a tool call after its run ended: a kept stub, a request under the "
+         "ended run's parent (tests/test_tools.py::test_a_stub_kept_past_its_run_refuses, "
+         "tests/test_tools_hostile.py::test_a_request_forged_for_a_run_that_has_ended_is_dropped)",
+         "kept('x'); forge(request, parent=ended_run)", "ToolRefused; the request dropped, "
+         "nothing runs", "kernel: stubs refuse once their run ends; caller: ended runs are "
+         "served no more"),
+    Case("T07", "tools", "two tool calls racing from two threads, answered out of order "
+         "(tests/test_tools.py::test_concurrent_calls_are_answered_in_any_order)",
+         "Thread(target=first).start(); second()", "each gets its own answer", "kernel: replies "
+         "matched by call id"),
+    Case("T08", "tools", "call a tool the sandbox has but this run did not grant "
+         "(tests/test_tools_hostile.py::"
+         "test_a_tool_outside_the_runs_grant_is_refused_and_never_runs, "
+         "tests/test_tools.py::test_a_tool_not_granted_raises_with_the_names_that_were)",
+         "forge({'tool': 'secret', 'args': [], 'kwargs': {}})", "refused naming the granted "
+         "ones; never runs", "caller: the run's own registry"),
+    Case("T09", "tools", "a pickle (its __reduce__ opens a file) as a tool request's content, "
+         "or binary buffers "
+         "(tests/test_tools_hostile.py::test_the_host_deserializes_nothing_but_json, "
+         "tests/test_tools_hostile.py::"
+         "test_binary_buffers_are_refused)", "forge(pickle.dumps(planted))",
+         "refused (not JSON, no buffers); nothing unpickled", "caller: parses JSON only"),
+    Case("T10", "tools", "a tool that calls back into the sandbox running it (blocking and "
+         "async) (tests/test_tools.py::test_a_tool_may_not_call_back_into_its_sandbox, "
+         "tests/test_tools.py::test_async_sandbox_runs_sync_tools_off_its_loop)",
+         "def reenter(): return sb.run('1')", "RuntimeError at once, as the tool's ToolError",
+         "caller: refuse_reentry"),
+    Case("T11", "tools", "a call the caller's approval hook refuses "
+         "(tests/test_tools.py::test_the_approval_hook_refuses_before_the_tool_runs)",
+         "write('rm')", "ToolRefused with the hook's reason; the tool never runs",
+         "caller: approve_tool before the tool runs"),
+    Case("T12", "tools", "a tool that hangs; calls past the budget; a call in flight at the "
+         "run's timeout or an interrupt (tests/test_tools.py::test_a_call_has_a_timeout, "
+         "tests/test_tools.py::test_a_run_has_a_call_budget, "
+         "tests/test_tools.py::test_a_call_in_flight_when_the_run_times_out_ends_on_both_sides, "
+         "tests/test_tools.py::"
+         "test_an_interrupt_ends_a_call_in_flight_on_both_sides_and_no_stale_reply_is_taken)",
+         "slow(); for i in range(4): f(i)", "ToolTimeout; ToolRefused; the call ends on both "
+         "sides, no stale answer taken", "caller: per-call timeout, per-run budget; kernel: the "
+         "wait raises"),
     Case("R17", "resources", "hold 512 MiB in scratch files and heap in a 256 MiB kernel",
          "write 8 MiB files, then bytearray(8 MiB), until refused", "ENOSPC, then MemoryError; "
          "< 256 MiB held", "memory limit = scratch tmpfs + RLIMIT_DATA (root)"),
@@ -861,6 +932,14 @@ def security_table() -> str:
             outcome = outcome[0]
         rows.append(f"| {case.id} | {case.group} | {case.attack} | {outcome} | {case.layer} |")
     return "\n".join(rows)
+
+
+def test_each_row_naming_a_test_names_one_that_exists():
+    root = Path(__file__).parent.parent
+    named = [re.findall(r"(tests/[\w/]+\.py)::(\w+)", case.attack) for case in SPECIAL]
+    assert any(named)
+    for path, test in (pair for pairs in named for pair in pairs):
+        assert f"\ndef {test}(" in (root / path).read_text(), f"{path}::{test}"
 
 
 def test_security_md_matches_the_suite():
