@@ -4,12 +4,18 @@ with its own key, within the size cap; without the stream a call fails at once."
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from .helpers import KEY_A, KEY_B, Server, auth, http
+from ..ci_tools import unavailable
+from .helpers import KEY_A, KEY_B, Server, auth, free_port, http, httpx
 
 SEARCH = {"name": "search", "description": "Search the catalogue.",
           "parameters": {"type": "object", "properties": {
@@ -168,3 +174,99 @@ def test_an_answer_at_the_instance_not_holding_the_run_is_409_naming_it(tmp_path
     finally:
         holder.stop()
         other.stop()
+
+
+# --- docs/tools.md's two instances behind haproxy, as written there ----------------------------
+
+DOC_INSTANCES = ("sandbox-a", "sandbox-b")
+
+
+def documented_haproxy(port: int, a: int, b: int, routed: bool) -> str:
+    """docs/tools.md's haproxy file on these ports; routed: with its `use-server` lines (an
+    answer goes to its run's holder), else plain round robin. Each answer says which instance
+    served it (X-Served-By), for the test to know."""
+    text = (Path(__file__).parents[2] / "docs" / "tools.md").read_text()
+    [config] = re.findall(r"```haproxy\n(.*?)```", text, re.S)
+    assert "bind 127.0.0.1:8194" in config and "use-server sandbox-a" in config
+    config = config.replace(":8194", f":{port}").replace(":8195", f":{a}") \
+        .replace(":8196", f":{b}")
+    if not routed:
+        config = "\n".join(line for line in config.splitlines() if "use-server" not in line)
+    return config.replace("    balance roundrobin\n", "    balance roundrobin\n"
+                          "    http-response set-header X-Served-By %s\n") + "\n"
+
+
+@pytest.fixture(scope="module")
+def two_instances(tmp_path_factory, keys_file):
+    """The two instances of docs/tools.md (shared keys, an --instance-id each)."""
+    haproxy = "/usr/sbin/haproxy"
+    if not os.path.exists(haproxy):
+        unavailable("Debian's haproxy is not installed: `apt-get install haproxy`")
+    tmp = tmp_path_factory.mktemp("two-instances")
+    servers = [Server(tmp, "--api-keys-file", str(keys_file), "--pool-size", "0",
+                      "--instance-id", name) for name in DOC_INSTANCES]
+    yield haproxy, tmp, servers
+    for server in servers:
+        server.stop()
+
+
+@contextlib.contextmanager
+def balancer(two_instances, routed):
+    """haproxy over the two instances; its URL, once it answers."""
+    haproxy, tmp, (a, b) = two_instances
+    port = free_port()
+    config = tmp / f"haproxy-{port}.cfg"
+    config.write_text(documented_haproxy(port, a.port, b.port, routed))
+    process = subprocess.Popen([haproxy, "-f", str(config), "-db"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            assert process.poll() is None, process.stderr.read()
+            try:
+                http.get(url + "/ready", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def served_by(url: str) -> str:
+    """Which instance the balancer sent one request to (round robin: the next goes to the
+    other, unless a rule routes it)."""
+    return http.get(url + "/ready", timeout=10).headers["X-Served-By"]
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["round-robin", "routed-by-run-id"])
+def test_two_instances_behind_haproxy_answer_on_the_holder_or_409_naming_it(two_instances,
+                                                                            routed):
+    with balancer(two_instances, routed) as url:
+        seen = []
+
+        def reply(call):
+            holder = call["run"].partition(".")[0]
+            assert holder in DOC_INSTANCES
+            while served_by(url) != holder:  # the next request would go to the other one
+                pass
+            first = answer(url, call["run"], call["call"], result=["via the balancer"])
+            seen.append((first.status_code, first.headers.get("X-Served-By")))
+            if routed:  # the use-server rule sent it to the holder all the same
+                assert (first.status_code, first.headers["X-Served-By"]) == (204, holder), \
+                    first.text
+                return
+            other = next(name for name in DOC_INSTANCES if name != holder)
+            assert (first.status_code, first.headers["X-Served-By"]) == (409, other)
+            detail = first.json()["detail"]
+            assert f"is held by instance {holder!r}, not this one ({other!r})" in detail
+            again = answer(url, call["run"], call["call"], result=["via the balancer"])
+            seen.append((again.status_code, again.headers.get("X-Served-By")))
+            assert (again.status_code, again.headers["X-Served-By"]) == (204, holder), again.text
+
+        code = "from sandbox_tools import search\ndef main():\n    return {'r': search('q')}\n"
+        events = serve(url, url + "/api/v1/execute",
+                       {"code": code, "inputs": {}, "tools": [SEARCH]}, KEY_A, reply)
+        assert dict(events)["done"]["result"] == {"r": ["via the balancer"]}
+        assert len(seen) == (1 if routed else 2)
