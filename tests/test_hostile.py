@@ -592,10 +592,13 @@ SPECIAL = [
          "kernel's check), or over what its connection takes "
          "(tests/test_tools_hostile.py::test_an_oversized_request_is_refused_before_it_is_parsed, "
          "tests/test_tools.py::"
-         "test_a_call_larger_than_the_callers_message_cap_fails_in_the_kernel_at_once)",
+         "test_a_call_larger_than_the_callers_message_cap_fails_in_the_kernel_at_once, "
+         "tests/test_tools_hostile.py::"
+         "test_a_request_forged_past_the_callers_message_cap_harms_neither_side)",
          "forge({'tool': 'search', 'args': ['x' * 20000]})", "refused before parsing; over the "
-         "connection's cap refused in the kernel at once, client and kernel unharmed",
-         "caller: size checked before parsing; the grant's max_args within the connection's cap"),
+         "connection's cap refused in the kernel at once, or (forged) by the connection, and "
+         "the next run's tools work", "caller: size checked before parsing; the grant's "
+         "max_args within the connection's cap; a refused stdin connection made again"),
     Case("T03", "tools", "malformed tool requests (args not a list, content not an object, an "
          "object-like dict) "
          "(tests/test_tools_hostile.py::"

@@ -185,3 +185,31 @@ def test_a_request_forged_for_a_run_that_has_ended_is_dropped(sb, ran):
                          "print(json.dumps(answers(1, wait=1.0)))")
     assert out == {}  # the ended run is served no more, and this run does not take it as its own
     assert ran == [] and ex.tool_calls == [] and ex.usage.tool_calls == 0
+
+
+@pytest.mark.parametrize("transport", ["zmq", "one-shot"])
+def test_a_request_forged_past_the_callers_message_cap_harms_neither_side(transport, ran):
+    # The kernel refuses an honest call this large (test_tools.py); forged past that check, the
+    # caller's connection refuses it before it is allocated (1,049,576 bytes a message here).
+    def size(value):
+        ran.append(("size", (len(value),), {}))
+        return len(value)
+
+    with Sandbox(None, policy=SandboxPolicy(), one_shot=transport == "one-shot",
+                 max_output=1000, max_result=1000, tools={"size": size}) as sb:
+        ex = sb.run(FORGE + "kept = 'state'\nimport os\npid = os.getpid()\n"
+                    "forge({'tool': 'size', 'args': ['y' * 3_000_000], 'kwargs': {}})\n"
+                    "print(json.dumps(answers(1, wait=1.0)))", timeout=60)
+        if transport == "zmq":  # nothing answers it; the stdin channel was dropped
+            assert ex.error is None and ex.stdout == "{}\n", (ex.error, ex.stderr)
+        else:  # the one-shot's connection refused the record: its run is lost
+            assert ex.error.name == "MessageTooLarge", ex.error
+        assert ran == []
+        # The next run's tools work (a ZMQ sandbox connected its stdin channel again), on the
+        # same kernel with its state for ZMQ.
+        ex = sb.run("import os\nfrom sandbox_tools import size\n"
+                    "print(size('y' * 30), globals().get('kept'), os.getpid() == "
+                    "globals().get('pid'))", timeout=60)
+        assert ex.error is None, (ex.error, ex.stderr)
+        assert ex.stdout == ("30 state True\n" if transport == "zmq" else "30 None False\n")
+        assert ran == [("size", (30,), {})]

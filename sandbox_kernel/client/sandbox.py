@@ -59,7 +59,16 @@ from .snapshot import (
     restore_policy,
 )
 from .specs import installed_policy, manager_kwargs
-from .tools import Approve, StdinDesk, Toolbox, ToolLimits, ToolLoop, ToolRun, refuse_reentry
+from .tools import (
+    Approve,
+    StdinDesk,
+    StdinLink,
+    Toolbox,
+    ToolLimits,
+    ToolLoop,
+    ToolRun,
+    refuse_reentry,
+)
 
 GRACE_SECONDS = 5.0  # default time a kernel gets past its deadline, and after an interrupt
 # After the kernel_info_reply, how long to wait for an IOPub message (which proves the
@@ -408,6 +417,7 @@ class _SandboxCore:
         self.toolbox = Toolbox(tools or {}, limits=tool_limits, approve=approve_tool,
                                audit_payloads=audit_tool_payloads)
         self._tool_loop: ToolLoop | None = None  # a blocking Sandbox's loop for its tools
+        self._stdin_link: StdinLink | None = None  # its stdin channel, once a run grants tools
 
     @property
     def context(self) -> Any:
@@ -617,7 +627,8 @@ class _SandboxCore:
         if toolbox is None or not toolbox.tools:
             return None
         self.client.stdin_channel.start()  # connected now, if it was not (kernel/tools.py
-        # gives a request a moment to find it)
+        # gives a request a moment to find it), and again if a frame was refused on it
+        self._current_stdin_link().mend()
         msg["metadata"].setdefault("sandbox", {})["tools"] = toolbox.metadata(
             self.limits.max_message)
         return toolbox.start(msg["header"]["msg_id"], self)
@@ -765,6 +776,18 @@ class _SandboxCore:
             self._inbox = self.inbox_class(self.client)
         return self._inbox
 
+    def _current_stdin_link(self) -> StdinLink:
+        """The current client's stdin channel, watched (see StdinLink)."""
+        if self._stdin_link is None or self._stdin_link.client is not self.client:
+            self._close_stdin_link()
+            self._stdin_link = StdinLink(self.client)
+        return self._stdin_link
+
+    def _close_stdin_link(self) -> None:
+        if self._stdin_link is not None:
+            self._stdin_link.close()
+            self._stdin_link = None
+
     def _stop_client(self) -> None:
         """Close the client's sockets, the IOPub monitor first.
 
@@ -773,6 +796,7 @@ class _SandboxCore:
         context's sockets stopped receiving (the next kernel never answered kernel_info).
         """
         self._close_inbox()
+        self._close_stdin_link()
         self.client.stop_channels()
 
     def _close_inbox(self) -> None:

@@ -50,7 +50,7 @@ import zmq
 
 from .. import jsonwire
 from ..kernel.tools import MODULE, PROTOCOL, REPLY, REQUEST, RESERVED
-from .receive import unpack_frames
+from .receive import Refusals, unpack_frames, watch_connection
 
 MAX_MESSAGE_TEXT = 4096  # characters of a tool's error message sent to the kernel
 MAX_DOC = 8192  # characters of a docstring sent with a tool's spec
@@ -432,6 +432,48 @@ class ToolLoop:
             self.thread.join(5)
             if not self.thread.is_alive():
                 self.loop.close()
+
+
+class StdinLink:
+    """A ZMQ client's stdin channel, connected again when libzmq refused a frame on it.
+
+    The caller's sockets refuse a frame larger than its limits allow (receive.py: libzmq drops
+    the connection and never makes it again). The kernel keeps honest calls within that size
+    (Toolbox.max_args), but its code can send any request it likes on its stdin channel: one
+    forged oversize request would leave every later run of the sandbox without its tools
+    (ToolUnavailable). So the connection's events are watched from the first run that grants
+    tools, and before each such run a refused connection is made again."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        socket = client.stdin_channel.socket
+        self.io: zmq.Socket[Any] = zmq.Socket.shadow(socket.underlying)
+        self.endpoint = self.io.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.monitor = watch_connection(socket)  # an asyncio client's: read through a shadow
+        self.events: zmq.Socket[Any] = zmq.Socket.shadow(self.monitor.underlying)
+        self.refusals = Refusals()
+
+    def mend(self) -> bool:
+        """Connect the channel again if a frame was refused on it; whether it was."""
+        while True:
+            try:
+                self.refusals.note(self.events.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        if not self.refusals.refused:
+            return False
+        self.io.disconnect(self.endpoint)
+        self.io.connect(self.endpoint)
+        self.refusals = Refusals()
+        return True
+
+    def close(self) -> None:
+        """Stop watching (before the channel's socket closes: see Sandbox._stop_client)."""
+        try:
+            self.io.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the socket is already closed
+        self.monitor.close(linger=0)
 
 
 class StdinDesk:
