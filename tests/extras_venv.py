@@ -35,7 +35,8 @@ BASE = "base"  # no extra: `pip install -e .`
 EXTRAS = (BASE, "examples", "mcp", "server", "dify", "eg", "lab", "gateway")
 # The agent frameworks' extras (sandbox_kernel/frameworks/): tests/test_frameworks.py drives each
 # framework in its venv; their pins conflict with [test]'s, so none is in it.
-FRAMEWORKS = ("smolagents", "autogen", "llamaindex", "langchain", "pydantic-ai")
+FRAMEWORKS = ("smolagents", "autogen", "llamaindex", "langchain", "pydantic-ai",
+              "openai-agents")
 INSTALL_TIMEOUT = 1200  # seconds; a cold install on a slow machine takes minutes
 STAMP = ".sandbox-kernel-install"  # in the venv: what its editable install was made from
 _SELF = re.compile(r"sandbox-kernel\[([\w,-]+)\]")

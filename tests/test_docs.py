@@ -196,7 +196,7 @@ def test_every_runnable_doc_has_blocks():
     assert len(runnable_blocks(ROOT / "docs" / "deploy.md")) == 2
     assert len(runnable_blocks(ROOT / "docs" / "secrets.md")) == 1
     # one venv per framework's extra: tests/test_frameworks.py runs these
-    assert len(runnable_blocks(ROOT / "docs" / "agents.md")) == 7
+    assert len(runnable_blocks(ROOT / "docs" / "agents.md")) == 8
     for page in RUN_AFTER_README:
         assert runnable_blocks(ROOT / "docs" / page), page
 

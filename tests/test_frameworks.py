@@ -10,6 +10,7 @@ the venv with (checked below).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -30,6 +31,29 @@ SECRET = "sk-live-do-not-leak"
 FRAMEWORKS = extras_venv.FRAMEWORKS
 RUN_TIMEOUT = 300
 CHECKS = Path(__file__).resolve().parent / "frameworks"
+# Put on a recipe's PYTHONPATH (the kernels run `python -I`, so only the host process loads it):
+# every connection or name look-up the host process makes beyond loopback, one line each.
+NETWORK_AUDIT = """
+import os, sys
+
+LOG = os.environ["NETWORK_AUDIT_LOG"]
+LOCAL = {None, "", "localhost", "127.0.0.1", "::1", b"localhost", b"127.0.0.1"}
+
+
+def audit(event, args):
+    if event in ("socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex"):
+        host = args[0]
+    elif event in ("socket.connect", "socket.sendto") and isinstance(args[1], tuple):
+        host = args[1][0]
+    else:
+        return
+    if host not in LOCAL:
+        with open(LOG, "a") as log:
+            log.write(f"{event} {args[1:] if event.startswith('socket.c') else args!r}\\n")
+
+
+sys.addaudithook(audit)
+"""
 
 
 def blocks(extra: str) -> list[str]:
@@ -85,10 +109,10 @@ def test_each_module_without_its_framework_names_the_extra_and_the_command():
         assert done.stderr.rstrip().endswith(f"install the [{extra}] extra: {fix}"), done.stderr
 
 
-def agent_said(extra: str, cwd: Path) -> dict[str, str]:
+def agent_said(extra: str, cwd: Path, **env: str) -> dict[str, str]:
     """Run the extra's first recipe (an agent whose code calls both host tools, account_balance
     first) and check what every recipe prints; its lines by label."""
-    done = run_in(extra, blocks(extra)[0], cwd)
+    done = run_in(extra, blocks(extra)[0], cwd, **env)
     assert done.returncode == 0, done.stderr[-4000:]
     said = lines(done.stdout)
     pid = said["this process"]  # the tool's process: the host's
@@ -203,6 +227,47 @@ def test_langchain_agent_calls_host_tools_through_the_python_tool(tmp_path):
 def test_pydantic_ai_code_toolset_calls_host_tools_from_a_session(tmp_path):
     said = agent_said("pydantic-ai", tmp_path)
     assert said["the next call saw"] == "2468"  # the session kept the first call's variable
+
+
+@pytest.mark.slow
+def test_openai_agents_runner_calls_host_tools_through_the_function_tool_offline(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(NETWORK_AUDIT)
+    log = tmp_path / "network.log"
+    # An API key the SDK would use, were it to reach for the network (traces, a default model).
+    offline = {"PYTHONPATH": str(hooks), "NETWORK_AUDIT_LOG": str(log),
+               "OPENAI_API_KEY": "sk-test-not-a-real-key"}
+    said = agent_said("openai-agents", tmp_path, **offline)
+    assert said["the next call saw"] == "2468"  # the session kept the first call's variable
+    assert not log.exists(), log.read_text()
+    # The audit hook does see a look-up: the check above can fail.
+    done = run_in("openai-agents", "python -c \"import socket\ntry:\n socket.getaddrinfo("
+                  "'example.invalid', 443)\nexcept OSError:\n pass\"", tmp_path, **offline)
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().startswith("socket.getaddrinfo ('example.invalid', 443"), \
+        log.read_text()
+
+
+@pytest.mark.slow
+def test_openai_agents_tool_answers_errors_timeouts_refusals_across_event_loops(tmp_path):
+    seen = checks("openai-agents", "openai_agents_checks.py", tmp_path)
+    assert seen["context_tool"] == "tool 'who' takes the run's context, which cannot reach " \
+        "the sandbox: give it a function of its arguments alone"
+    assert seen["schema"]["required"] == ["code"]
+    assert seen["schema"]["additionalProperties"] is False  # strict, as the SDK wants
+    # a hand-made FunctionTool: its on_invoke_tool ran on the host, with no run context
+    assert json.loads(ast.literal_eval(seen["hand_made"])) == \
+        {"tripled": 15, "context": None, "pid": seen["host_pid"]}
+    assert seen["error"].startswith("so far\n")
+    assert seen["error"].endswith("ZeroDivisionError: division by zero")
+    assert seen["timeout"].endswith("ran longer than its 3 s limit (set by Sandbox.run("
+                                    "timeout=)) and was interrupted")
+    assert seen["subprocess"].endswith("creating processes is not allowed in the sandbox (no "
+                                       "policy flag allows it: run external programs outside "
+                                       "the kernel)")
+    assert seen["kept"] == "10"  # a later Runner.run_sync, another loop: the same session
+    assert seen["runs"] == 5
 
 
 @pytest.mark.slow
