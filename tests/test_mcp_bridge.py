@@ -8,11 +8,15 @@ reads a secret from its own environment: the sandbox never sees it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ import pytest
 pytest.importorskip("mcp")
 
 from sandbox_kernel.hosting.tools import Declared, render, stub_signature
+from sandbox_kernel.mcp.bridge import Upstream
 from tests.mcp_clients import SERVER, free_port, stdio
 
 SECRET = "s3cret-weather-token-7f1c"
@@ -47,7 +52,24 @@ def shout(text: str) -> str:
     return text.upper()
 
 
-if len(sys.argv) > 1:
+def guarded(app, expected):
+    """app refusing every HTTP request without the header `Authorization: <expected>`."""
+    async def guard(scope, receive, send):
+        if scope["type"] == "http" and \
+                dict(scope["headers"]).get(b"authorization") != expected.encode():
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"no or wrong Authorization"})
+            return
+        await app(scope, receive, send)
+    return guard
+
+
+if len(sys.argv) > 1 and os.environ.get("WEATHER_BEARER"):
+    import uvicorn
+    uvicorn.run(guarded(server.streamable_http_app(), os.environ["WEATHER_BEARER"]),
+                host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+elif len(sys.argv) > 1:
     server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
 else:
     server.run("stdio")
@@ -169,15 +191,17 @@ def test_a_malformed_tools_from_is_refused(flag):
     assert printed.returncode == 2 and "--tools-from" in printed.stderr
 
 
-def test_the_streamable_http_variant(tmp_path, weather):
+@contextlib.contextmanager
+def upstream_http(tmp_path: Path, weather: Path, **env: str) -> Iterator[str]:
+    """The weather server over Streamable HTTP (refusing requests without `Authorization:
+    $WEATHER_BEARER` when env sets it); its URL while the block runs."""
     port = free_port()
-    env = {**os.environ, "WEATHER_TOKEN": SECRET}
     log = (tmp_path / "weather.log").open("w")
-    upstream = subprocess.Popen([sys.executable, str(weather), str(port)], env=env,
+    upstream = subprocess.Popen([sys.executable, str(weather), str(port)],
+                                env={**os.environ, "WEATHER_TOKEN": SECRET, **env},
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
-        import socket
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -185,16 +209,141 @@ def test_the_streamable_http_variant(tmp_path, weather):
             except OSError:
                 assert time.monotonic() < deadline and upstream.poll() is None
                 time.sleep(0.1)
-        client = stdio(tmp_path / "server.log", "--tools-from",
-                       f"weather=http://127.0.0.1:{port}/mcp")
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        upstream.terminate()
+        upstream.wait(30)
+        log.close()
+
+
+def test_the_streamable_http_variant(tmp_path, weather):
+    with upstream_http(tmp_path, weather) as url:
+        client = stdio(tmp_path / "server.log", "--tools-from", f"weather={url}")
         try:
             answer = run_python(client, code=CODE, inputs={"cities": ["Oslo", "Lima", "Rome"]})
             check_distilled(answer, calls=5)
         finally:
             client.close()
-    finally:
-        upstream.terminate()
-        upstream.wait(30)
+
+
+# --- --tools-header: a URL server's credentials from the host's environment ----------------
+
+BEARER = "Bearer mcp-upstream-token-91b4e"  # the header's whole value
+HEADER_FLAGS = ("--tools-header", "weather:Authorization=WEATHER_MCP_AUTH")
+LEAKS = """
+import os, pathlib
+
+def main():
+    seen = repr(dict(os.environ))
+    for path in ("/proc/self/environ", "/proc/self/cmdline", f"/proc/{os.getppid()}/environ",
+                 f"/proc/{os.getppid()}/cmdline"):
+        try:
+            seen += repr(pathlib.Path(path).read_bytes())
+        except OSError as exc:
+            seen += repr(exc)
+    return {"token_seen": TOKEN in seen, "variable_seen": "WEATHER_MCP_AUTH" in seen}
+""".replace("TOKEN", repr(BEARER.split()[1]))
+
+
+def print_tools(url: str, *flags: str, **env: str) -> subprocess.CompletedProcess:
+    """`--print-tools mcp` with the weather server at url (it connects and lists its tools)."""
+    return subprocess.run([*SERVER, "--print-tools", "mcp", "--tools-from", f"weather={url}",
+                           *flags], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_a_url_server_that_wants_a_header_refuses_the_start_without_it(tmp_path, weather):
+    wrong = "Bearer not-the-token-5d0c"
+    with upstream_http(tmp_path, weather, WEATHER_BEARER=BEARER) as url:
+        without = print_tools(url)
+        mistaken = print_tools(url, *HEADER_FLAGS, WEATHER_MCP_AUTH=wrong)
+    for printed in (without, mistaken):
+        assert printed.returncode == 2, printed.stderr
+        assert printed.stderr.startswith(f"sandbox-kernel mcp: --tools-from weather={url}: "
+                                         "could not connect and list its tools: "), \
+            printed.stderr
+    assert without.stderr.endswith(" (it answered HTTP 401 Unauthorized: give its credentials "
+                                   "with --tools-header weather:Header-Name=ENV_VAR)\n"), \
+        without.stderr
+    assert mistaken.stderr.endswith(" (it answered HTTP 401 Unauthorized: check the headers' "
+                                    "values, from $WEATHER_MCP_AUTH)\n"), mistaken.stderr
+    assert "not-the-token" not in mistaken.stdout + mistaken.stderr
+
+
+def test_the_header_s_variable_unset_or_empty_stops_the_start_naming_it(weather):
+    for env, state in (({}, "not set"), ({"WEATHER_MCP_AUTH": ""}, "empty")):
+        os.environ.pop("WEATHER_MCP_AUTH", None)
+        printed = print_tools("http://127.0.0.1:9/mcp", *HEADER_FLAGS, **env)
+        assert printed.returncode == 2
+        assert printed.stderr == (
+            "sandbox-kernel mcp: --tools-header weather:Authorization=WEATHER_MCP_AUTH: the "
+            f"environment variable WEATHER_MCP_AUTH is {state} (set it in this server's "
+            "environment)\n")
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (("--tools-header", "weather:Authorization"), "expected NAME:Header-Name=ENV_VAR"),
+    (("--tools-header", "weather:Bad Header=X"), "expected NAME:Header-Name=ENV_VAR"),
+    (("--tools-header", "other:Authorization=WEATHER_MCP_AUTH"),
+     "no --tools-from is named other"),
+])
+def test_a_header_that_cannot_be_sent_is_refused(flags, said):
+    printed = print_tools("http://127.0.0.1:9/mcp", *flags, WEATHER_MCP_AUTH=BEARER)
+    assert printed.returncode == 2 and said in printed.stderr, printed.stderr
+
+
+def test_a_header_for_a_command_server_is_refused(weather):
+    printed = subprocess.run(
+        [*SERVER, "--print-tools", "mcp", "--tools-from", f"weather={sys.executable} {weather}",
+         *HEADER_FLAGS], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "WEATHER_MCP_AUTH": BEARER})
+    assert printed.returncode == 2
+    assert "weather is a command, which gets this server's environment itself: headers are " \
+        "for URLs" in printed.stderr
+
+
+def test_the_header_from_the_environment_reaches_the_server_and_nothing_else(tmp_path, weather):
+    token = BEARER.split()[1]
+    with upstream_http(tmp_path, weather, WEATHER_BEARER=BEARER) as url:
+        printed = print_tools(url, *HEADER_FLAGS, WEATHER_MCP_AUTH=BEARER)
+        assert printed.returncode == 0, printed.stderr
+        assert "def weather__forecast(" in printed.stdout
+        assert token not in printed.stdout + printed.stderr
+        os.environ["WEATHER_MCP_AUTH"] = BEARER  # the operator's environment, the server's own
+        try:
+            client = stdio(tmp_path / "server.log", "--tools-from", f"weather={url}",
+                           *HEADER_FLAGS)
+        finally:
+            del os.environ["WEATHER_MCP_AUTH"]
+        try:
+            answers = [run_python(client, code=CODE, inputs={"cities": ["Oslo", "Lima", "Rome"]})]
+            check_distilled(answers[0], calls=5)
+            session = client.tool("create_session").structured_content["session"]
+            answers.append(run_python(client, code=LEAKS, inputs={}, session=session))
+            answers.append(run_python(client, code=LEAKS, inputs={}))  # a fresh kernel
+            client.tool("close_session", {"session": session})
+        finally:
+            client.close()
+    for answer in answers[1:]:
+        assert answer.structured_content["result"] == \
+            {"token_seen": False, "variable_seen": False}, answer.structured_content
+    said = json.dumps([answer.structured_content for answer in answers]) + \
+        (tmp_path / "server.log").read_text()
+    assert token not in said
+
+
+def test_the_logs_and_errors_show_the_variable_not_the_value():
+    from sandbox_kernel.mcp.bridge import Header, Redacting, with_headers
+
+    [upstream] = with_headers(
+        [Upstream.parse("api=https://example.test/mcp")],
+        [Header.parse("api:X-Api-Key=API_KEY")], {"API_KEY": "k-123456"})
+    assert "k-123456" not in repr(upstream)
+    assert upstream.redact("refused k-123456!") == "refused [redacted $API_KEY]!"
+    record = logging.LogRecord("httpx", logging.INFO, __file__, 1, "sent %s", ("k-123456",),
+                               None)
+    formatted = Redacting(logging.Formatter("%(message)s"), [upstream]).format(record)
+    assert formatted == "sent [redacted $API_KEY]"
 
 
 # --- the stubs, from JSON schemas (hosting/tools.py) ---------------------------------------

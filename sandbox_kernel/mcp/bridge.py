@@ -17,17 +17,23 @@ left out, named); an error result raises `ToolFailed` with its text, which the c
 `sandbox_tools.ToolError`. The bridge's rules hold as for any caller's tool: the per-call
 timeout, the run's budget, sizes capped both ways, and every call in `usage.tool_calls`. The
 operator trusts the servers it names; the model's code reaches only the tools they list.
+
+`--tools-header NAME:Header-Name=ENV_VAR` gives a URL server's requests a header (a bearer
+token, an API key) whose value is read from this server's environment when it starts, so the
+secret is never on a command line; it lives only in that server's HTTP client (never in a
+kernel) and is masked in whatever this server prints about it (`redact`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shlex
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..hosting.tools import Declared, ToolFailed, annotation_of, granted, module_safe
@@ -35,6 +41,9 @@ from ..hosting.tools import Declared, ToolFailed, annotation_of, granted, module
 NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,31}")
 MAX_LISTED = 256  # tools taken from one server
 MAX_PAGES = 16  # pages of a server's tool listing read
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,128}")  # an HTTP field name (a token)
+VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # an environment variable's name
+HIDDEN = "[redacted ${}]"  # what a header's value is shown as: the variable it came from
 
 
 class BridgeError(Exception):
@@ -42,12 +51,54 @@ class BridgeError(Exception):
 
 
 @dataclass(frozen=True)
+class Header:
+    """One --tools-header: a header every request to the URL server `upstream` carries, its
+    value read from the environment variable `variable` (by `read`, when the server starts).
+    The value is left out of the repr, so a logged config never shows it."""
+
+    upstream: str
+    name: str
+    variable: str
+    value: str = field(default="", repr=False, compare=False)
+
+    @classmethod
+    def parse(cls, text: str) -> Header:
+        """NAME:Header-Name=ENV_VAR."""
+        upstream, colon, rest = text.partition(":")
+        name, equals, variable = rest.partition("=")
+        if not (colon and equals and NAME.fullmatch(upstream) and HEADER_NAME.fullmatch(name)
+                and VARIABLE.fullmatch(variable)):
+            raise ValueError(f"expected NAME:Header-Name=ENV_VAR (NAME a --tools-from name, "
+                             f"ENV_VAR the variable of this server's environment holding the "
+                             f"value): {text!r}")
+        return cls(upstream, name, variable)
+
+    def read(self, environ: Mapping[str, str]) -> Header:
+        """This header with its value from environ; ValueError naming the variable when it
+        is unset or empty."""
+        value = environ.get(self.variable, "")
+        if not value:
+            state = "empty" if self.variable in environ else "not set"
+            raise ValueError(f"--tools-header {self}: the environment variable "
+                             f"{self.variable} is {state} (set it in this server's environment)")
+        if "\r" in value or "\n" in value:
+            raise ValueError(f"--tools-header {self}: the value of {self.variable} holds a "
+                             "line break, which no header may")
+        return replace(self, value=value)
+
+    def __str__(self) -> str:
+        return f"{self.upstream}:{self.name}={self.variable}"
+
+
+@dataclass(frozen=True)
 class Upstream:
-    """One --tools-from: its name, and a command (argv) or a Streamable HTTP URL."""
+    """One --tools-from: its name, and a command (argv) or a Streamable HTTP URL (with the
+    headers --tools-header gives it)."""
 
     name: str
     command: tuple[str, ...] = ()
     url: str = ""
+    headers: tuple[Header, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> Upstream:
@@ -70,6 +121,32 @@ class Upstream:
     def describe(self) -> str:
         """Where it is, for the operator."""
         return self.url or shlex.join(self.command)
+
+    def redact(self, text: str) -> str:
+        """text with each header's value replaced by the name of the variable it came from."""
+        for header in self.headers:
+            text = text.replace(header.value, HIDDEN.format(header.variable))
+        return text
+
+
+def with_headers(upstreams: Iterable[Upstream], headers: Iterable[Header],
+                 environ: Mapping[str, str]) -> list[Upstream]:
+    """The upstreams, each URL one with its --tools-header headers read from environ;
+    ValueError when a header names no URL server, or its variable is unset."""
+    upstreams = list(upstreams)
+    given: dict[str, list[Header]] = {}
+    kinds = {upstream.name: upstream for upstream in upstreams}
+    for header in headers:
+        upstream = kinds.get(header.upstream)
+        if upstream is None:
+            raise ValueError(f"--tools-header {header}: no --tools-from is named "
+                             f"{header.upstream}")
+        if not upstream.url:
+            raise ValueError(f"--tools-header {header}: {header.upstream} is a command, which "
+                             "gets this server's environment itself: headers are for URLs")
+        given.setdefault(header.upstream, []).append(header.read(environ))
+    return [replace(upstream, headers=tuple(given.get(upstream.name, ())))
+            for upstream in upstreams]
 
 
 def wrapped(output_schema: Any) -> bool:
@@ -113,6 +190,23 @@ def result_of(result: Any, unwrap: bool = False) -> Any:
     return text
 
 
+class Redacting(logging.Formatter):
+    """A formatter whose every record (its message, its traceback) comes out with the
+    upstreams' header values masked: what the server logs never shows a token."""
+
+    def __init__(self, inner: logging.Formatter, upstreams: Iterable[Upstream]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.upstreams = [upstream for upstream in upstreams if upstream.headers]
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The inner formatter's text, redacted."""
+        text = self.inner.format(record)
+        for upstream in self.upstreams:
+            text = upstream.redact(text)
+        return text
+
+
 @dataclass
 class Bridge:
     """The --tools-from servers: connected while the MCP server runs, their tools declared."""
@@ -122,9 +216,11 @@ class Bridge:
     declared: list[tuple[Declared, Callable[[dict[str, Any]], Awaitable[Any]]]] = \
         field(default_factory=list)
     _stack: contextlib.AsyncExitStack | None = None
+    # the first HTTP error status each URL server answered, for the error naming it
+    _statuses: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     async def __aenter__(self) -> Bridge:
-        from mcp import Client, StdioServerParameters
+        from mcp import Client
 
         self._stack = contextlib.AsyncExitStack()
         await self._stack.__aenter__()
@@ -134,16 +230,15 @@ class Bridge:
             raise BridgeError(f"--tools-from names each server once: {', '.join(names)}")
         try:
             for upstream in self.upstreams:
-                server: Any = upstream.url or StdioServerParameters(
-                    command=upstream.command[0], args=list(upstream.command[1:]),
-                    env=dict(os.environ))
                 try:
+                    server = await self._target(upstream)
                     client = await self._stack.enter_async_context(Client(server))
                     listed = await _listing(client)
                 except Exception as exc:
-                    raise BridgeError(f"--tools-from {upstream.name}={upstream.describe()}: "
-                                      f"could not connect and list its tools: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+                    raise BridgeError(upstream.redact(
+                        f"--tools-from {upstream.name}={upstream.describe()}: could not "
+                        f"connect and list its tools: {_reason(exc)}"
+                        f"{self._refusal(upstream)}")) from exc
                 for tool in listed:
                     name = f"{upstream.name}__{module_safe(tool.name)}"
                     if name in taken:
@@ -161,6 +256,43 @@ class Bridge:
             await self._stack.__aexit__(None, None, None)
             raise
         return self
+
+    async def _target(self, upstream: Upstream) -> Any:
+        """What the SDK's Client connects to: the command's parameters (with this server's
+        environment), or for a URL a transport whose HTTP client (held open on the stack)
+        sends the upstream's headers and notes the server's first refusal (the SDK's error
+        for it names no status)."""
+        from mcp import StdioServerParameters
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client  # the SDK's own defaults
+
+        if upstream.command:
+            return StdioServerParameters(command=upstream.command[0],
+                                         args=list(upstream.command[1:]), env=dict(os.environ))
+        assert self._stack is not None
+        http = await self._stack.enter_async_context(create_mcp_http_client(
+            headers={header.name: header.value for header in upstream.headers}))
+
+        async def note(response: Any) -> None:
+            if response.status_code >= 400:
+                self._statuses.setdefault(upstream.name, (response.status_code,
+                                                          response.reason_phrase))
+        http.event_hooks["response"].append(note)
+        return streamable_http_client(upstream.url, http_client=http)
+
+    def _refusal(self, upstream: Upstream) -> str:
+        """What the URL server answered when it refused, and for a 401 or 403 what to do."""
+        if upstream.name not in self._statuses:
+            return ""
+        status, reason = self._statuses[upstream.name]
+        said = f" (it answered HTTP {status} {reason}"
+        if status not in (401, 403):
+            return said + ")"
+        if not upstream.headers:
+            return said + f": give its credentials with --tools-header {upstream.name}:" \
+                "Header-Name=ENV_VAR)"
+        variables = ", ".join(f"${header.variable}" for header in upstream.headers)
+        return said + f": check the headers' values, from {variables})"
 
     async def __aexit__(self, *exc: Any) -> None:
         if self._stack is not None:
@@ -190,6 +322,14 @@ def bridge_problem(exc: BaseException | None) -> BridgeError | None:
                     return found
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as `Type: message`, an exception group as its first leaf's (the SDK's
+    task groups wrap a refused HTTP request in one)."""
+    while isinstance(getattr(exc, "exceptions", None), (list, tuple)) and exc.exceptions:  # type: ignore[attr-defined]
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _listing(client: Any) -> list[Any]:

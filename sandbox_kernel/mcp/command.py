@@ -14,7 +14,7 @@ from ..client.tools import ToolLimits
 from ..extras import install_hint
 from ..launch import preload
 from . import configs
-from .bridge import Upstream, bridge_problem
+from .bridge import Header, Redacting, Upstream, bridge_problem, with_headers
 from .config import McpConfig
 
 DESCRIPTION = """An MCP server that runs Python for agents in sandboxed kernels. Over stdio by \
@@ -39,6 +39,13 @@ def _size(text: str) -> int:
 def _upstream(text: str) -> Upstream:
     try:
         return Upstream.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _header(text: str) -> Header:
+    try:
+        return Header.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -121,6 +128,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                          "this server's environment, or a Streamable HTTP URL) and let "
                          "run_python's code call its tools, as `from sandbox_tools import "
                          "NAME__tool` (repeatable; see docs/mcp.md)")
+    bridged.add_argument("--tools-header", metavar="NAME:Header-Name=ENV_VAR", type=_header,
+                         action="append", default=[],
+                         help="send this header to the --tools-from URL server NAME, its value "
+                         "read from this server's environment variable ENV_VAR at start (a "
+                         "token stays off the command line, out of the kernels and the logs; "
+                         "repeatable)")
     tool_defaults = ToolLimits()
     bridged.add_argument("--tool-timeout", type=float, default=tool_defaults.timeout,
                          metavar="S", help="seconds one such call may take")
@@ -134,7 +147,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> McpConfig:
-    """The server's settings from its flags."""
+    """The server's settings from its flags (ValueError when a --tools-header cannot be
+    used: its server is not a URL, or its variable is unset)."""
     effective = policy.from_arguments(args)
     effective.changed_with = "sandbox-kernel mcp"  # what refusals tell to change (advice.py)
     effective.declared_secrets()  # refused now, not at each kernel's start, when unusable
@@ -151,7 +165,7 @@ def config_from(args: argparse.Namespace) -> McpConfig:
         max_snapshots_per_key=max(1, args.max_snapshots_per_key),
         max_snapshot_bytes_per_key=max(1, args.max_snapshot_bytes_per_key),
         session_pause_after=max(0.0, args.session_pause_after),
-        tools_from=list(args.tools_from),
+        tools_from=with_headers(args.tools_from, args.tools_header, os.environ),
         tool_limits=ToolLimits(max_calls=max(1, args.tool_max_calls),
                                timeout=max(0.1, args.tool_timeout)))
 
@@ -203,7 +217,11 @@ def main(args: argparse.Namespace) -> int:
             return 2
     if args.print_config:
         return _print_config(args.print_config)
-    config = config_from(args)
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        print(f"sandbox-kernel mcp: {exc}", file=sys.stderr)
+        return 2
     if config.session_pause_after and not config.state_dir:
         print("sandbox-kernel mcp: --session-pause-after needs --state-dir: a paused "
               "session's snapshot is kept there", file=sys.stderr)
@@ -225,7 +243,8 @@ def main(args: argparse.Namespace) -> int:
     from ..confine.logrelay import PrintableFormatter
 
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(PrintableFormatter("sandbox-kernel mcp: %(message)s"))
+    handler.setFormatter(Redacting(PrintableFormatter("sandbox-kernel mcp: %(message)s"),
+                                   config.tools_from))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     from . import server
 
