@@ -131,12 +131,14 @@ class Service:
         return same(given, self.dify_key)
 
     def count_run(self, api: str, execution: Execution) -> None:
-        """Count a finished run by API and outcome (ok, timeout, lost, error)."""
+        """Count a finished run by API and outcome (ok, timeout, lost, error), its usage and
+        its tool calls."""
         error = execution.error
         outcome = ("ok" if error is None else "timeout" if error.name == ExecutionTimeout.code
                    else "lost" if execution.state_lost else "error")
         self.metrics.runs.labels(api=api, outcome=outcome).inc()
         self.metrics.observe_usage(api, execution.usage)
+        self.metrics.observe_tool_calls(api, execution.tool_calls)
 
     async def start(self) -> None:
         """Start the kernel source and the session culler."""

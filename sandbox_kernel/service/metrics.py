@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -64,6 +64,13 @@ class Metrics:
         self.in_flight = Gauge(
             "sandbox_runs_in_flight", "Stateless runs running or waiting for a worker.",
             registry=self.registry)
+        self.tool_calls = Counter(
+            "sandbox_tool_calls", "Tool calls runs made (counted when the run ends), by API "
+            "and outcome (ok, error, refused, timeout, abandoned).", ["api", "outcome"],
+            registry=self.registry)
+        self.tool_call_seconds = Histogram(
+            "sandbox_tool_call_seconds", "Time from a tool call to its answer, by API and "
+            "outcome.", ["api", "outcome"], registry=self.registry, buckets=_SECONDS)
         self.usage = {
             figure: Histogram(f"sandbox_execution_{figure}", help_text, ["api"],
                               registry=self.registry, buckets=buckets)
@@ -81,6 +88,12 @@ class Metrics:
                               ("refused_syscalls", usage.refused_syscalls)):
             if value is not None:
                 self.usage[figure].labels(api=api).observe(value)
+
+    def observe_tool_calls(self, api: str, calls: Iterable[Any]) -> None:
+        """One execution's tool calls (client.ToolCall) counted, and their durations."""
+        for call in calls:
+            self.tool_calls.labels(api=api, outcome=call.outcome).inc()
+            self.tool_call_seconds.labels(api=api, outcome=call.outcome).observe(call.seconds)
 
     def bind(self, live: Callable[[], int], pooled: Callable[[], dict[str, int]],
              sessions: Callable[[], int], in_flight: Callable[[], int]) -> None:

@@ -270,3 +270,54 @@ def test_two_instances_behind_haproxy_answer_on_the_holder_or_409_naming_it(two_
                        {"code": code, "inputs": {}, "tools": [SEARCH]}, KEY_A, reply)
         assert dict(events)["done"]["result"] == {"r": ["via the balancer"]}
         assert len(seen) == (1 if routed else 2)
+
+
+def tool_call_metrics(base: str) -> dict[tuple[str, str], float]:
+    """/metrics' tool-call counts and seconds summed, {(series, outcome): value}, native API."""
+    found: dict[tuple[str, str], float] = {}
+    for line in http.get(base + "/metrics").text.splitlines():
+        for series in ("sandbox_tool_calls_total", "sandbox_tool_call_seconds_count",
+                       "sandbox_tool_call_seconds_sum"):
+            prefix = f'{series}{{api="native",outcome="'
+            if line.startswith(prefix):
+                outcome, value = line[len(prefix):].split('"} ')
+                found[series, outcome] = float(value)
+    return found
+
+
+def test_each_tool_call_is_counted_by_api_and_outcome_with_its_duration(server):
+    stall = {"name": "stall", "description": "Never answered."}
+    code = ("from sandbox_tools import search, price, stall, ToolError, ToolTimeout\n"
+            "def main():\n    search('a'), search('b')\n    caught = []\n"
+            "    for call, error in ((lambda: price('x'), ToolError), (stall, ToolTimeout)):\n"
+            "        try:\n            call()\n        except error as exc:\n"
+            "            caught.append(type(exc).__name__)\n    return {'caught': caught}\n")
+    unserved = ("from sandbox_tools import search, ToolUnavailable\ndef main():\n    try:\n"
+                "        search('x')\n    except ToolUnavailable as exc:\n"
+                "        return {'refused': type(exc).__name__}\n")
+
+    def reply(call):
+        if call["tool"] == "search":
+            time.sleep(0.3)  # the answer's wait: in the seconds the metrics sum
+            answer(server.url, call["run"], call["call"], result=["found"])
+        elif call["tool"] == "price":
+            answer(server.url, call["run"], call["call"], error="no price")
+
+    before = tool_call_metrics(server.url)
+    events = serve(server.url, server.url + "/api/v1/execute",
+                   {"code": code, "inputs": {}, "tools": [SEARCH, PRICE, stall],
+                    "tool_timeout": 1}, KEY_A, reply)
+    done = dict(events)["done"]
+    assert done["result"] == {"caught": ["ToolError", "ToolTimeout"]}, done["error"]
+    # without the event stream no call can be served: each is refused at once
+    refused = http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), timeout=60,
+                        json={"code": unserved, "inputs": {}, "tools": [SEARCH]}).json()
+    assert refused["result"] == {"refused": "ToolUnavailable"}, refused["error"]
+    after = tool_call_metrics(server.url)
+    added = {key: after[key] - before.get(key, 0) for key in after}
+    assert {outcome: added["sandbox_tool_calls_total", outcome]
+            for outcome in ("ok", "error", "refused", "timeout")} == \
+        {"ok": 2, "error": 1, "refused": 1, "timeout": 1}, added
+    assert added["sandbox_tool_call_seconds_count", "ok"] == 2
+    assert 0.6 <= added["sandbox_tool_call_seconds_sum", "ok"] < 5
+    assert 1 <= added["sandbox_tool_call_seconds_sum", "timeout"] < 5
