@@ -267,7 +267,9 @@ def test_openai_agents_tool_answers_errors_timeouts_refusals_across_event_loops(
                                        "policy flag allows it: run external programs outside "
                                        "the kernel)")
     assert seen["kept"] == "10"  # a later Runner.run_sync, another loop: the same session
-    assert seen["runs"] == 5
+    assert seen["runs"] == 5  # the call below, without code, ran nothing
+    assert seen["bad_arguments"] == 'run_python takes {"code": "<Python source>"}, not ' \
+        '{"source":"1"}'
 
 
 @pytest.mark.slow

@@ -136,9 +136,15 @@ class SandboxPython:
         return output_text(execution) or "(no output)"
 
     async def _invoke(self, context: ToolContext[Any], arguments: str) -> str:
+        try:
+            code = json.loads(arguments)["code"]
+        except (ValueError, KeyError, TypeError):
+            code = None
+        if not isinstance(code, str):  # told to the model, which may call again
+            return f'{self.tool.name} takes {{"code": "<Python source>"}}, not {arguments[:200]}'
         # A cancelled call leaves its run to finish in the thread (bounded by `timeout`): the
         # kernel keeps its state either way.
-        return await asyncio.to_thread(self.run, json.loads(arguments)["code"])
+        return await asyncio.to_thread(self.run, code)
 
     def close(self) -> None:
         """Close the sandbox if this made it."""

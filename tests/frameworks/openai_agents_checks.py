@@ -62,6 +62,10 @@ def main():
             python, "print('so far')\n1 / 0", "while True:\n    pass",
             "import subprocess\nsubprocess.run(['ls'])")
         [seen["kept"]] = answers(python, "x * 2")  # a second run_sync: another event loop
+        model = ScriptedModel([[function_call(python.tool.name, {"source": "1"}, call_id="b")],
+                               [assistant_message("done")]])
+        result = Runner.run_sync(Agent(name="a", model=model, tools=[python.tool]), "go")
+        seen["bad_arguments"] = result.new_items[1].output
         seen["runs"] = len(python.executions)
     print(json.dumps(seen))
 
