@@ -105,3 +105,35 @@ def test_stage_timings_cover_a_fork_served_start():
                   "seccomp.install", "prepare"):
         assert stage in rows, done.stdout
     assert float(rows["fork"][-1]) > 0  # "fork to ready": minor faults counted
+
+
+FIRST_RESULT_WAYS = ("one-shot run", "new session, first execute", "warm execute")
+
+
+def test_first_result_measures_every_way_pattern_and_workload(tmp_path):
+    """`python -m bench.first_result` at tiny counts on serve's defaults: a row for each
+    workload, way to a result and arrival pattern, every run right, and the facts it must say
+    (same host, commit, load)."""
+    out = tmp_path / "first-result.md"
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.first_result", "--lean", "--runs", "2", "--burst", "3",
+         "--stagger", "0.05", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=110, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = out.read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[1] in FIRST_RESULT_WAYS:
+            rows[(cells[0], cells[1], cells[2])] = cells
+    expected = {(workload, way, pattern)
+                for workload in ("main() returns a dict", "numpy + pandas DataFrame")
+                for way in FIRST_RESULT_WAYS
+                for pattern in ("sequential", "staggered 50 ms", "burst of 3")}
+    assert set(rows) == expected, text
+    for (_, _, pattern), cells in rows.items():
+        runs = 3 if pattern.startswith("burst") else 2
+        assert cells[3] == f"{runs}/{runs} (100 %)" and cells[9] == "-", cells
+        assert all(re.fullmatch(r"\d+\.\d ms", cell) for cell in cells[4:8]), cells
+    assert "same host" in text and re.search(r"commit [0-9a-f]{7}", text)
+    assert re.search(r"load average \(1, 5 min\) before [\d.]+, [\d.]+ / after", text)
