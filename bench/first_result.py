@@ -170,13 +170,13 @@ def new_session(api: Api, workload: Workload) -> Outcome:
         if opened.status != 201:
             return Outcome(time.perf_counter() - started, opened.headers_at - started,
                            f"create: HTTP {opened.status}")
-        session = json.loads(opened.body)["id"]
+        session = str(json.loads(opened.body)["id"])
         try:
             return judged(api.send(connection, "POST", f"/api/v1/sessions/{session}/execute",
                                    execution(workload)), started, workload)
         finally:
             api.send(connection, "DELETE", f"/api/v1/sessions/{session}")
-    except (OSError, http.client.HTTPException) as exc:
+    except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
         return failed(started, exc)
     finally:
         connection.close()
@@ -199,30 +199,37 @@ def warm_execute(api: Api, workload: Workload, sessions: queue.Queue[str]) -> Ou
 
 
 @contextlib.contextmanager
-def warm_sessions(api: Api, workload: Workload, count: int) -> Iterator[queue.Queue[str]]:
+def warm_sessions(api: Api, workload: Workload, count: int,
+                  notes: list[str]) -> Iterator[queue.Queue[str]]:
     """`count` sessions, each having run the workload once, closed after; opened four at a
-    time (the service's workers), since nothing of this is measured."""
-    def open_one(_: int) -> str:
+    time (the service's workers), since nothing of this is measured. A session whose first run
+    went wrong is kept (the warm runs on it are measured as they go) and said in `notes`."""
+    def open_one(_: int) -> tuple[str | None, str]:
         connection = api.connect()
         try:
             opened = api.send(connection, "POST", "/api/v1/sessions", {})
             if opened.status != 201:
-                raise RuntimeError(f"a session for the warm runs: HTTP {opened.status} "
-                                   f"{opened.body[:300]!r}")
-            session = json.loads(opened.body)["id"]
-            first = api.send(connection, "POST", f"/api/v1/sessions/{session}/execute",
-                             execution(workload))
-            if json.loads(first.body).get("result") != workload.expected:
-                raise RuntimeError(f"a warm session's first run: {first.body[:300]!r}")
-            return str(session)
+                return None, f"not opened: HTTP {opened.status}"
+            session = str(json.loads(opened.body)["id"])
+            first = judged(api.send(connection, "POST", f"/api/v1/sessions/{session}/execute",
+                                    execution(workload)), time.perf_counter(), workload)
+            return session, first.why and f"first run {first.why}"
+        except (OSError, http.client.HTTPException, ValueError, KeyError) as exc:
+            return None, f"not opened: {type(exc).__name__}"
         finally:
             connection.close()
 
     opened: queue.Queue[str] = queue.Queue()
     try:
         with ThreadPoolExecutor(4) as pool:
-            for session in pool.map(open_one, range(count)):
+            answers = list(pool.map(open_one, range(count)))
+        for session, _ in answers:
+            if session is not None:
                 opened.put(session)
+        wrong = Counter(why for _, why in answers if why)
+        if wrong:
+            notes.append(f"{workload.name}: of the {count} sessions opened for the warm runs, "
+                         + ", ".join(f"{n} {why}" for why, n in wrong.most_common()))
         yield opened
     finally:
         close_sessions(api, opened)
@@ -317,6 +324,7 @@ class Plan:
     workloads: list[Workload]
     settle: float  # seconds the workload is sent before measuring (a preload set's pool starts)
     rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what went wrong outside the measured runs
 
 
 def phase(plan: Plan, workload: Workload, kind: str, pattern: str,
@@ -359,7 +367,7 @@ def measure(api: Api, plan: Plan) -> None:
         patterns(plan, workload, "one-shot run", functools.partial(one_shot, api, workload))
         patterns(plan, workload, "new session, first execute",
                  functools.partial(new_session, api, workload))
-        with warm_sessions(api, workload, max(plan.burst, 1)) as sessions:
+        with warm_sessions(api, workload, max(plan.burst, 1), plan.notes) as sessions:
             patterns(plan, workload, "warm execute",
                      functools.partial(warm_execute, api, workload, sessions))
 
@@ -441,7 +449,8 @@ def report(args: argparse.Namespace, plan: Plan, chosen: Settings,
         "an idle one",
         "- Times from the first request sent to the whole answer read; percentiles over the "
         "runs that succeeded; success: HTTP 200 with `result` exactly the expected dict; "
-        "'headers p50': to the answer's headers (of the execute, for a new session)", "",
+        "'headers p50': to the answer's headers (of the execute, for a new session)",
+        *[f"- {note}" for note in plan.notes], "",
         "| workload | way to a result | arrival | success | p50 | p95 | p99 | headers p50 "
         "| load at start | failures |",
         "|---|---|---|---|---|---|---|---|---|---|"]
