@@ -360,3 +360,25 @@ def test_modules_laid_out_again_still_find_every_module_and_file_in_its_place():
     done = subprocess.run([sys.executable, "-I", "-c", check], capture_output=True, text=True,
                           timeout=60, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_caller_holding_more_than_1024_descriptors_starts_runs_and_stops_kernels():
+    """A service with ~100 sessions holds over 1024 descriptors: select() refused those
+    ("filedescriptor out of range in select()") and the sessions' executes answered 500."""
+    script = textwrap.dedent("""
+        import os, resource
+        from sandbox_kernel.client import Sandbox
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+        held = [os.dup(0) for _ in range(1100)]
+        with Sandbox(None) as sandbox:
+            assert sandbox.run("6 * 7").text == "42"
+            process = sandbox.manager.provisioner.process
+            assert process.pid > 0
+        assert process.wait(timeout=30) is not None
+        print("ok", max(held) > 1024)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ok True\n"

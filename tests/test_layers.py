@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
     # What every side shares and that imports nothing of ours: the error vocabulary, the
     # wire format, the result checker's process, the extras' names, the words of a policy
     # change (advice: confine/denials words refusals with them).
-    ("base", frozenset({"__init__", "errors", "jsonwire", "resultcheck", "extras", "advice"})),
+    ("base", frozenset({"__init__", "errors", "jsonwire", "resultcheck", "extras", "advice",
+                          "fdwait"})),
     ("confine", frozenset({"confine"})),  # the confinement layers and their companion
     # The policy every side reads, the caller's secrets it holds, its command-line flags.
     ("policy", frozenset({"secrets", "policy", "flags"})),

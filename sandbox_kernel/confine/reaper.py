@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from ..fdwait import readable
 from . import audit, handover, vault
 from .logrelay import LauncherLog, LogRelay
 from .tally import Tally
@@ -156,7 +157,7 @@ class Reaper:
 
     def _kernel_alive(self) -> bool:
         if self.kernel >= 0:
-            return not select.select([self.kernel], [], [], 0)[0]
+            return not readable(self.kernel, 0)
         return os.getppid() == self.kernel_pid  # without pidfds: reparented, the kernel is gone
 
     def _ready(self, fd: int, events: int) -> None:

@@ -35,7 +35,6 @@ import builtins
 import contextlib
 import inspect
 import json
-import select
 import sys
 import threading
 import time
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import jsonwire
+from ..fdwait import readable
 from . import oneshot_wire as wire
 
 PROTOCOL = 1
@@ -389,7 +389,7 @@ class RecordTransport:
     def receive(self, timeout: float) -> list[dict[str, Any]]:
         """The replies among the records that arrive within timeout seconds."""
         conn = self.channel.conn
-        if conn is None or not select.select([conn], [], [], timeout)[0]:
+        if conn is None or not readable(conn, timeout):
             return []
         try:
             data = conn.recv(1 << 16)

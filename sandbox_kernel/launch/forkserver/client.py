@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ...confine import environment
+from ...fdwait import readable
 from .protocol import (
     DEFAULT_IDLE,
     DEFAULT_MAX_AGE,
@@ -89,8 +89,7 @@ class ForkedKernel:
     def _check(self, timeout: float) -> None:
         """Read the server's exit report; if the server is gone, watch the pidfd instead."""
         if self.conn.fileno() >= 0:
-            ready, _, _ = select.select([self.conn], [], [], timeout)
-            if not ready:
+            if not readable(self.conn, timeout):
                 return
             try:
                 message, _ = receive(self.conn)
@@ -100,8 +99,7 @@ class ForkedKernel:
             except (OSError, ValueError, KeyError):
                 self.conn.close()  # the server died; the kernel lives on
                 timeout = 0.0
-        ready, _, _ = select.select([self.pidfd], [], [], timeout)  # type: ignore[list-item]
-        if ready:  # ended, but only its (gone) parent could learn how
+        if readable(self.pidfd, timeout):  # ended, but only its (gone) parent could learn how
             self.returncode = 255
             self._release()
 
@@ -236,8 +234,7 @@ class ForkServerClient:
                 start_new_session=True, pass_fds=(write_end,), cwd="/")
         os.close(write_end)
         with os.fdopen(read_end, "rb") as ready:
-            selected, _, _ = select.select([ready], [], [], self.start_timeout)
-            answer = ready.readline() if selected else b""
+            answer = ready.readline() if readable(ready, self.start_timeout) else b""
         if answer != b"ready\n":
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
