@@ -417,6 +417,7 @@ def mcp_server(flags: list[str]) -> Iterator[HttpServer]:
     folder = Path(tempfile.mkdtemp(prefix="bench-mcp-"))
     keys = folder / "keys.json"
     keys.write_text(json.dumps({"keys": [{"id": "bench", "key": MCP_KEY}]}))
+    keys.chmod(0o600)  # the MCP server refuses a keys file others may read
     runtime = os.environ.get("JUPYTER_RUNTIME_DIR")
     os.environ["JUPYTER_RUNTIME_DIR"] = str(folder / "runtime")
     try:
