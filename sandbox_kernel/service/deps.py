@@ -18,8 +18,9 @@ from .core import Service
 bearer = HTTPBearer(auto_error=False, description="An API key from the keys file.")
 
 
-def service(request: Request) -> Service:
-    """The running service the app was created with."""
+async def service(request: Request) -> Service:
+    """The running service the app was created with (async: FastAPI runs a plain function
+    dependency in its thread pool, a thread hop per request for an attribute read)."""
     return request.app.state.service
 
 
