@@ -11,13 +11,15 @@ import json
 import logging
 
 log = logging.getLogger("sandbox_kernel.hosting")
+# What json.dumps(default=str, separators=...) builds anew on every call (a line per request).
+_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
 
 
 def json_line(**fields: object) -> str:
     """A compact JSON log line: {"time": "2025-01-31T12:00:00.000Z", **fields}."""
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = now.isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    return json.dumps({"time": stamp, **fields}, default=str, separators=(",", ":"))
+    return _ENCODER.encode({"time": stamp, **fields})
 
 
 def http_url(host: str, port: int) -> str:

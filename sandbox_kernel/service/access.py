@@ -56,8 +56,9 @@ class AccessLog:
         state: dict[str, Any] = scope.get("state") or {}
         record = state.get("record")
         kernel = state.get("kernel_id") or getattr(record, "kernel_id", "") or None
-        self.metrics.requests.labels(route=route, status=str(status)).inc()
-        self.metrics.duration.labels(route=route).observe(duration)
+        metrics = self.metrics
+        metrics.labelled(metrics.requests, route, str(status)).inc()
+        metrics.labelled(metrics.duration, route).observe(duration)
         log.info(json_line(method=scope.get("method"), route=route, status=status,
                            duration=round(duration, 4), key=state.get("key_id"),
                            kernel=kernel, session=state.get("session_id")))

@@ -136,7 +136,7 @@ class Service:
         error = execution.error
         outcome = ("ok" if error is None else "timeout" if error.name == ExecutionTimeout.code
                    else "lost" if execution.state_lost else "error")
-        self.metrics.runs.labels(api=api, outcome=outcome).inc()
+        self.metrics.labelled(self.metrics.runs, api, outcome).inc()
         self.metrics.observe_usage(api, execution.usage)
         self.metrics.observe_tool_calls(api, execution.tool_calls)
 

@@ -76,6 +76,18 @@ class Metrics:
                               registry=self.registry, buckets=buckets)
             for figure, help_text, buckets in _USAGE}
         self._pooled: Callable[[], dict[str, int]] = dict
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def labelled(self, metric: Any, *values: str) -> Any:
+        """metric.labels(*values) (in its label names' order), kept for the next request:
+        prometheus_client checks and sorts the labels on every call, a tenth of the cost of
+        answering a request's log line and counters. Label values are bounded (route
+        templates, statuses, APIs, outcomes), so the cache is too."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
     def observe_usage(self, api: str, usage: Any) -> None:
         """One execution's cost (client.Usage) in the usage histograms; unmeasured ones skipped."""
@@ -87,7 +99,7 @@ class Metrics:
                               ("result_bytes", usage.result_bytes),
                               ("refused_syscalls", usage.refused_syscalls)):
             if value is not None:
-                self.usage[figure].labels(api=api).observe(value)
+                self.labelled(self.usage[figure], api).observe(value)
 
     def observe_tool_calls(self, api: str, calls: Iterable[Any]) -> None:
         """One execution's tool calls (client.ToolCall) counted, and their durations."""
