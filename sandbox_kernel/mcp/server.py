@@ -102,4 +102,8 @@ def run_http(config: McpConfig, host: str, port: int, keys: list[ApiKey]) -> Non
             if self.started:
                 log.info("serving Streamable HTTP at %s/mcp", url)
 
-    Announced(uvicorn.Config(app, host=host, port=port, log_level="warning")).run()
+    # h11 and asyncio, as before the [server] extra brought httptools and uvloop into the same
+    # environments: h11 bounds a request head (16 KiB), httptools does not, and this server has
+    # no guard of its own (the service's is service/connections.py).
+    Announced(uvicorn.Config(app, host=host, port=port, log_level="warning", http="h11",
+                             loop="asyncio")).run()

@@ -7,8 +7,9 @@ open. Here a connection must complete a request's head within `--head-timeout` s
 accepted (nginx's client_header_timeout, against slowloris), or it is closed; and once more
 connections are open and idle than `--max-idle-connections` allows, the oldest of them are closed
 to make room.
-A request uvicorn cannot parse (a head past h11's 16 KiB bound for what it has buffered, say) is
-answered 400 with a JSON message, as every route words its errors (uvicorn's own is plain text),
+A request uvicorn cannot parse, or whose head is past HEAD_LIMIT (16 KiB, h11's bound for what
+it buffers; httptools, which uvicorn prefers where it is installed, has none and would buffer a
+header of any size), is answered 400 with a JSON message, as every route words its errors (uvicorn's own is plain text),
 and closed. Closing a socket whose peer is still sending resets it, and the reset can destroy
 the 400 before the client reads it. So that close lingers, as nginx's lingering_close does: what
 was written is sent, the write side is shut, and what the client still sends is read and
@@ -16,9 +17,9 @@ dropped, until it closes or `linger` seconds pass.
 Requests themselves are bounded by the service's own admission (`runs.Admission`), not by
 counting sockets, so `limit_concurrency` is not used.
 
-The class extends whichever HTTP protocol uvicorn would pick (h11, or httptools where it is
-installed) through its methods `connection_made`, `connection_lost`, `data_received` and
-`send_400_response` only.
+The class extends whichever HTTP protocol uvicorn would pick (httptools, which the [server] extra
+installs because it parses in C, a fifth of the service's own CPU per run; else h11) through its
+methods `connection_made`, `connection_lost`, `data_received` and `send_400_response` only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 UNPARSED = ("the request is not valid HTTP/1.1, or its head (request line and headers) is too "
             "large: a head past 16 KiB may be refused so; send a smaller one")
+HEAD_LIMIT = 16 * 1024  # bytes of one request head, its blank line included (h11's default)
+HEAD_END = b"\r\n\r\n"
 
 
 class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
@@ -42,6 +45,8 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
     linger = 2.0  # seconds a refused request's connection reads and drops what still comes
     _order = itertools.count()
     _draining = False
+    _head_seen = 0  # bytes of the coming request's head received so far
+    _head_tail = b""  # its last bytes, where an end of head split between reads begins
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         """Start the request-head deadline and make room among idle connections."""
@@ -70,8 +75,36 @@ class GuardedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
 
     def data_received(self, data: bytes) -> None:
         """Bytes of a request; after a 400, the rest of the refused one, dropped."""
-        if not self._draining:
-            super().data_received(data)
+        if self._draining:
+            return
+        if self._idle() and self._head_too_large(data):
+            self.send_400_response("the request head is too large")
+            return
+        super().data_received(data)
+
+    def _head_too_large(self, data: bytes) -> bool:
+        """Whether the head these bytes continue (outside a request: the next one's) is past
+        HEAD_LIMIT; counted before the parser sees them, so none buffers more than that."""
+        end = self._head_end(data)
+        size = self._head_seen + (len(data) if end < 0 else end)
+        if size > HEAD_LIMIT:
+            return True
+        if end < 0:
+            self._head_seen = size
+            self._head_tail = (self._head_tail + data[-(len(HEAD_END) - 1):])[1 - len(HEAD_END):]
+        else:  # the head ends here: the next one counts from zero
+            self._head_seen, self._head_tail = 0, b""
+        return False
+
+    def _head_end(self, data: bytes) -> int:
+        """Where in data the head ends (just past its blank line), or -1; the blank line may
+        have begun in the bytes before."""
+        if self._head_tail:
+            at = (self._head_tail + data[:len(HEAD_END) - 1]).find(HEAD_END)
+            if at >= 0:
+                return at + len(HEAD_END) - len(self._head_tail)
+        at = data.find(HEAD_END)
+        return -1 if at < 0 else at + len(HEAD_END)
 
     def _idle(self) -> bool:
         """Not inside a request: none has started, or the last one has been answered."""

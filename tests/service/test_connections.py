@@ -125,3 +125,37 @@ def test_a_request_refused_unparsed_is_answered_not_reset(guarded):
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert "head (request line and headers) is too large" in json.loads(
             answer.split(b"\r\n\r\n", 1)[1])["detail"]
+
+
+def _answer_to_head(url: str, padding: int, pieces: int = 1) -> bytes:
+    """The first line of the answer to a dify run whose head carries `padding` bytes of one
+    header, sent in `pieces` writes (a head's end split between two of them when several)."""
+    data = json.dumps(BODY).encode()
+    head = (b"POST " + RUN.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Api-Key: " + DIFY_KEY.encode()
+            + b"\r\nX-Padding: " + b"a" * padding + b"\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(data)).encode() + b"\r\nConnection: close\r\n\r\n")
+    step = -(-len(head) // pieces)
+    with _silent(url) as sock:
+        for start in range(0, len(head) - 2, step):  # the last piece starts inside "\r\n\r\n"
+            sock.sendall(head[start:min(start + step, len(head) - 2)])
+            time.sleep(0.01)
+        sock.sendall(head[-2:] + data)
+        return sock.makefile("rb").readline()
+
+
+@pytest.mark.parametrize("pieces", [1, 40])
+def test_a_head_past_16_kib_is_refused_one_within_it_served(guarded, pieces):
+    # The service bounds a head itself: h11 did, httptools (uvicorn's choice where installed)
+    # would buffer a header of any size.
+    assert _answer_to_head(guarded.url, 15_000, pieces).startswith(b"HTTP/1.1 200 ")
+    assert _answer_to_head(guarded.url, 17_000, pieces).startswith(b"HTTP/1.1 400 ")
+
+
+def test_the_service_parses_http_with_httptools_on_uvloop(guarded):
+    """The [server] extra's faster HTTP parser and event loop are the ones serving (the bound
+    above is then the service's own)."""
+    import psutil
+
+    loaded = [region.path for region in psutil.Process(guarded.process.pid).memory_maps()]
+    assert any("/httptools/parser/" in path for path in loaded), loaded
+    assert any("/uvloop/loop." in path for path in loaded), loaded
