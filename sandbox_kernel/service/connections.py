@@ -7,19 +7,19 @@ open. Here a connection must complete a request's head within `--head-timeout` s
 accepted (nginx's client_header_timeout, against slowloris), or it is closed; and once more
 connections are open and idle than `--max-idle-connections` allows, the oldest of them are closed
 to make room.
-A request uvicorn cannot parse, or whose head is past HEAD_LIMIT (16 KiB, h11's bound for what
-it buffers; httptools, which uvicorn prefers where it is installed, has none and would buffer a
-header of any size), is answered 400 with a JSON message, as every route words its errors (uvicorn's own is plain text),
-and closed. Closing a socket whose peer is still sending resets it, and the reset can destroy
-the 400 before the client reads it. So that close lingers, as nginx's lingering_close does: what
-was written is sent, the write side is shut, and what the client still sends is read and
-dropped, until it closes or `linger` seconds pass.
+A request uvicorn cannot parse, or whose head is past HEAD_LIMIT (16 KiB, h11's bound for what it
+buffers; httptools, which uvicorn prefers where it is installed, has none and would buffer a
+header of any size), is answered 400 with a JSON message, as every route words its errors
+(uvicorn's own is plain text), and closed. Closing a socket whose peer is still sending resets
+it, and the reset can destroy the 400 before the client reads it. So that close lingers, as
+nginx's lingering_close does: what was written is sent, the write side is shut, and what the
+client still sends is read and dropped, until it closes or `linger` seconds pass.
 Requests themselves are bounded by the service's own admission (`runs.Admission`), not by
 counting sockets, so `limit_concurrency` is not used.
 
 The class extends whichever HTTP protocol uvicorn would pick (httptools, which the [server] extra
-installs because it parses in C, a fifth of the service's own CPU per run; else h11) through its
-methods `connection_made`, `connection_lost`, `data_received` and `send_400_response` only.
+installs because it parses in C; else h11) through its methods `connection_made`,
+`connection_lost`, `data_received` and `send_400_response` only.
 """
 
 from __future__ import annotations
