@@ -27,17 +27,25 @@ async def service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(service)]
 
 
+def known_key(request: Request, service: Service,
+              credentials: HTTPAuthorizationCredentials | None) -> ApiKey | None:
+    """The known bearer key of the request (noted for the access log), or None."""
+    token = f"Bearer {credentials.credentials}" if credentials else None
+    key = service.bearer_keys.find(token)
+    if key is not None:
+        request.state.key_id = key.id
+    return key
+
+
 async def api_key(request: Request, service: ServiceDep,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
                   ) -> ApiKey:
     """The bearer key of the request; 401 without a known one."""
-    token = f"Bearer {credentials.credentials}" if credentials else None
-    key = service.bearer_keys.find(token)
+    key = known_key(request, service, credentials)
     if key is None:
         service.metrics.denials.labels(reason="bad_key").inc()
         raise HTTPException(401, "a valid API key is required: Authorization: Bearer <key>",
                             headers={"WWW-Authenticate": "Bearer"})
-    request.state.key_id = key.id
     return key
 
 

@@ -15,9 +15,11 @@ from ... import runtimes
 from ...errors import KernelUnavailable
 from ...hosting.admission import Busy
 from ...hosting.fresh import RunRecord
+from .. import deps
 from ..access import json_line
 from ..core import Service
 from ..deps import ServiceDep
+from ..direct import DirectRoute, serve_directly
 from ..disconnects import unless_disconnected
 from ..openapi import DEPENDENCIES_DOC, RUN_DOC
 from . import dependencies, framing
@@ -26,7 +28,7 @@ from .gin import GoJSON, bind, error_answer, success
 from .nodejs import run_nodejs
 
 log = logging.getLogger("sandbox_kernel.service")
-router = APIRouter(tags=["dify-sandbox"])
+router = APIRouter(tags=["dify-sandbox"], route_class=DirectRoute)
 
 NETWORK_DISABLED = "network is disabled, please enable it in the configuration"
 
@@ -57,6 +59,14 @@ async def run(request: Request, service: ServiceDep) -> Response:
     except Busy:
         service.metrics.denials.labels(reason="too_many_requests").inc()
         return error_answer(503, -503, "Too many requests")
+
+
+async def _run_directly(request: Request) -> Response:
+    """run() with the values FastAPI would pass (it takes no body: nothing to give back)."""
+    return await run(request, await deps.service(request))
+
+
+serve_directly(run, _run_directly)
 
 
 async def _run_admitted(request: Request, service: Service) -> Response:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,10 @@ from ...hosting.fresh import OutputBudget, RunRecord, bounded, callbacks, output
 from ...hosting.keys import ApiKey
 from ...hosting.sessions import Session
 from ...hosting.tools import Declared, DeskRun, ToolAnswerError
+from .. import deps
 from ..core import Service
 from ..deps import Key, ServiceDep, run_timeout, session_of
+from ..direct import DirectRoute, json_body, serve_directly
 from ..disconnects import client_left, unless_disconnected
 from ..openapi import EVENT_STREAM
 from .schemas import (
@@ -33,7 +36,7 @@ from .schemas import (
 )
 from .stream import EventStream, ExecutionJSON, wants_events
 
-router = APIRouter()
+router = APIRouter(route_class=DirectRoute)
 NO_STREAM = ("the caller declared tools but did not take the run's event stream (Accept: "
              "text/event-stream), where tool calls are served: ask for the stream to call them")
 
@@ -81,6 +84,24 @@ async def execute(body: OneShotRequest, request: Request, key: Key,
     if execution is None:
         return Response(status_code=499)
     return ExecutionJSON(execution)
+
+
+async def _execute_directly(request: Request) -> Response | None:
+    """execute() for a request with a known key and a valid JSON body, the values found as
+    FastAPI finds them (deps, OneShotRequest); None for any other (direct.py)."""
+    running = await deps.service(request)
+    key = deps.known_key(request, running, await deps.bearer(request))
+    raw = None if key is None else await json_body(request)
+    if key is None or raw is None:
+        return None
+    try:  # FastAPI's reading: json.loads, then the model on what it gave
+        body = OneShotRequest.model_validate(json.loads(raw), from_attributes=True)
+    except Exception:  # not JSON, not a request: FastAPI's answer says which
+        return None
+    return await execute(body, request, key, running)
+
+
+serve_directly(execute, _execute_directly)
 
 
 def _tools(service: Service, key: ApiKey, body: ExecuteRequest, stream: EventStream | None,
