@@ -27,13 +27,16 @@ async def service(request: Request) -> Service:
 ServiceDep = Annotated[Service, Depends(service)]
 
 
-def known_key(request: Request, service: Service,
-              credentials: HTTPAuthorizationCredentials | None) -> ApiKey | None:
-    """The known bearer key of the request (noted for the access log), or None."""
+def known_key(service: Service, credentials: HTTPAuthorizationCredentials | None
+              ) -> ApiKey | None:
+    """The known bearer key of these credentials, or None."""
     token = f"Bearer {credentials.credentials}" if credentials else None
-    key = service.bearer_keys.find(token)
-    if key is not None:
-        request.state.key_id = key.id
+    return service.bearer_keys.find(token)
+
+
+def taken(request: Request, key: ApiKey) -> ApiKey:
+    """The key the request is served for, noted for its access log line."""
+    request.state.key_id = key.id
     return key
 
 
@@ -41,12 +44,12 @@ async def api_key(request: Request, service: ServiceDep,
                   credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
                   ) -> ApiKey:
     """The bearer key of the request; 401 without a known one."""
-    key = known_key(request, service, credentials)
+    key = known_key(service, credentials)
     if key is None:
         service.metrics.denials.labels(reason="bad_key").inc()
         raise HTTPException(401, "a valid API key is required: Authorization: Bearer <key>",
                             headers={"WWW-Authenticate": "Bearer"})
-    return key
+    return taken(request, key)
 
 
 Key = Annotated[ApiKey, Depends(api_key)]

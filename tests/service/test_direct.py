@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from sandbox_kernel.client import Execution
-from sandbox_kernel.service import direct
+from sandbox_kernel.service import access, direct
 from sandbox_kernel.service.app import create_app
 from sandbox_kernel.service.config import ServiceConfig
 from sandbox_kernel.service.dify import routes as dify_routes
@@ -45,8 +45,10 @@ def app():
     return app
 
 
-def _ask(app, path: str, headers: dict[str, str], body: bytes) -> tuple[int, list, bytes]:
-    """(status, headers, body) of one request sent to the ASGI app."""
+def _ask(app, path: str, headers: dict[str, str], body: bytes
+         ) -> tuple[int, list, bytes, dict[str, Any]]:
+    """(status, headers, body, access log line but its time and duration) of one request sent
+    to the ASGI app."""
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "server": ("127.0.0.1", 8194),
@@ -66,16 +68,21 @@ def _ask(app, path: str, headers: dict[str, str], body: bytes) -> tuple[int, lis
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    asyncio.run(app(scope, receive, send))
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(access.log, "info", lines.append)
+        asyncio.run(app(scope, receive, send))
     start = sent[0]
+    line = {name: value for name, value in json.loads(lines[-1]).items()
+            if name not in ("time", "duration")}
     return (start["status"], sorted(start["headers"]),
-            b"".join(message.get("body", b"") for message in sent[1:]))
+            b"".join(message.get("body", b"") for message in sent[1:]), line)
 
 
 def _both_ways(app, endpoint, path: str, headers: dict[str, str], body: bytes,
-               monkeypatch) -> tuple[tuple[int, list, bytes], str]:
-    """The answer served, what the direct way did ("answered", "gave back", "raised"), and
-    that FastAPI's answer is the same."""
+               monkeypatch) -> tuple[tuple[int, list, bytes, dict[str, Any]], str]:
+    """The answer served and its log line, what the direct way did ("answered", "gave back",
+    "raised"), and that FastAPI's answer and log line are the same."""
     answered = []
     way = direct._DIRECT[endpoint]
 
@@ -97,16 +104,17 @@ def _both_ways(app, endpoint, path: str, headers: dict[str, str], body: bytes,
 
 
 def test_the_usual_native_run_is_answered_directly_as_fastapi_answers_it(app, monkeypatch):
-    (status, _, body), directly = _both_ways(
+    (status, _, body, line), directly = _both_ways(
         app, native_execute.execute, EXECUTE, {"Authorization": f"Bearer {KEY}",
                                                "Content-Type": JSON},
         json.dumps({"code": "def main():\n    return {'a': 1}", "inputs": {}}).encode(),
         monkeypatch)
     assert directly == "answered" and status == 200 and json.loads(body)["result"] == {"a": 1}
+    assert line["key"] == "default" and line["status"] == 200
 
 
 def test_the_usual_dify_run_is_answered_directly_as_fastapi_answers_it(app, monkeypatch):
-    (status, _, body), directly = _both_ways(
+    (status, _, body, _), directly = _both_ways(
         app, dify_routes.run, RUN, {"X-Api-Key": KEY, "Content-Type": JSON},
         json.dumps({"language": "python3", "code": DIFY_RUNNER}).encode(), monkeypatch)
     assert directly == "answered" and status == 200
@@ -134,9 +142,9 @@ def test_the_usual_dify_run_is_answered_directly_as_fastapi_answers_it(app, monk
 def test_other_native_requests_are_given_back_to_fastapi(app, monkeypatch, headers, body,
                                                          status):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    (answered, _, _), directly = _both_ways(app, native_execute.execute, EXECUTE, headers, raw,
-                                            monkeypatch)
-    assert answered == (status or answered) and directly == "gave back"
+    (answered, _, _, line), directly = _both_ways(app, native_execute.execute, EXECUTE,
+                                                  headers, raw, monkeypatch)
+    assert answered == (status or answered) == line["status"] and directly == "gave back"
 
 
 @pytest.mark.parametrize(("body", "status"), [
@@ -144,7 +152,7 @@ def test_other_native_requests_are_given_back_to_fastapi(app, monkeypatch, heade
     ({"code": "1", "network": True}, 403),  # the network is off on this service
 ])
 def test_the_endpoints_errors_are_the_apps_either_way(app, monkeypatch, body, status):
-    (answered, _, _), directly = _both_ways(
+    (answered, _, _, _), directly = _both_ways(
         app, native_execute.execute, EXECUTE, {"Authorization": f"Bearer {KEY}",
                                                "Content-Type": JSON},
         json.dumps(body).encode(), monkeypatch)

@@ -90,7 +90,7 @@ async def _execute_directly(request: Request) -> Response | None:
     """execute() for a request with a known key and a valid JSON body, the values found as
     FastAPI finds them (deps, OneShotRequest); None for any other (direct.py)."""
     running = await deps.service(request)
-    key = deps.known_key(request, running, await deps.bearer(request))
+    key = deps.known_key(running, await deps.bearer(request))
     raw = None if key is None else await json_body(request)
     if key is None or raw is None:
         return None
@@ -98,7 +98,7 @@ async def _execute_directly(request: Request) -> Response | None:
         body = OneShotRequest.model_validate(json.loads(raw), from_attributes=True)
     except Exception:  # not JSON, not a request: FastAPI's answer says which
         return None
-    return await execute(body, request, key, running)
+    return await execute(body, request, deps.taken(request, key), running)
 
 
 serve_directly(execute, _execute_directly)
