@@ -23,7 +23,10 @@ __all__ = ["AccessLog", "json_line", "route_of"]
 
 def route_of(scope: Scope) -> str:
     """The matched route's template (bounded label values), or "unmatched"."""
-    route = scope.get("route")
+    # FastAPI 0.165 keeps an included router's routes as they were declared (`/execute`) and
+    # puts the template with its prefixes (`/api/v1/execute`) in the route context it matched.
+    context = scope.get("fastapi", {}).get("effective_route_context")
+    route = context if context is not None else scope.get("route")
     return str(getattr(route, "path", None) or "unmatched")
 
 

@@ -83,6 +83,18 @@ def test_log_lines_never_carry_code(server):
     assert {r["key"] for r in native} <= {"team-a", "team-b", None}
 
 
+def test_a_native_line_names_its_route_with_the_prefix(server):
+    """FastAPI 0.165 showed an included router's route without its prefix (`/execute`)."""
+    http.post(server.url + "/api/v1/execute", headers=auth(KEY_A), json={"code": "1"})
+    time.sleep(0.2)
+    records = [json.loads(line) for line in server.log.read_text().splitlines()
+               if line.startswith("{")]
+    assert [r["route"] for r in records if r.get("method") == "POST"
+            and r.get("route", "").endswith("/execute")][-1] == "/api/v1/execute"
+    metrics = http.get(server.url + "/metrics").text
+    assert 'route="/api/v1/execute"' in metrics and 'route="/execute"' not in metrics
+
+
 def _sample(text: str, series: str) -> float:
     """A series' value in the exposition text, 0 when it has none yet."""
     return next((float(line[len(series) + 1:]) for line in text.splitlines()
