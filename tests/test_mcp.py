@@ -236,7 +236,7 @@ def test_a_one_shot_kernels_lies_about_its_files_stay_within_the_callers_bounds(
             "embedded = {name: {'data': 'aGk='} for name in "
             "[*(f'f{i}.txt' for i in range(100)), '../../etc/passwd', 'unlisted.txt']}\n"
             "answer = {'files': listed, 'more': False, 'embedded': embedded}\n"
-            "sys.modules['sandbox_kernel.kernel.oneshot']._file_op = "
+            "sys.modules['sandbox_kernel.kernel.oneshot_io']._file_op = "
             "lambda: lambda *args, **kwargs: answer\n"
             "'done'")
     answer = mcp.tool("run_python", {"code": code})

@@ -435,7 +435,7 @@ def test_refused_calls_are_answered_and_recorded_by_the_companion(tmp_path):
 
 
 def test_a_pooled_process_takes_requests_only_from_the_servers_user():
-    from sandbox_kernel.kernel.oneshot import OVERFLOW_UID, caller_allowed
+    from sandbox_kernel.kernel.oneshot_io import OVERFLOW_UID, caller_allowed
 
     assert caller_allowed(os.getuid(), os.getuid()) and caller_allowed(0, os.getuid())
     assert not caller_allowed(4242, os.getuid())

@@ -114,8 +114,8 @@ def test_files_records_user_code_forges_are_bounded_by_what_the_caller_asked(
 
 
 # The process's own files record never sent: what the caller took is only what user code sent.
-WITHOUT_OWN = ("import sys\nsys.modules['sandbox_kernel.kernel.oneshot'].OneShotKernelApp"
-               ".instance().send_written_files = lambda: None\n")
+WITHOUT_OWN = ("import sys\nsys.modules['sandbox_kernel.kernel.oneshot_io']"
+               ".written_files = lambda request: None\n")
 OWN = {"files": [], "more": False, "embedded": {}}
 
 

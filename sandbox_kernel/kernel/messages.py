@@ -155,3 +155,13 @@ class Messages:
         frames.extend(bytes(buffer) for buffer in buffers or ())
         channel.send_multipart(frames)
         return msg
+
+    @staticmethod
+    def feed_identities(frames: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Session.feed_identities: the routing identities and the message's frames."""
+        return split_identities(frames)
+
+    @staticmethod
+    def deserialize(frames: Sequence[bytes]) -> dict[str, Any]:
+        """Session.deserialize of an unsigned message's frames (after the delimiter)."""
+        return deserialize(frames)

@@ -21,6 +21,9 @@ from .forkserver.client import ForkServerClient, _tail, request_env
 from .forkserver.protocol import ForkServerError, frame, pools_path, receive, runtime_dir
 
 DEFAULT_ONE_SHOT_POOL = 2  # pre-confined processes per policy
+# Which one-shot process a pool runs (launch/forkserver/pools.py PROCESSES): "shell", the lean
+# one on IPython's shell (kernel/lean.py); "kernel", the ipykernel one (kernel/oneshot.py).
+DEFAULT_ONE_SHOT_PROCESS = "kernel"
 
 
 class OneShotUnavailable(RuntimeError):
@@ -35,6 +38,7 @@ class OneShotPool:
     size: int = DEFAULT_ONE_SHOT_POOL
     python: str = sys.executable
     preload: Sequence[str] = ()
+    process: str = DEFAULT_ONE_SHOT_PROCESS
     server: ForkServerClient = field(init=False)
     path: str = field(init=False, default="")
 
@@ -69,7 +73,7 @@ class OneShotPool:
         conn = self._connect_pools()
         with conn:
             request = {"argv": self.argv, "env": request_env(self.argv, os.environ),
-                       "cwd": self.cwd, "size": self.size}
+                       "cwd": self.cwd, "size": self.size, "process": self.process}
             try:
                 conn.sendall(frame({"pool": request}))
                 conn.settimeout(self.server.start_timeout)

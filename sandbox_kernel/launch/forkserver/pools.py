@@ -25,12 +25,18 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+from . import lean_zygote
 from .listeners import listen, unlink_own
 from .protocol import REQUEST_TIMEOUT, ForkServerError, frame, peer_pid_uid, pools_path, receive
 from .zygote import FORK
 
+# The one-shot processes a pool's zygote can build: "shell", the lean one on IPython's shell
+# (kernel/lean.py, in a zygote started fresh: lean_zygote.py); "kernel", the ipykernel one
+# (kernel/oneshot.py, in a zygote forked from the server).
+PROCESSES = ("shell", "kernel")
 RETIRE_GRACE = 2.0  # seconds a retiring server's pools still take connections made before
 POOL_FAILURES = 3  # pooled processes in a row that end before taking a request: pool broken
 DEFAULT_MAX_ONE_SHOTS = 5000  # one-shot processes a server forks before it retires
@@ -40,6 +46,7 @@ class Owner(Protocol):
     """What the pools need of their server (server.py's Server)."""
 
     path: str  # its socket: the pools' paths are beside it, named after its key
+    preload: Sequence[str]  # what it imported for its kernels: a lean zygote imports it too
     last_active: float  # set when a launcher asks or a run ends: the server is not idle
 
     @property
@@ -65,6 +72,7 @@ class _Pool:
     env: dict[str, str]
     cwd: str
     size: int
+    process: str = "kernel"  # which one-shot process its zygote builds (PROCESSES)
     waiting: dict[int, tuple[int, int]] = field(default_factory=dict)  # pid -> (pidfd, taken)
     failures: int = 0
     broken: str = ""
@@ -74,9 +82,11 @@ class _Pool:
     zygote_pidfd: int = -1
 
 
-def pool_path(directory: str, key: str, argv: list[str], env: dict[str, str], cwd: str) -> str:
-    """Where the pool of this policy listens (the same policy, the same pool)."""
-    digest = hashlib.sha256(json.dumps([argv, env, cwd], sort_keys=True).encode()).hexdigest()
+def pool_path(directory: str, key: str, argv: list[str], env: dict[str, str], cwd: str,
+              process: str = "kernel") -> str:
+    """Where the pool of this policy (and one-shot process) listens: the same, the same pool."""
+    keyed: list[Any] = [argv, env, cwd] if process == "kernel" else [argv, env, cwd, process]
+    digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
     # Short: a unix socket's path has at most 107 bytes, and the directory comes first.
     return os.path.join(directory, f"{key}.{digest[:8]}.sock")
 
@@ -152,20 +162,23 @@ class OneShotPools:
             raise ValueError("a pool request is {pool: {argv, env, cwd, size}}")
         argv, env, cwd, size = (spec.get("argv"), spec.get("env"), spec.get("cwd") or "/",
                                 spec.get("size", 1))
+        process = spec.get("process", "kernel")
+        if process not in PROCESSES:
+            raise ValueError(f"a pool's process is one of {', '.join(PROCESSES)}, not {process!r}")
         if (not isinstance(argv, list) or not all(isinstance(arg, str) for arg in argv)
                 or not isinstance(env, dict)
                 or not all(isinstance(v, str) for v in env.values())
                 or not isinstance(cwd, str) or not isinstance(size, int) or not 1 <= size <= 64):
             raise ValueError("a pool is {argv: [str], env: {str: str}, cwd: str, size: 1-64}")
         path = pool_path(os.path.dirname(self.owner.path), os.path.basename(self.owner.path)
-                         .removesuffix(".sock"), argv, env, cwd)
+                         .removesuffix(".sock"), argv, env, cwd, process)
         pool = self.pools.get(path)
         if pool is None:
             if self.companion is None:
                 from sandbox_kernel.confine import companion
 
                 _, self.companion = companion.start(self.owner.close_in_child)
-            pool = self.pools[path] = _Pool(path, *listen(path), argv, env, cwd, size)
+            pool = self.pools[path] = _Pool(path, *listen(path), argv, env, cwd, size, process)
             self.start_zygote(pool)
         pool.size = max(pool.size, size)
         self.refill(pool)
@@ -184,6 +197,8 @@ class OneShotPools:
         if pid == 0:
             self.become_zygote(pool, ours, theirs)
         theirs.close()
+        if pool.process == "shell":  # the lean zygote's first message: what it builds
+            lean_zygote.send_spec(ours, pool.argv, pool.env, list(self.owner.preload))
         pool.control, pool.zygote, pool.zygote_pidfd = ours, pid, os.pidfd_open(pid)
         self.selector.register(pool.zygote_pidfd, selectors.EVENT_READ,
                                lambda _: self.zygote_ended(pool))
@@ -205,6 +220,8 @@ class OneShotPools:
             os.dup2(null, 0)
             os.dup2(null, 1)  # fd 2 stays the server's log: a refusal to start is told there
             os.close(null)
+            if pool.process == "shell":
+                lean_zygote.exec_in_child(theirs, listener, registry)
             from . import zygote
 
             zygote.serve(theirs, listener, registry, pool.argv, pool.env, os.getuid())

@@ -28,6 +28,7 @@ import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import fontcache
@@ -76,8 +77,11 @@ def _clone_call() -> tuple[Any, tuple[Any, ...]]:
 
 
 def serve(control: socket.socket, listener: socket.socket, registry: int, argv: list[str],
-          env: dict[str, str], server_uid: int) -> NoReturn:
-    """In the zygote (forked from the server, its descriptors closed): build, then fork."""
+          env: dict[str, str], server_uid: int,
+          build: Callable[[list[str]], Any] | None = None) -> NoReturn:
+    """In the zygote (forked from the server, its descriptors closed; or started fresh for the
+    lean process, lean_zygote.py): build, then fork. build: what builds the pooled processes'
+    object from the pool's argv (kernel/oneshot.py's `build`, unless given)."""
     libc = ctypes.CDLL(None, use_errno=True)
     server = os.getppid()
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != server:
@@ -87,7 +91,7 @@ def serve(control: socket.socket, listener: socket.socket, registry: int, argv: 
     libc.prctl(_PR_SET_NAME, ctypes.c_char_p(NAME), 0, 0, 0)
     font_cache = os.environ.get("MPLCONFIGDIR", "")  # the server's, built for every kernel
     fonts = fontcache.font_lists(font_cache) if font_cache else []
-    app = _build(argv, env)
+    app = _build(argv, env, build)
     sharing.compact_modules()  # again: the build imported more (see the server's)
     if thread_count() != 1:
         _say(f"the zygote has {thread_count()} threads after building the kernel; a "
@@ -117,7 +121,8 @@ def serve(control: socket.socket, listener: socket.socket, registry: int, argv: 
         control.send(str(pid).encode())
 
 
-def _build(argv: list[str], env: dict[str, str]) -> Any:
+def _build(argv: list[str], env: dict[str, str],
+           build: Callable[[list[str]], Any] | None) -> Any:
     """The application, as a pooled process's start would build it, in a temporary home.
 
     The environment is the one a pooled process gets (environment.allowed) with a temporary
@@ -125,15 +130,18 @@ def _build(argv: list[str], env: dict[str, str]) -> Any:
     the IPython dir it makes there is removed; each pooled process makes its own (confine).
     """
     from sandbox_kernel.confine.environment import allowed
-    from sandbox_kernel.kernel import oneshot
 
+    if build is None:
+        from sandbox_kernel.kernel import oneshot
+
+        build = oneshot.build
     home = tempfile.mkdtemp(prefix="sandbox-kernel-zygote-")
     try:
         os.environ.clear()
         os.environ.update(allowed(home, argv, env))
         sys.argv = [main_module(), *argv]
         try:
-            return oneshot.build(list(argv))
+            return build(list(argv))
         except SystemExit as exc:
             os._exit(exc.code if isinstance(exc.code, int) else 1)
         except BaseException:

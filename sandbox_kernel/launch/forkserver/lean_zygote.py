@@ -1,0 +1,93 @@
+"""A pool's lean zygote: started fresh by the fork server, it forks lean one-shot processes.
+
+The kernel-based zygote is forked from the fork server and so holds everything the server
+imported (ipykernel, ZMQ, jupyter_client, the egress proxy's libraries: ~45 MB that each pooled
+process pays for in copy-on-write faults and in its exit). The lean one (kernel/lean.py) cannot
+be forked from there: the server forks, then this process is exec'd, `python -I -m
+sandbox_kernel.launch.forkserver.lean_zygote`, and imports only what its processes need.
+
+What the forked zygote inherits, this one is handed: the control socket (fd CONTROL_FD), the
+pool's listener (LISTENER_FD), the companion's registry (REGISTRY_FD), fd 2 the server's log,
+and, as the control socket's first message, the pool's argv and environment, the server's uid
+and its preload (the modules a preload-set pool's code imports, launch/imports.py). It then
+does what the server does for its children once (the confinement's inputs precomputed: the
+interpreter's paths, accounts, seccomp templates) and serves zygote.py's protocol unchanged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import json
+import os
+import socket
+import sys
+
+from . import zygote
+
+CONTROL_FD, LISTENER_FD, REGISTRY_FD = 3, 4, 5
+MODULE = __name__
+
+
+def main() -> None:
+    """Read the pool's spec, prepare, import the preload, then serve as a zygote."""
+    control = socket.socket(fileno=CONTROL_FD)
+    listener = socket.socket(fileno=LISTENER_FD)
+    try:
+        spec = json.loads(control.recv(1 << 20))
+        argv, env, server_uid = list(spec["argv"]), dict(spec["env"]), int(spec["server_uid"])
+        preload = list(spec.get("preload", ()))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _say(f"no pool spec on the control socket: {exc}")
+        os._exit(1)
+    sys.modules["debugpy"] = None  # type: ignore[assignment]  # as in the server: refused
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            _say(f"cannot preload {name}: {exc}")
+            os._exit(1)
+    prepare()
+    from sandbox_kernel.kernel import lean
+
+    zygote.serve(control, listener, REGISTRY_FD, argv, env, server_uid, build=lean.build)
+
+
+def prepare() -> None:
+    """Policy-independent work every pooled process would repeat, done once (as the fork
+    server's `prepare` does for its children): interpreter paths, accounts, seccomp's
+    precompiled templates."""
+    from sandbox_kernel.confine import paths, privileges, seccomp
+
+    paths.interpreter_paths()
+    privileges.prepare()
+    seccomp.precompile()
+
+
+def exec_in_child(control: socket.socket, listener: socket.socket, registry: int) -> None:
+    """In the server's forked child: put the three descriptors at their numbers (every other
+    one closes on exec: Python makes descriptors non-inheritable) and become a lean zygote."""
+    # Above the targets first: a descriptor at a target's number would be overwritten.
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+             for fd in (control.fileno(), listener.fileno(), registry)]
+    for target, fd in zip((CONTROL_FD, LISTENER_FD, REGISTRY_FD), moved):
+        os.dup2(fd, target)  # inheritable
+    os.execv(sys.executable, [sys.executable, "-I", "-m", MODULE])
+
+
+def send_spec(control: socket.socket, argv: list[str], env: dict[str, str],
+              preload: list[str]) -> None:
+    """In the server: the pool's spec, the lean zygote's first message."""
+    control.send(json.dumps({"argv": argv, "env": env, "server_uid": os.getuid(),
+                             "preload": preload}).encode())
+
+
+def _say(line: str) -> None:
+    try:
+        os.write(2, f"sandbox-kernel lean zygote: {line}\n".encode())
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
