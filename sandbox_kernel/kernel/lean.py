@@ -84,6 +84,7 @@ class LeanOneShot:
         self.policy = policy
         self.launcher_stderr = os.dup(2)  # the server's log, for refuse_to_start
         self.server_pid = os.getppid()
+        self.built_by = os.getpid()  # the pool's zygote
         self.ident = str(uuid.uuid4())
         self.messages = messages.Messages()
         self.channel = oneshot_io.Channel()
@@ -321,16 +322,20 @@ class LeanOneShot:
         return reply
 
 
+PROCESS: LeanOneShot | None = None  # this process's, once built (as get_ipython().kernel is)
+
+
 def build(argv: list[str]) -> LeanOneShot:
     """In a pool's lean zygote: the process, built and warmed, its objects frozen (never
     walked by a pooled process's collections, so never copied for it)."""
+    global PROCESS
     gc.disable()
     try:
-        process = LeanOneShot(from_kernel_argv(argv))
-        process.warm_up()
-        oneshot_io.warm_grants(process.policy)
+        PROCESS = LeanOneShot(from_kernel_argv(argv))
+        PROCESS.warm_up()
+        oneshot_io.warm_grants(PROCESS.policy)
     finally:
         gc.collect()
         gc.freeze()
         gc.enable()
-    return process
+    return PROCESS

@@ -18,12 +18,23 @@ from dataclasses import dataclass, field
 
 from ..policy import SandboxPolicy
 from .forkserver.client import ForkServerClient, _tail, request_env
+from .forkserver.pools import PROCESSES
 from .forkserver.protocol import ForkServerError, frame, pools_path, receive, runtime_dir
 
 DEFAULT_ONE_SHOT_POOL = 2  # pre-confined processes per policy
 # Which one-shot process a pool runs (launch/forkserver/pools.py PROCESSES): "shell", the lean
 # one on IPython's shell (kernel/lean.py); "kernel", the ipykernel one (kernel/oneshot.py).
 DEFAULT_ONE_SHOT_PROCESS = "kernel"
+PROCESS_VAR = "SANDBOX_ONE_SHOT_PROCESS"  # the operator's choice, for every face at once
+
+
+def default_process() -> str:
+    """The one-shot process a pool runs unless its caller says: SANDBOX_ONE_SHOT_PROCESS, else
+    DEFAULT_ONE_SHOT_PROCESS."""
+    chosen = os.environ.get(PROCESS_VAR) or DEFAULT_ONE_SHOT_PROCESS
+    if chosen not in PROCESSES:
+        raise ValueError(f"{PROCESS_VAR}={chosen!r}: one of {', '.join(PROCESSES)}")
+    return chosen
 
 
 class OneShotUnavailable(RuntimeError):
@@ -38,11 +49,14 @@ class OneShotPool:
     size: int = DEFAULT_ONE_SHOT_POOL
     python: str = sys.executable
     preload: Sequence[str] = ()
-    process: str = DEFAULT_ONE_SHOT_PROCESS
+    process: str = field(default_factory=default_process)
     server: ForkServerClient = field(init=False)
     path: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
+        if self.process not in PROCESSES:
+            raise ValueError(f"a one-shot process is one of {', '.join(PROCESSES)}, "
+                             f"not {self.process!r}")
         self.server = ForkServerClient(python=self.python, preload=self.preload)
         self.argv = self.policy.to_argv()
         self.cwd = launch_folder()
