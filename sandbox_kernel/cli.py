@@ -16,6 +16,7 @@ from traitlets import TraitError
 from . import __version__, advice, check, client, flags, install, policy, secrets
 from .check import SERVICE_VARIABLES
 from .launch import eg_kernelspec
+from .launch.forkserver.pools import PROCESSES
 from .launch.oneshot import OneShotUnavailable
 
 CODE_FAILED = 1  # run: the code, its main() or the kernel under it failed
@@ -155,7 +156,8 @@ def _run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"cannot create {args.save_displays}: {exc.strerror or exc}") from None
     sandbox = client.Sandbox(kernel_name=None, policy=effective, cold_start=args.cold_start,
-                             preload=args.preload, timeout_source=timeout_source, one_shot=True)
+                             preload=args.preload, timeout_source=timeout_source, one_shot=True,
+                             one_shot_process=args.one_shot_process)
     try:
         execution = _run_once(sandbox, code, inputs, effective.timeout, args.json)
     except KeyboardInterrupt:
@@ -266,6 +268,10 @@ def parser() -> argparse.ArgumentParser:
                          default=MAX_SAVED_DISPLAYS,
                          help="most files --save-displays writes; past it the run fails, saying "
                          f"so (default {MAX_SAVED_DISPLAYS})")
+    run_cmd.add_argument("--one-shot-process", choices=PROCESSES, default=None,
+                         help="the process the run gets: 'shell', the lean one on IPython's "
+                         "shell (the default, unless SANDBOX_ONE_SHOT_PROCESS says), or "
+                         "'kernel', the ipykernel one-shot kernel (a fallback)")
     flags.add_arguments(run_cmd)  # --timeout among them: the kernel's and the client's limit
     run_cmd.set_defaults(handler=_run)
 

@@ -39,3 +39,15 @@ def test_the_runner_and_the_message_builder_import_no_zmq_or_jupyter_client():
         assert module in imported
         assert sorted({name.split(".")[0] for name in imported}
                       & {"zmq", "jupyter_client", "ipykernel"}) == [], module
+
+
+def test_the_lean_one_shot_process_imports_no_kernel_zmq_or_jupyter_client():
+    """The lean zygote's own modules: IPython's shell, but none of ipykernel, ZMQ or
+    jupyter_client (the egress proxy's libraries neither: the companion serves egress)."""
+    for module in ("sandbox_kernel.kernel.oneshot_io", "sandbox_kernel.kernel.lean_shell",
+                   "sandbox_kernel.kernel.lean", "sandbox_kernel.launch.forkserver.lean_zygote"):
+        imported = _imported_after(module)
+        assert module in imported
+        assert sorted({name.split(".")[0] for name in imported}
+                      & {"zmq", "jupyter_client", "ipykernel", "tornado", "aiohttp"}) == [], \
+            module

@@ -233,6 +233,15 @@ def on_one_shot(launch, code):
     return ex.result
 
 
+def on_one_shot_kernel(launch, code):
+    """The ipykernel one-shot process, still selectable (the other faces take the default)."""
+    with contextlib.chdir(launch.places["FOLDER"]), \
+            launch.sandbox(one_shot=True, one_shot_process="kernel") as sb:
+        ex = sb.run(code, inputs={})
+    assert ex.error is None, ex.error
+    return ex.result
+
+
 def on_cli(launch, code):
     """`sandbox-kernel run` (which has no --runtime: it runs on the interpreter it is in)."""
     script = os.path.join(launch.places["FOLDER"], "..", "probe.py")
@@ -292,7 +301,8 @@ def runtime(tmp_path_factory):
 
 def all_faces(launch, port, tmp_path_factory) -> dict[str, dict]:
     code = probe_code(launch.places, port)
-    faces = [("zmq kernel", on_zmq_kernel), ("Sandbox(one_shot=True)", on_one_shot)]
+    faces = [("zmq kernel", on_zmq_kernel), ("Sandbox(one_shot=True)", on_one_shot),
+             ("Sandbox(one_shot=True, one_shot_process='kernel')", on_one_shot_kernel)]
     if launch.runtime is None:
         faces.append(("sandbox-kernel run", on_cli))
     by_face = {face: run(launch, code) for face, run in faces}
@@ -390,3 +400,19 @@ def test_the_probe_sees_each_setting(reports):
     assert on_runtime["the runtime's package"] == "1.0" and on_runtime["preloaded"] == ["rtpkg"]
     assert on_runtime["interpreter"] != defaults["interpreter"]
     assert on_runtime["write the interpreter's packages"] in ("EACCES", "EROFS", "ENOENT")
+
+
+@pytest.mark.parametrize("name", [name for name in POLICIES if name not in ON_A_RUNTIME])
+def test_the_lean_process_reads_a_pools_argv_as_the_kernel_application_does(name):
+    """A pool's argv (the policy's to_argv, launch/oneshot.py) gives the lean one-shot process
+    (policy.from_kernel_argv, no ipykernel) the policy the kernel application parses from it."""
+    from sandbox_kernel.kernel.oneshot import OneShotKernelApp
+    from sandbox_kernel.policy import from_kernel_argv
+
+    places = {"FOLDER": "/srv/f", "READ": "/srv/r", "WRITE": "/srv/w", "OUTSIDE": "/srv/o"}
+    kwargs = policy_kwargs(name, places)
+    argv = SandboxPolicy(**kwargs, changed_with="sandbox-kernel mcp").to_argv()
+    app = OneShotKernelApp()  # not the singleton: parsed only
+    app.parse_command_line(argv)
+    assert from_kernel_argv(argv).as_dict() == app.policy.as_dict(), argv
+    assert from_kernel_argv(argv).as_dict() != SandboxPolicy().as_dict()  # argv was read

@@ -36,7 +36,7 @@ from ..confine import paths
 from ..errors import ExecutionAborted
 from ..install import DEFAULT_NAME
 from ..kernel.snapshot import CHUNK_MESSAGE, DEFAULT_MAX_FILES  # names only: nothing unpickles
-from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from ..launch.oneshot import OneShotPool, OneShotUnavailable, default_process
 from ..policy import SandboxPolicy
 from ..resultcheck import checked_elsewhere
 from . import oneshot
@@ -352,6 +352,7 @@ class _SandboxCore:
                  max_result: int | None = None, cold_start: bool = False,
                  preload: Sequence[str] = (), timeout_source: str = "Sandbox.run(timeout=)",
                  one_shot: bool = False, python: str | None = None,
+                 one_shot_process: str | None = None,
                  secrets: Mapping[str, Mapping[str, Any]] | None = None,
                  snapshot: Snapshot | bytes | None = None, snapshot_key: bytes | None = None,
                  snapshot_owner: str | None = None,
@@ -362,9 +363,11 @@ class _SandboxCore:
         `cold_start` and `preload`. timeout_source: what a timeout's message says set the
         limit. one_shot: every run gets a kernel of its own that ends with it: with
         kernel_name None (and no cold_start) a one-shot kernel from the fork server's pool of
-        this policy (kernel/oneshot.py: no ZMQ, no state between runs; no kernel_info or
-        install; interrupt() sends the run's process SIGINT), else a ZMQ kernel whose timeout
-        keeps no state.
+        this policy (kernel/lean.py, or kernel/oneshot.py with one_shot_process "kernel": no
+        ZMQ, no state between runs; no kernel_info or install; interrupt() sends the run's
+        process SIGINT), else a ZMQ kernel whose timeout keeps no state.
+        one_shot_process: "shell" (the lean process) or "kernel"; None: the default
+        (SANDBOX_ONE_SHOT_PROCESS, else launch/oneshot.py's DEFAULT_ONE_SHOT_PROCESS).
         python: with kernel_name None, the interpreter to run on (a runtime's, runtimes/).
         secrets: the caller's own, {NAME: {"value": ..., "hosts": [...]}}, with kernel_name
         None: declared in the policy by name and hosts, their values given to the kernel's
@@ -402,7 +405,8 @@ class _SandboxCore:
         # Credentials reach a kernel's companion in a vault that one-shot kernels, made
         # before their request, cannot yet be given: their runs take a ZMQ kernel instead.
         self.one_shot_pool = OneShotPool(
-            policy or SandboxPolicy(), 1, python=python or sys.executable, preload=preload) \
+            policy or SandboxPolicy(), 1, python=python or sys.executable, preload=preload,
+            process=one_shot_process or default_process()) \
             if one_shot and kernel_name is None and not cold_start \
             and not (policy is not None and policy.holds_credentials()) else None
         self.client: Any = None

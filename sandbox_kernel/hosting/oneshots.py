@@ -26,7 +26,7 @@ from typing import Any
 from ..client import CallerLimits, oneshot
 from ..launch.forkserver import ForkServerClient
 from ..launch.imports import PreloadSets
-from ..launch.oneshot import OneShotPool, OneShotUnavailable
+from ..launch.oneshot import OneShotPool, OneShotUnavailable, default_process
 from .events import json_line, log
 from .network import Network, policy_name, split
 
@@ -41,17 +41,20 @@ class OneShots:
 
     def __init__(self, options: dict[bool, dict[str, Any]], size: int,
                  sets: PreloadSets | None = None,
-                 max_preloaded: int = DEFAULT_MAX_PRELOADED) -> None:
+                 max_preloaded: int = DEFAULT_MAX_PRELOADED, process: str = "") -> None:
         """sets: the runtime's preload sets (the lean pools then preload only their base);
-        max_preloaded: pools of preload sets alive at once (0: every run on the lean pool)."""
+        max_preloaded: pools of preload sets alive at once (0: every run on the lean pool);
+        process: the one-shot process every pool runs (launch/oneshot.py; "": the default)."""
         self.sets, self.max_preloaded, self.size = sets, max_preloaded, size
+        self.process = process or default_process()
         self.options = options
         # A policy with credentials (secrets.py) runs on ZMQ kernels: their companion gets the
         # vault, which a one-shot kernel, made before its request, cannot yet be given.
         self.pools = {network: OneShotPool(kwargs["policy"], size,
                                            python=kwargs.get("python") or sys.executable,
                                            preload=sets.lean() if sets is not None
-                                           else tuple(kwargs.get("preload", ())))
+                                           else tuple(kwargs.get("preload", ())),
+                                           process=self.process)
                       for network, kwargs in options.items()
                       if not kwargs["policy"].holds_credentials()}
         # The pools of preload sets, least recently used first; the ones being asked for.
@@ -102,7 +105,8 @@ class OneShots:
                     await self._retire(next(iter(self.preloaded)))
                 base = self.pools[network]
                 pool = self.preloaded[key] = OneShotPool(base.policy, self.size,
-                                                         python=base.python, preload=preload)
+                                                         python=base.python, preload=preload,
+                                                         process=self.process)
             pool.path = await asyncio.to_thread(pool.ask)
             log.info(json_line(event="one_shot_pool_ready", policy=policy_name(network),
                                preload=list(preload)))

@@ -13,6 +13,7 @@ from .. import flags, policy
 from ..client.tools import ToolLimits
 from ..extras import install_hint
 from ..launch import preload
+from ..launch.forkserver.pools import PROCESSES
 from . import configs
 from .bridge import Header, Redacting, Upstream, bridge_problem, with_headers
 from .config import McpConfig
@@ -75,6 +76,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         metavar="N", help="one-shot kernels kept confined and waiting per "
                         "network setting for runs without a session, each used once (0: those "
                         "take a ZMQ kernel each)")
+    limits.add_argument("--one-shot-process", choices=PROCESSES, default=None,
+                        help="the process a run without a session gets: 'shell', the lean "
+                        "one on IPython's shell (the default, unless SANDBOX_ONE_SHOT_PROCESS "
+                        "says), or 'kernel', the ipykernel one-shot kernel (a fallback)")
     limits.add_argument("--patience", type=float, default=defaults.patience, metavar="S",
                         help="seconds a call waits for its run before answering with the "
                         "output so far and a run id for wait_run")
@@ -156,6 +161,7 @@ def config_from(args: argparse.Namespace) -> McpConfig:
         policy=effective, preload=list(args.preload), runtime=args.runtime,
         cold_start=args.cold_start, pool_size=max(0, args.pool_size),
         one_shot_pool_size=max(0, args.one_shot_pool_size),
+        one_shot_process=args.one_shot_process or "",
         patience=max(1.0, args.patience), max_timeout=args.max_timeout,
         max_sessions=args.max_sessions, max_sessions_per_key=args.max_sessions_per_key,
         max_runs=max(1, args.max_runs), max_runs_per_key=args.max_runs_per_key,

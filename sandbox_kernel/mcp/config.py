@@ -24,6 +24,7 @@ class McpConfig:
     # one-shot kernels kept confined and waiting per network setting, for runs without a
     # session (0: those take a ZMQ kernel from the pool above)
     one_shot_pool_size: int = DEFAULT_ONE_SHOT_POOL
+    one_shot_process: str = ""  # the one-shot process those runs get ("": the default)
     patience: float = 20.0  # seconds a call waits for its run before answering with a handle
     max_timeout: float = 600.0  # the largest timeout a call may ask for
     max_text: int = 20_000  # characters of stdout and of stderr a result carries

@@ -56,7 +56,7 @@ class State:
                                   filled=(config.policy.allow_network,), probe=False)
         self.kernels = Kernels(self.source)
         one_shots = (OneShots(self.source.options, config.one_shot_pool_size,
-                              self.source.preload_sets)
+                              self.source.preload_sets, process=config.one_shot_process)
                      if config.one_shot_pool_size > 0 and not config.cold_start else None)
         runs_per_key = self.run_limit(LOCAL)
         # Runs without a session are refused past their caps, never queued (a model is told

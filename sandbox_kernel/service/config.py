@@ -13,12 +13,14 @@ import os
 from typing import Any
 from urllib.parse import urlsplit
 
-from traitlets import Bool, Float, Int, TraitError, Unicode
+from traitlets import Bool, Enum, Float, Int, TraitError, Unicode
 from traitlets.config import Configurable
 
 from .. import flags
 from ..hosting import keys as auth
 from ..hosting.oneshots import DEFAULT_MAX_PRELOADED
+from ..launch.oneshot import DEFAULT_ONE_SHOT_PROCESS, PROCESS_VAR
+from ..launch.forkserver.pools import PROCESSES
 from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
 
 
@@ -128,6 +130,13 @@ class ServiceConfig(Configurable):
         "policy for stateless runs (the dify route, the native one-shot execute), each used "
         "for exactly one run; 0 runs them on fresh ZMQ kernels from --pool-size's pools.",
     ).tag(config=True, flag="one-shot-pool-size", env="SANDBOX_ONE_SHOT_POOL_SIZE", metavar="N")
+
+    one_shot_process = Enum(
+        list(PROCESSES), DEFAULT_ONE_SHOT_PROCESS, help="The process a stateless run gets: "
+        "'shell', the lean one (IPython's shell, in a zygote of its own: no ipykernel, ZMQ or "
+        "jupyter_client in its image); 'kernel', the ipykernel one-shot kernel, kept one "
+        "release as a fallback (docs/architecture.md).",
+    ).tag(config=True, flag="one-shot-process", env=PROCESS_VAR, metavar="PROCESS")
 
     max_preload_pools = Int(
         DEFAULT_MAX_PRELOADED, help="On a --runtime that preloads modules: one-shot pools whose "

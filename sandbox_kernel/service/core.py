@@ -97,7 +97,7 @@ class Service:
             return None
         return OneShots(options, self.config.one_shot_pool_size,
                         getattr(self.kernels.source, "preload_sets", None),
-                        max(0, self.config.max_preload_pools))
+                        max(0, self.config.max_preload_pools), self.config.one_shot_process)
 
     async def use_current_runtime(self) -> None:
         """New kernels from the runtime's current build (after an update); old ones drain."""
