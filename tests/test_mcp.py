@@ -205,7 +205,7 @@ def _kept_files(answer) -> tuple[list, list]:
 
 def test_a_run_without_a_session_is_a_one_shot_kernel_that_sends_its_files(mcp):
     answer = mcp.tool("run_python", {"code": WRITES_AND_NAMES_ITS_KERNEL})
-    assert answer.structured_content["value"] == "'OneShotKernel'"
+    assert answer.structured_content["value"] == "'LeanOneShot'"  # the lean process
     embedded, listed = _kept_files(answer)
     assert [text for _, text in embedded] == ["kept"]
     assert listed == [("large.bin", 300_000, False), ("small.txt", 4, True)]

@@ -370,7 +370,7 @@ def test_a_pool_whose_processes_refuse_to_start_says_why(process):
 
 SHELL_PATHS = ("import os\nip = get_ipython()\n"
                "print(repr([str(path) for path in (ip.profile_dir.location, ip.ipython_dir,"
-               " (ip.kernel.parent if ip.kernel else ip).profile_dir.location, ip.home_dir,"
+               " (getattr(ip.kernel, 'parent', None) or ip).profile_dir.location, ip.home_dir,"
                " ip.starting_dir,"
                " *ip.history_manager.dir_hist, *_dh)]))\nprint(os.environ['HOME'])\n"
                "print('startup' in os.listdir(ip.profile_dir.location))")
@@ -633,15 +633,9 @@ def test_the_companion_answers_refused_calls_and_leaves_an_exiting_process_liste
 
 
 BIG_RESULT = "def main():\n    return {'x': [[] for _ in range(400_000)]}"  # 1.2 MB of JSON
-FORGED_CONTENT = ("_k = get_ipython().kernel\n"
-                  "if _k is None:\n"  # the lean process: its message builder and channel
-                  "    import sys\n"
-                  "    _p = sys.modules['sandbox_kernel.kernel.lean'].PROCESS\n"
-                  "    _p.messages.send(_p.channel, 'execute_result', CONTENT,"
-                  " parent=_p.outbox.parent)\n"
-                  "else:\n"
-                  "    _k.session.send(_k.iopub_socket, 'execute_result', CONTENT,"
-                  " parent=_k.get_parent())\npass\n")
+FORGED_CONTENT = ("_k = get_ipython().kernel\n"  # the lean process's channel is its own
+                  "_k.session.send(getattr(_k, 'iopub_socket', None) or _k.channel,"
+                  " 'execute_result', CONTENT, parent=_k.get_parent())\npass\n")
 
 
 def _raw_run(pool, code, monkeypatch, inputs=None):

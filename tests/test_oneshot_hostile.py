@@ -32,10 +32,17 @@ ZMQ_ONLY = {
 }
 
 
+@pytest.fixture(scope="module", params=["shell", "kernel"])
+def process(request):
+    """Every hostile case on both one-shot processes: the lean one and the ipykernel one."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def pools(world):  # noqa: F811
-    return {"hostile": OneShotPool(SandboxPolicy(**HOSTILE_POLICY), size=2),
-            "net": OneShotPool(SandboxPolicy(allow_network=True, **HOSTILE_POLICY), size=2)}
+def pools(world, process):  # noqa: F811
+    return {"hostile": OneShotPool(SandboxPolicy(**HOSTILE_POLICY), size=2, process=process),
+            "net": OneShotPool(SandboxPolicy(allow_network=True, **HOSTILE_POLICY), size=2,
+                               process=process)}
 
 
 def _outcome(pool, code):
@@ -85,7 +92,8 @@ for name in os.listdir('/proc/self/fd'):
 FORGE_FILES = """
 import sys
 from sandbox_kernel.kernel import oneshot_wire as wire
-conn = sys.modules['sandbox_kernel.kernel.oneshot'].OneShotKernelApp.instance().channel.conn
+kernel = get_ipython().kernel  # the lean process, or the ipykernel one's kernel (its app's)
+conn = getattr(kernel, 'parent', kernel).channel.conn
 for payload in FORGED:
     conn.sendall(wire.record(wire.FILES, payload))
 'sent'
@@ -146,8 +154,9 @@ def test_a_record_length_user_code_never_sends_ends_the_run_saying_so(pools):
     """A files header claiming 4 GiB, then nothing: what the process sends after it is read as
     that record's bytes (reply included). The caller says so, not that the kernel died."""
     code = ("import sys\nfrom sandbox_kernel.kernel import oneshot_wire as wire\n"
-            "sys.modules['sandbox_kernel.kernel.oneshot'].OneShotKernelApp.instance().channel"
-            ".conn.sendall(wire.HEADER.pack(2**32 - 1, wire.FILES))\nprint('after')\n")
+            "kernel = get_ipython().kernel\n"
+            "getattr(kernel, 'parent', kernel).channel.conn"
+            ".sendall(wire.HEADER.pack(2**32 - 1, wire.FILES))\nprint('after')\n")
     execution = asyncio.run(oneshot.run(pools["hostile"], code, None, 30.0))
     assert execution.error is not None and execution.error.name == "MessageTooLarge"
     assert execution.error.value == (
@@ -194,14 +203,15 @@ def _denials_of(path, kernel, calls):
             return counted, found
 
 
-def test_a_refused_call_flood_is_paced_summarised_and_charged_to_the_run(tmp_path):
+def test_a_refused_call_flood_is_paced_summarised_and_charged_to_the_run(tmp_path, process):
     """Issue #44 item 3. The flood's calls all fail EPERM; the companion answers a flooding ward
     only as far as the ward's own CPU pays for (its share: confine/share.py; the ratio is
     bench.companion's), and says in the audit that it paced it; what it spent is charged to the
     run's usage; the denials the record's rate limit left out are counted per system call in
     summary records, none lost; and the companion then serves the next run at once."""
     path = tmp_path / "audit.jsonl"
-    pool = OneShotPool(SandboxPolicy(audit_log=str(path), **HOSTILE_POLICY), size=1)
+    pool = OneShotPool(SandboxPolicy(audit_log=str(path), **HOSTILE_POLICY), size=1,
+                       process=process)
     flood = asyncio.run(oneshot.run(pool, FLOOD, None, 60.0))
     assert flood.error is None, flood.error
     seen, accts, syslogs, pid = ast.literal_eval(flood.text)

@@ -425,6 +425,13 @@ class Confinement:
 
     # --- 3. just before user code ---------------------------------------------------------------
 
+    def info(self) -> dict[str, Any]:
+        """What a kernel tells of its confinement (kernel_info's `sandbox`): the policy, less
+        how its launcher words advice (not what confines the kernel), and each layer."""
+        policy = {name: value for name, value in self.policy.as_dict().items()
+                  if name != "changed_with"}
+        return {"policy": policy, "layers": dict(self.layers)}
+
     def hand_to_user_code(self) -> None:
         """Confined: drop the handovers, set the policy's environment and what explains refusals."""
         self.close_handovers()

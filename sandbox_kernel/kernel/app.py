@@ -160,10 +160,7 @@ class SandboxKernelApp(PrebuiltParser, IPKernelApp):
         confinement.hand_to_user_code()
         runner = self.kernel.runner
         runner.file_access, runner.usage.refusals = confinement.file_access, confinement.refusals
-        # changed_with is how its launcher words advice, not what confines the kernel
-        policy = {name: value for name, value in self.policy.as_dict().items()
-                  if name != "changed_with"}
-        self.kernel.sandbox_info = {"policy": policy, "layers": dict(confinement.layers)}
+        self.kernel.sandbox_info = confinement.info()
 
     def _configure_logging(self) -> None:
         """traitlets' logging set-up; then the logger drops records no handler shows."""

@@ -100,6 +100,10 @@ class LeanOneShot:
                              tool_transport=self.tool_transport)
         self.confinement: Confinement | None = None
         self.not_granted = ""
+        self.sandbox_info: dict[str, Any] = {}  # the policy and layers, once confined
+        # get_ipython().kernel: this process, as a kernel's shell names its kernel (its
+        # session, parent request, tool transport and sandbox_info, as a kernel's are named)
+        self.shell.kernel = self
 
     def _build_shell(self) -> ZMQInteractiveShell:
         """The shell, as a kernel builds it (history in memory, ipykernel's compiler), in a
@@ -156,6 +160,15 @@ class LeanOneShot:
         """Tool calls travel on the run's one connection (there is no stdin channel)."""
         return tools.RecordTransport(self.messages, self.channel)
 
+    @property
+    def session(self) -> messages.Messages:
+        """The message builder (a kernel's Session, by name)."""
+        return self.messages
+
+    def get_parent(self) -> dict[str, Any]:
+        """The request being answered (a kernel's get_parent)."""
+        return self.outbox.parent
+
     # --- in the zygote ------------------------------------------------------------------------
 
     def warm_up(self) -> None:
@@ -211,6 +224,7 @@ class LeanOneShot:
         confinement.hand_to_user_code()
         self.runner.file_access = confinement.file_access
         self.runner.usage.refusals = confinement.refusals
+        self.sandbox_info = confinement.info()
 
     def serve_one(self, listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
         """Take exactly one connection, run its request, answer and exit."""

@@ -24,7 +24,7 @@ from .forkserver.protocol import ForkServerError, frame, pools_path, receive, ru
 DEFAULT_ONE_SHOT_POOL = 2  # pre-confined processes per policy
 # Which one-shot process a pool runs (launch/forkserver/pools.py PROCESSES): "shell", the lean
 # one on IPython's shell (kernel/lean.py); "kernel", the ipykernel one (kernel/oneshot.py).
-DEFAULT_ONE_SHOT_PROCESS = "kernel"
+DEFAULT_ONE_SHOT_PROCESS = "shell"
 PROCESS_VAR = "SANDBOX_ONE_SHOT_PROCESS"  # the operator's choice, for every face at once
 
 
