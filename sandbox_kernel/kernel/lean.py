@@ -66,6 +66,19 @@ REFUSED_PIP = ("%pip cannot run in a one-shot run: its process ends with the run
                "it installed would be kept; install into the runtime, or use a session")
 
 
+def run_on_a_loop(coroutine: Any) -> Any:
+    """Run coroutine on an event loop of its own, leaving SIGINT to the code it runs: an
+    interrupt is a KeyboardInterrupt in the cell (an awaiting cell's is a cancellation:
+    `cancel_on_sigint`), as in a kernel; asyncio.run would cancel the whole request instead."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
 def _no_stdin(*_: Any, **__: Any) -> str:
     """input() in a one-shot run: there is no stdin channel (as a kernel without one says)."""
     raise StdinNotImplementedError(
@@ -180,7 +193,7 @@ class LeanOneShot:
                 metadata["sandbox"]["inputs"] = inputs
             request = self.messages.msg("execute_request", {"code": code, "silent": True},
                                         metadata=metadata)
-            asyncio.run(self.execute(request))
+            run_on_a_loop(self.execute(request))
         self.shell.execution_count = 1
 
     # --- in each pooled process ---------------------------------------------------------------
@@ -188,6 +201,7 @@ class LeanOneShot:
     def confine(self) -> None:
         """Every layer, per process, in oneshot.py's order (kernel/app.py's)."""
         os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the caller's interrupt
         try:
             profile = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), "default")
             self.confinement = Confinement(self.policy, Channels(), oneshot_io.kernel_id())
@@ -239,7 +253,7 @@ class LeanOneShot:
         except (ValueError, TypeError, KeyError) as exc:
             oneshot_io.refuse_request(conn, f"the request could not be read: {exc}")
         try:
-            asyncio.run(self.execute(request, idents))
+            run_on_a_loop(self.execute(request, idents))
         except OSError:
             os._exit(0)  # the caller left: nobody to answer
         oneshot_io.finish_run(self.channel, conn, request)
