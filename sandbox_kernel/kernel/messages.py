@@ -149,8 +149,11 @@ class Messages:
              ident: Ident = None, buffers: Sequence[bytes] | None = None,
              metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         """Build (unless given a message) and write one message; the message."""
-        msg = msg_or_type if isinstance(msg_or_type, dict) else self.msg(
-            msg_or_type, content, parent, metadata=metadata)
+        if isinstance(msg_or_type, dict):  # a message made already: its buffers go too
+            msg = msg_or_type
+            buffers = buffers or msg.get("buffers", [])
+        else:
+            msg = self.msg(msg_or_type, content, parent, metadata=metadata)
         frames = serialize(msg, ident)
         frames.extend(bytes(buffer) for buffer in buffers or ())
         channel.send_multipart(frames)
