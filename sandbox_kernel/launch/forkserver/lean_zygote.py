@@ -53,12 +53,20 @@ def main() -> None:
     zygote.serve(control, listener, REGISTRY_FD, argv, env, server_uid, build=lean.build)
 
 
+# What every pooled process's start imports (zygote.py's _become_pooled, IPython's logger when
+# the shell is renewed): imported once here, not in each process.
+POOLED_IMPORTS = ("sandbox_kernel.confine.companion", "sandbox_kernel.confine.environment",
+                  "sandbox_kernel.launch.forkserver.child", "IPython.core.logger")
+
+
 def prepare() -> None:
     """Policy-independent work every pooled process would repeat, done once (as the fork
-    server's `prepare` does for its children): interpreter paths, accounts, seccomp's
-    precompiled templates."""
+    server's `prepare` does for its children): its imports, interpreter paths, accounts,
+    seccomp's precompiled templates."""
     from sandbox_kernel.confine import paths, privileges, seccomp
 
+    for name in POOLED_IMPORTS:
+        importlib.import_module(name)
     paths.interpreter_paths()
     privileges.prepare()
     seccomp.precompile()
