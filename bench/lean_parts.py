@@ -20,6 +20,7 @@ import resource
 import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,10 +28,10 @@ from typing import Any
 if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # bench's modules must not shadow anything the kernel imports
 
-from sandbox_kernel.confine import companion, environment, sequence  # noqa: E402
-from sandbox_kernel.kernel import lean, messages, oneshot_io  # noqa: E402
-from sandbox_kernel.kernel import oneshot_wire as wire  # noqa: E402
-from sandbox_kernel.launch.forkserver import child, lean_zygote, zygote  # noqa: E402
+from sandbox_kernel.confine import companion, environment, sequence
+from sandbox_kernel.kernel import lean, messages, oneshot_io
+from sandbox_kernel.kernel import oneshot_wire as wire
+from sandbox_kernel.launch.forkserver import child, lean_zygote, zygote
 
 MARKER = "BENCH-PARTS "
 CODE = "def main(a: int, b: int) -> dict:\n    return {'result': a + b}\n"
@@ -156,7 +157,7 @@ def run(runs: int, network: bool) -> dict[str, Any]:
     process.server_pid = os.getpid()  # the forks' parent here: they die with this process
     rss_kb = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
     companion_pid, registry = companion.start(lambda: None)
-    path = f"/tmp/sandbox-kernel-bench-lean-{os.getpid()}.sock"
+    path = os.path.join(tempfile.mkdtemp(prefix="sandbox-kernel-bench-lean-"), "pool.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(8)
@@ -176,7 +177,7 @@ def run(runs: int, network: bool) -> dict[str, Any]:
             os.close(taken_write)
             parts = _call(path)
             imported = parts.pop("imported")
-            _, status, usage = os.wait4(pid, 0)
+            _, _, usage = os.wait4(pid, 0)
             os.close(taken_read)
             whole = usage.ru_utime + usage.ru_stime
             parts["exit and teardown (whole CPU minus the measured)"] = [
@@ -186,6 +187,7 @@ def run(runs: int, network: bool) -> dict[str, Any]:
             samples.append(parts)
     finally:
         os.unlink(path)
+        os.rmdir(os.path.dirname(path))
         os.kill(companion_pid, 9)
         os.waitpid(companion_pid, 0)
     medians = {label: {"cpu_ms": round(1000 * statistics.median(s[label][0] for s in samples), 3),

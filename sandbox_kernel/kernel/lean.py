@@ -55,8 +55,9 @@ from .lean_shell import Outbox, ZMQInteractiveShell, cell_compiler
 from .runner import Runner
 
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"  # as ipykernel's start-up sets it
-WARM_UP = (  # what a run's first time costs, paid in the zygote: compile, a cell with a
-    # value, a display, a main() call, an error (each silent: no caller exists yet)
+# What a run's first time costs, paid in the zygote: compile, a cell with a value, a display,
+# a main() call, an error (each silent: no caller exists yet).
+WARM_UP: tuple[tuple[str, dict[str, Any] | None], ...] = (
     ("x = 1\nx + 1", None),
     ("from IPython.display import display\ndisplay({'text/plain': 'w'}, raw=True)", None),
     ("def main(a=1):\n    return {'a': a}", {}),
@@ -130,11 +131,12 @@ class LeanOneShot:
         finally:
             shutil.rmtree(home, ignore_errors=True)
         shell.attach(self.outbox)
+        assert shell.extension_manager is not None and shell.payload_manager is not None
         shell.extension_manager.load_extension("storemagic")  # IPython's, as a kernel loads it
         main_call.load_ipython_extension(shell)  # the %main magic
         cell_warnings.load_ipython_extension(shell)  # "Cell In[N], line L: UserWarning"
         figures.load_ipython_extension(shell)  # Agg's figures shown, not lost
-        shell.register_magic_function(self.refuse_pip, "line", "pip")
+        shell.register_magic_function(self.refuse_pip, "line", "pip")  # type: ignore[arg-type]
         return shell
 
     @staticmethod
@@ -345,8 +347,10 @@ class LeanOneShot:
         reply["execution_count"] = shell.execution_count - 1
         reply["user_expressions"] = shell.user_expressions(user_expressions) \
             if reply["status"] == "ok" else {}
-        reply["payload"] = shell.payload_manager.read_payload()
-        shell.payload_manager.clear_payload()
+        payloads = shell.payload_manager
+        assert payloads is not None, "built with the shell"
+        reply["payload"] = payloads.read_payload()
+        payloads.clear_payload()
         return reply
 
 

@@ -1,4 +1,4 @@
-"""The lean one-shot process's shell: IPython's InteractiveShell, its output sent as Jupyter messages.
+"""The lean one-shot process's shell: IPython's InteractiveShell, its output as Jupyter messages.
 
 ipykernel's ZMQInteractiveShell is InteractiveShell plus what a kernel on ZMQ sockets needs; a
 one-shot process (kernel/lean.py) has one connection and one request, and its image must hold

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import InteractiveShell as _Shell
+else:
+    _Shell = object  # a mixin: the shell class it is mixed into is InteractiveShell
 
 
-class Renewable:
+class Renewable(_Shell):
     """InteractiveShell mixin: make again the parts of a shell that are per process."""
 
     def renew(self, profile_dir: Any = None, user_module: Any = None,

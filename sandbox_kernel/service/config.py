@@ -19,9 +19,8 @@ from traitlets.config import Configurable
 from .. import flags
 from ..hosting import keys as auth
 from ..hosting.oneshots import DEFAULT_MAX_PRELOADED
-from ..launch.oneshot import DEFAULT_ONE_SHOT_PROCESS, PROCESS_VAR
 from ..launch.forkserver.pools import PROCESSES
-from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL
+from ..launch.oneshot import DEFAULT_ONE_SHOT_POOL, DEFAULT_ONE_SHOT_PROCESS, PROCESS_VAR
 
 
 class ServiceConfig(Configurable):

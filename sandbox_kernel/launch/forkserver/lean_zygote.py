@@ -78,9 +78,9 @@ def exec_in_child(control: socket.socket, listener: socket.socket, registry: int
     # Above the targets first: a descriptor at a target's number would be overwritten.
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
              for fd in (control.fileno(), listener.fileno(), registry)]
-    for target, fd in zip((CONTROL_FD, LISTENER_FD, REGISTRY_FD), moved):
+    for target, fd in zip((CONTROL_FD, LISTENER_FD, REGISTRY_FD), moved, strict=True):
         os.dup2(fd, target)  # inheritable
-    os.execv(sys.executable, [sys.executable, "-I", "-m", MODULE])
+    os.execv(sys.executable, [sys.executable, "-I", "-m", MODULE])  # noqa: S606  # ours
 
 
 def send_spec(control: socket.socket, argv: list[str], env: dict[str, str],

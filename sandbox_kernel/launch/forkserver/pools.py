@@ -24,8 +24,8 @@ import selectors
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import lean_zygote
