@@ -189,6 +189,7 @@ class LeanOneShot:
     def warm_up(self) -> None:
         """Run WARM_UP silently: compiler, shell, display, main() and error paths warmed once
         per pool; nothing is sent (no caller), and no trace is left (runner's warm-up)."""
+        namespace = dict(self.shell.user_ns)  # put back after: the warm-up's names go
         for code, inputs in WARM_UP:
             metadata: dict[str, Any] = {"sandbox": {"warm_up": True}}
             if inputs is not None:
@@ -196,6 +197,8 @@ class LeanOneShot:
             request = self.messages.msg("execute_request", {"code": code, "silent": True},
                                         metadata=metadata)
             run_on_a_loop(self.execute(request))
+        self.shell.user_ns.clear()
+        self.shell.user_ns.update(namespace)
         self.shell.execution_count = 1
 
     # --- in each pooled process ---------------------------------------------------------------
@@ -221,12 +224,12 @@ class LeanOneShot:
         self.hand_to_user_code()
 
     def renew(self, profile: ProfileDir) -> None:
-        """What the zygote built that is per process: ids, usage, the shell's dirs,
-        namespaces and history (lean_shell's renew)."""
+        """What the zygote built that is per process: ids, usage, the shell's directories
+        (lean_shell's `relocate`; its namespaces are the zygote's clean ones, forked)."""
         self.ident = self.outbox.ident = str(uuid.uuid4())
         self.messages.renew()
         self.runner.renew()
-        self.shell.renew(profile, history="reset")
+        self.shell.relocate(profile)
         session_name = os.environ.get("JPY_SESSION_NAME")
         if session_name:
             self.shell.user_ns["__session__"] = session_name
