@@ -102,6 +102,9 @@ CORPUS = {
         "ip = get_ipython()\nprint(str(ip.db.root).startswith(os.getcwd()),"
         " ip.logger.home_dir == os.environ['HOME'])", None),
     "stdin": ("input('name? ')", None),
+    "a figure": ("import matplotlib.pyplot as plt\nfig = plt.figure(figsize=(1, 1), dpi=20)\n"
+                 "fig.add_axes([0, 0, 1, 1]).plot([1, 2])\nprint(type(get_ipython()).__name__)",
+                 None),  # shown inline by the figures extension, on the notebook's shell
     "system exit": ("import sys\nsys.exit(3)", None),
 }
 
