@@ -384,29 +384,29 @@ def run(args: argparse.Namespace) -> str:
         anchor = start_anchor()
     settings = Settings(max_workers=4, max_requests=50, worker_timeout=5.0,
                         pool_size=args.pool_size, extra=args.serve_flag or [])
-    with Service(settings) as ours, mcp_server(args.mcp_flag or []) as mcp:
-        targets = [Target("sandbox-kernel dify route", ours.port, dify_route(ours.api_key),
-                          ours.pid, tree=True),
-                   Target("sandbox-kernel native execute", ours.port,
-                          native_route(ours.api_key), ours.pid, tree=True),
-                   Target("sandbox-kernel MCP run_python", mcp.port, mcp_route(MCP_KEY),
-                          mcp.process.pid, tree=True)]
-        if isinstance(anchor, tuple):
-            targets.insert(0, Target("dify-sandbox", anchor[0], dify_route(args.anchor_key),
-                                     anchor[1]))
-        totals = {target.name: Totals() for target in targets}
-        load_before = os.getloadavg()[0]
-        try:
+    try:  # the anchor stopped whatever fails, our services' start included
+        with Service(settings) as ours, mcp_server(args.mcp_flag or []) as mcp:
+            targets = [Target("sandbox-kernel dify route", ours.port, dify_route(ours.api_key),
+                              ours.pid, tree=True),
+                       Target("sandbox-kernel native execute", ours.port,
+                              native_route(ours.api_key), ours.pid, tree=True),
+                       Target("sandbox-kernel MCP run_python", mcp.port, mcp_route(MCP_KEY),
+                              mcp.process.pid, tree=True)]
+            if isinstance(anchor, tuple):
+                targets.insert(0, Target("dify-sandbox", anchor[0],
+                                         dify_route(args.anchor_key), anchor[1]))
+            totals = {target.name: Totals() for target in targets}
+            load_before = os.getloadavg()[0]
             for _ in range(args.rounds):
                 for target in targets:
                     totals[target.name].seq.append(sequential(target, args.seq))
                 for target in targets:
                     totals[target.name].conc.append(
                         concurrent(target, args.clients, args.seconds))
-        finally:
-            if isinstance(anchor, tuple) and not args.anchor:
-                stop_anchor(anchor[0])
-        load_after = os.getloadavg()[0]
+            load_after = os.getloadavg()[0]
+    finally:
+        if isinstance(anchor, tuple) and not args.anchor:
+            stop_anchor(anchor[0])
     return report(args, totals, anchor, (load_before, load_after))
 
 
