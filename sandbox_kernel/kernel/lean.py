@@ -180,6 +180,12 @@ class LeanOneShot:
         """The message builder (a kernel's Session, by name)."""
         return self.messages
 
+    @property
+    def iopub_socket(self) -> oneshot_io.Channel:
+        """Where IOPub messages go (a kernel's IOPub socket, by name): the one connection.
+        What is sent here passes no cap of the kernel's; the caller caps it (its output cap)."""
+        return self.channel
+
     def get_parent(self) -> dict[str, Any]:
         """The request being answered (a kernel's get_parent)."""
         return self.outbox.parent
