@@ -175,15 +175,21 @@ def _stop_fork_servers(build_dir: Path) -> None:
 
 
 def _retire_old_builds(runtime: Runtime) -> list[int]:
-    """Remove the builds before the current one that no kernel runs on; the ones kept."""
+    """Remove the builds before the current one that no kernel runs on; the ones kept.
+
+    A build something runs on keeps its fork servers too: a running service's one-shot pools
+    (their zygotes and waiting processes, counted as kernels here) are served by them until the
+    service has moved to the new build (service/core.py follows the record), and it stops them
+    then. Stopped now, the service's runs in between would find no pool, and a build removed
+    under them no interpreter (#49)."""
     kept = []
     for number in runtime.builds():
         if number == runtime.build:
             continue
-        _stop_fork_servers(runtime.build_dir(number))
         if _running_kernels(runtime, number):
             kept.append(number)
         else:
+            _stop_fork_servers(runtime.build_dir(number))  # idle ones: nothing forked lives
             shutil.rmtree(runtime.build_dir(number), ignore_errors=True)
     return kept
 
