@@ -161,8 +161,10 @@ class OneShots:
             return False
 
     async def close(self) -> None:
-        """Stop asking for pools (the fork server, stopped by the kernel source, ends them) and
-        stop the fork servers of the preload sets' pools."""
+        """Stop asking for pools and stop the fork servers of every pool: the preload sets'
+        and the lean ones' (on a runtime with preload sets, the lean pools' server is not the
+        kernel source's, which stops its own). A run on one already finishes: it no longer
+        needs its server (kernel/oneshot_io.py take_connection)."""
         asked: list[asyncio.Future[Any]] = [*self._asking.values(),
                                             *self._asking_set.values()]
         for asking in asked:
@@ -170,6 +172,9 @@ class OneShots:
         await asyncio.gather(*asked, return_exceptions=True)
         while self.preloaded:
             await self._retire(next(iter(self.preloaded)))
+        for python, preload in {(pool.python, tuple(pool.preload))
+                                for pool in self.pools.values()}:
+            await asyncio.to_thread(ForkServerClient(python=python, preload=preload).stop_server)
 
     async def probe(self, stopped: Callable[[], bool], retry: float = 2.0) -> None:
         """Run `pass` on a one-shot kernel of each pool until one has answered (proof that its

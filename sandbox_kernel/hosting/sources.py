@@ -84,6 +84,7 @@ class PoolSource:
         self.options = options  # AsyncSandbox's keyword arguments, per network policy
         # A runtime's preloads as sets, for the one-shot pools (oneshots.py), or None
         self.preload_sets: PreloadSets | None = None
+        self.build = 0  # the runtime's build its kernels run on (0: no runtime)
         self.pools = {network: KernelPool(pool_size, **kwargs)
                       for network, kwargs in options.items()} if pool_size > 0 else {}
         self.filled = set(options if filled is None else filled)
@@ -211,11 +212,12 @@ def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
     server.
     """
     on_runtime: dict[str, Any] = {"python": sys.executable, "preload": list(preload)}
-    sets = None
+    sets, build = None, 0
     if runtime:
         from ..runtimes import find
 
         record = find(runtime)
+        build = record.build
         on_runtime = {"python": str(record.python()),
                       "preload": list(dict.fromkeys([*record.preload, *preload]))}
         if record.preload:  # one-shot pools by preload set; ZMQ kernels preload everything
@@ -226,8 +228,15 @@ def make_source(base: SandboxPolicy, networks: tuple[bool, ...], pool_size: int,
     source = PoolSource({network: {"kernel_name": None, **extra, **on_runtime,
                                    "policy": with_network(base, network, upstream_proxy)}
                          for network in networks}, pool_size, filled, probe)
-    source.preload_sets = sets
+    source.preload_sets, source.build = sets, build
     return source
+
+
+def runtime_build(runtime: str) -> int:
+    """The runtime's current build, as its record says now (an update moves it on)."""
+    from ..runtimes import find
+
+    return find(runtime).build
 
 
 def kernel_id(sandbox: AsyncSandbox) -> str:
