@@ -20,11 +20,12 @@ from ..hosting.keys import ApiKey, BearerKeys, dify_key, load_keys, same
 from ..hosting.oneshots import OneShots
 from ..hosting.pausing import Pausing
 from ..hosting.sessions import Sessions
-from ..hosting.sources import Kernels, KernelSource, make_source
+from ..hosting.sources import Kernels, KernelSource, make_source, runtime_build
 from ..hosting.store import Quota, Store
 from ..hosting.tools import Desk
 from ..launch.oneshot import OneShotUnavailable
 from ..policy import SandboxPolicy
+from ..runtimes import RuntimesError
 from .access import json_line
 from .config import ServiceConfig, upstream_proxy
 from .metrics import Metrics
@@ -33,6 +34,29 @@ log = logging.getLogger("sandbox_kernel.service")
 T = TypeVar("T")
 CULL_INTERVAL = 1.0  # cheap: a look at each session's last use
 PAUSE_AT_LEAST = 2.0  # seconds sessions get to pause at a stop whose grace runs went through
+FOLLOW_INTERVAL = 1.0  # s between looks at the runtime's record (a small file read)
+MOVE_WITHIN = 30.0  # s a new build's kernels get to start before runs go to them anyway
+# s the old build's one-shot pools stay after a move: a run that chose one just before the move
+# still connects to it (one that took its process no longer needs the server)
+MOVE_GRACE = 2.0
+
+
+async def wait_started(source: KernelSource, within: float) -> None:
+    """Until every policy of the source has started a kernel (for /ready), at most within s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while loop.time() < deadline and not all(
+            state["started"] for state in source.health().values()):
+        await asyncio.sleep(0.1)
+
+
+async def retire(source: KernelSource, one_shots: OneShots | None) -> None:
+    """Let the old build's pools go (their runs finish): the fork servers stopped, the old
+    build's files removed by a later update or remove once nothing runs on it."""
+    await asyncio.sleep(MOVE_GRACE)
+    if one_shots is not None:
+        await one_shots.close()
+    await source.close()
 
 
 class Service:
@@ -81,6 +105,7 @@ class Service:
         self._culler: asyncio.Task[None] | None = None
         self._pauser: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        self._moving = asyncio.Lock()  # one move to a runtime's new build at a time
 
     def make_source(self) -> KernelSource:
         """Where kernels come from: this interpreter's, or the runtime's current build."""
@@ -89,33 +114,74 @@ class Service:
         return make_source(self.policy, networks, config.pool_size, config.kernel_grace,
                            upstream_proxy(config), config.runtime)
 
-    def make_one_shots(self) -> OneShots | None:
-        """The one-shot pools stateless runs use, with the kernel source's policies; None when
-        --one-shot-pool-size is 0 (or the source is not launch/'s pools, e.g. in tests)."""
-        options = getattr(self.kernels.source, "options", None)
+    def make_one_shots(self, source: KernelSource | None = None) -> OneShots | None:
+        """The one-shot pools stateless runs use, with the kernel source's policies (the
+        service's, unless given); None when --one-shot-pool-size is 0 (or the source is not
+        launch/'s pools, e.g. in tests)."""
+        source = source or self.kernels.source
+        options = getattr(source, "options", None)
         if not self.config.one_shot_pool_size or not isinstance(options, dict):
             return None
         return OneShots(options, self.config.one_shot_pool_size,
-                        getattr(self.kernels.source, "preload_sets", None),
+                        getattr(source, "preload_sets", None),
                         max(0, self.config.max_preload_pools), self.config.one_shot_process)
 
     async def use_current_runtime(self) -> None:
-        """New kernels from the runtime's current build (after an update); old ones drain."""
-        old, self.kernels.source = self.kernels.source, self.make_source()
-        self.runner.one_shots = self.make_one_shots()
-        await self.prepare_one_shots()
-        await self.kernels.source.start()
-        self.background(old.close())
+        """Move to the runtime's current build, if an update made a new one: its kernel source
+        and one-shot pools (lean and preload sets, from the new build's preload) are made and
+        filled first, while runs still go to the old ones, then take every new run; the old
+        ones' runs finish, and their fork servers are stopped after MOVE_GRACE. One move at
+        a time (the refresh route, /dependencies/update and `follow_runtime` all call this)."""
+        async with self._moving:
+            old_source, old_one_shots = self.kernels.source, self.runner.one_shots
+            source = self.make_source()
+            was, build = getattr(old_source, "build", 0), getattr(source, "build", 0)
+            if build == was:
+                return
+            one_shots = self.make_one_shots(source)
+            await source.start()
+            await self.prepare_one_shots(one_shots, within=MOVE_WITHIN)
+            await wait_started(source, MOVE_WITHIN)
+            self.kernels.source, self.runner.one_shots = source, one_shots
+            sets = getattr(source, "preload_sets", None)
+            log.info(json_line(event="runtime_moved", runtime=self.config.runtime,
+                               from_build=was, build=build,
+                               preload=sorted(sets.names) if sets is not None else []))
+            self.background(retire(old_source, old_one_shots))
 
-    async def prepare_one_shots(self) -> None:
-        """Have the fork server fill the one-shot pools, then probe each (for /ready)."""
-        one_shots = self.runner.one_shots
-        if one_shots is not None:
+    async def follow_runtime(self, interval: float = FOLLOW_INTERVAL) -> None:
+        """Move to the runtime's new build when `sandbox-kernel runtime update` made one while
+        the service runs (its record says so; read every interval seconds)."""
+        said = ""
+        while not self.stopping:
+            await asyncio.sleep(interval)
             try:
-                await asyncio.to_thread(one_shots.prepare)
-            except OneShotUnavailable as exc:  # the probe retries; /ready says why
-                log.warning(json_line(event="one_shot_unavailable", error=str(exc)))
-            self.background(one_shots.probe(stopped=lambda: self.stopping))
+                build = await asyncio.to_thread(runtime_build, self.config.runtime)
+                if build != getattr(self.kernels.source, "build", build):
+                    await self.use_current_runtime()
+                said = ""
+            except RuntimesError as exc:  # e.g. removed: its kernels go on; said once
+                if str(exc) != said:
+                    said = str(exc)
+                    log.warning(json_line(event="runtime_unreadable",
+                                          runtime=self.config.runtime, error=said))
+
+    async def prepare_one_shots(self, one_shots: OneShots | None = None,
+                                within: float | None = None) -> None:
+        """Have the fork server fill the one-shot pools (the runner's, unless given), then
+        probe each (for /ready): in the background, or first for at most `within` seconds."""
+        one_shots = one_shots or self.runner.one_shots
+        if one_shots is None:
+            return
+        try:
+            await asyncio.to_thread(one_shots.prepare)
+        except OneShotUnavailable as exc:  # the probe retries; /ready says why
+            log.warning(json_line(event="one_shot_unavailable", error=str(exc)))
+        if within is not None:
+            deadline = asyncio.get_running_loop().time() + within
+            await one_shots.probe(
+                stopped=lambda: self.stopping or asyncio.get_running_loop().time() > deadline)
+        self.background(one_shots.probe(stopped=lambda: self.stopping))
 
     def background(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """Run a coroutine on its own, keeping a reference until it is done (an exception no
@@ -144,6 +210,8 @@ class Service:
         """Start the kernel source and the session culler."""
         await self.kernels.source.start()
         self.background(self.prepare_one_shots())  # the fork server starts meanwhile
+        if self.config.runtime:
+            self.background(self.follow_runtime())
         self._culler = asyncio.get_running_loop().create_task(
             self.sessions.cull_forever(CULL_INTERVAL))
         if self.pausing is not None:
