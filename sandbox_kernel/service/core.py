@@ -50,10 +50,11 @@ async def wait_started(source: KernelSource, within: float) -> None:
         await asyncio.sleep(0.1)
 
 
-async def retire(source: KernelSource, one_shots: OneShots | None) -> None:
-    """Let the old build's pools go (their runs finish): the fork servers stopped, the old
-    build's files removed by a later update or remove once nothing runs on it."""
-    await asyncio.sleep(MOVE_GRACE)
+async def retire(source: KernelSource, one_shots: OneShots | None,
+                 grace: float = MOVE_GRACE) -> None:
+    """Let a build's pools go after `grace` s (their runs finish): the fork servers stopped,
+    the build's files removed by a later update or remove once nothing runs on it."""
+    await asyncio.sleep(grace)
     if one_shots is not None:
         await one_shots.close()
     await source.close()
@@ -139,9 +140,13 @@ class Service:
             if build == was:
                 return
             one_shots = self.make_one_shots(source)
-            await source.start()
-            await self.prepare_one_shots(one_shots, within=MOVE_WITHIN)
-            await wait_started(source, MOVE_WITHIN)
+            try:
+                await source.start()
+                await self.prepare_one_shots(one_shots, within=MOVE_WITHIN)
+                await wait_started(source, MOVE_WITHIN)
+            except BaseException:  # a failed or cancelled move (a stop): the new build's go
+                await asyncio.shield(retire(source, one_shots, grace=0))
+                raise
             self.kernels.source, self.runner.one_shots = source, one_shots
             sets = getattr(source, "preload_sets", None)
             log.info(json_line(event="runtime_moved", runtime=self.config.runtime,

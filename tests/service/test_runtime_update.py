@@ -6,6 +6,7 @@ no run is lost to the change: one in flight finishes, none fails while the pools
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import os
@@ -15,6 +16,10 @@ import threading
 import time
 
 import pytest
+
+from sandbox_kernel.policy import SandboxPolicy
+from sandbox_kernel.service.config import ServiceConfig
+from sandbox_kernel.service.core import Service
 
 from ..packages import make_wheel
 from .helpers import DIFY_KEY, KEY_A, Server, auth, http
@@ -157,3 +162,30 @@ def test_the_refresh_route_moves_the_service_to_the_rebuilt_runtime(runtime):
     eventually(runtime, "import upc\n", "3 ['upc']")
     gone = execute(runtime, "import upd\n")
     assert gone["error"]["name"] == "ModuleNotFoundError", gone
+
+
+class _Build:
+    """A kernel source standing for one build of a runtime: its start may fail."""
+
+    def __init__(self, build: int, fails: bool = False) -> None:
+        self.build, self.fails, self.closed = build, fails, False
+
+    async def start(self) -> None:
+        if self.fails:
+            raise RuntimeError("the new build's kernels cannot start")
+
+    def health(self) -> dict:
+        return {"offline": {"started": True}}
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_a_move_that_fails_stops_the_new_builds_kernels_and_keeps_the_old_ones():
+    old, new = _Build(1), _Build(2, fails=True)
+    service = Service(ServiceConfig(one_shot_pool_size=0), SandboxPolicy(), source=old)
+    service.make_source = lambda: new
+    with pytest.raises(RuntimeError, match="cannot start"):
+        asyncio.run(service.use_current_runtime())
+    assert new.closed and not old.closed
+    assert service.kernels.source is old
