@@ -215,6 +215,8 @@ def lock_dir(configured: str = "") -> Path:
     where LOCK_DIR cannot be made (a read-only /run).
     """
     directory = Path(configured or LOCK_DIR)
+    if _root_only_directory(directory):  # made already (by the zygote, an earlier kernel)
+        return directory
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
@@ -228,11 +230,18 @@ def lock_dir(configured: str = "") -> Path:
             raise PrivilegeError(f"cannot make {LOCK_DIR} ({exc.strerror}) nor "
                                  f"{FALLBACK_LOCK_DIR} ({second.strerror}) for the uid locks: "
                                  "give --uid-lock-dir a directory root can write") from None
-    info = directory.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
+    if not _root_only_directory(directory):
         raise PrivilegeError(f"{directory} must be a directory only root can use; remove it "
                              "and start the kernel again")
     return directory
+
+
+def _root_only_directory(directory: Path) -> bool:
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == 0 and not info.st_mode & 0o077
 
 
 def allocate(id_range: range, writable: Sequence[str] = (),
@@ -256,10 +265,14 @@ def allocate(id_range: range, writable: Sequence[str] = (),
             os.close(fd)
             continue
         # A free lock with a live process of uid: a kernel whose reaper was killed, say.
-        if limits.has_tasks(uid) or _leftover(directory, uid):
+        if limits.has_tasks(uid):
             os.close(fd)
             continue
-        _record_grants(directory, uid, writable)
+        recorded = _read_record(directory, uid)
+        if _leftover(directory, uid, recorded):
+            os.close(fd)
+            continue
+        _record_grants(directory, uid, writable, recorded)
         return uid, fd
     raise PrivilegeError(f"every uid of --uid-range {id_range.start}-{id_range.stop - 1} is "
                          "used by an account or a live kernel, or still owns files an earlier "
@@ -271,32 +284,62 @@ def _grants_record(directory: Path, uid: int) -> Path:
     return directory / f"{uid}.grants"
 
 
-def _record_grants(directory: Path, uid: int, writable: Sequence[str]) -> None:
-    """Remember where a kernel with uid may leave files (call holding the uid's lock)."""
+def _read_record(directory: Path, uid: int) -> bytes | None:
+    """The uid's grants record as it is on disk; None when there is none."""
+    try:
+        fd = os.open(_grants_record(directory, uid), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def _record_grants(directory: Path, uid: int, writable: Sequence[str],
+                   recorded: bytes | None = None) -> None:
+    """Remember where a kernel with uid may leave files (call holding the uid's lock).
+
+    recorded: the record as read under this lock; the same bytes again are not rewritten (a
+    pool's processes take the same uids with the same grants: a write each would cost more
+    than the rest of the allocation).
+    """
     record = {"grants": sorted({os.path.realpath(path) for path in writable}), "owned": None}
-    _write_record(_grants_record(directory, uid), record)
+    if _encoded(record) != recorded:
+        _write_record(_grants_record(directory, uid), record)
+
+
+def _encoded(record: dict[str, Any]) -> bytes:
+    return json.dumps(record).encode()
 
 
 def _write_record(path: Path, record: dict[str, Any]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(record, handle)
+    with open(fd, "wb", buffering=0) as handle:
+        handle.write(_encoded(record))
 
 
-def _leftover(directory: Path, uid: int) -> bool:
-    """Whether uid still owns something in a write grant an earlier kernel with it had."""
-    path = _grants_record(directory, uid)
+def _leftover(directory: Path, uid: int, recorded: bytes | None) -> bool:
+    """Whether uid still owns something in a write grant an earlier kernel with it had
+    (recorded: its grants record, as _read_record read it)."""
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(recorded or b"")
         grants, owned = list(record["grants"]), record.get("owned")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return False  # no kernel with write grants had this uid (or a record from before)
+    if not grants and not owned:
+        return False
     if owned and _owned_by(owned, uid):
         return True
     found = next((found for grant in grants if (found := _first_owned(grant, uid))), None)
     if found is not None:
-        _write_record(path, {"grants": grants, "owned": found})
+        _write_record(_grants_record(directory, uid), {"grants": grants, "owned": found})
     return found is not None
 
 
