@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -61,8 +62,19 @@ def needed_in(tree):
     return [*files, str(tree / "open/deep"), str(tree / "closed/open/closed")]
 
 
+@pytest.fixture(params=["asked", "remembered"])
+def answers(request, tree):
+    """covers_for asking the kernel as the uid, or answering from what a zygote remembered
+    (view.remember: the mode bits; the directories owned by the uid's group still asked)."""
+    if request.param == "remembered":
+        view.remember([str(tree), *(str(path) for path in tree.rglob("*") if path.is_dir())])
+        assert str(tree / "closed") in view._searchable_by_others
+    yield request.param
+    view._searchable_by_others.clear()
+
+
 @pytest.mark.parametrize(("uid", "gid"), [(UID, GID), (UID, GID + 1), (UID, GID + 2)])
-def test_covers_are_those_of_walking_each_path(tree, uid, gid):
+def test_covers_are_those_of_walking_each_path(tree, answers, uid, gid):
     needed = needed_in(tree)
     covers = view.covers_for(needed, uid, gid)
     assert sorted(covers) == sorted(covers_by_walking(needed, uid, gid))
@@ -74,12 +86,43 @@ def test_covers_are_those_of_walking_each_path(tree, uid, gid):
             sorted(covers_by_walking(subset, uid, gid))
 
 
-def test_the_interpreter_is_covered_as_by_walking():
+@pytest.mark.parametrize("remembered", [False, True])
+def test_the_interpreter_is_covered_as_by_walking(remembered):
     from sandbox_kernel.confine import privileges
 
     needed = privileges.interpreter_needs()
-    assert sorted(view.covers_for(needed, UID, GID)) == \
-        sorted(covers_by_walking(needed, UID, GID))
+    if remembered:
+        privileges.remember_reachable()
+    try:
+        assert sorted(view.covers_for(needed, UID, GID)) == \
+            sorted(covers_by_walking(needed, UID, GID))
+    finally:
+        view._searchable_by_others.clear()
+
+
+def acl_letting_in(uid):
+    """A POSIX access ACL (version 2): owner rwx, uid x, group and others nothing."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 7, undefined), (0x02, 1, uid), (0x04, 0, undefined),
+               (0x10, 1, undefined), (0x20, 0, undefined)]  # user_obj, user, group_obj, mask, other
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def test_a_directory_with_an_acl_is_asked_not_remembered(tree):
+    """An ACL can let one uid in where the mode bits keep others out: never remembered."""
+    closed = tree / "closed"
+    try:  # setfacl -m u:UID:x closed, as the kernel stores it (mode 0700 kept otherwise)
+        os.setxattr(closed, "system.posix_acl_access", acl_letting_in(UID))
+    except OSError:
+        pytest.skip("this file system keeps no ACLs")
+    view.remember([str(tree), str(closed), str(tree / "closed/open")])
+    try:
+        assert str(closed) not in view._searchable_by_others
+        needed = [str(tree / "closed/open/file")]
+        assert view.covers_for(needed, UID, GID) == covers_by_walking(needed, UID, GID) == []
+        assert view.covers_for(needed, UID + 1, GID + 2) == [str(closed)]
+    finally:
+        view._searchable_by_others.clear()
 
 
 def in_child(check):

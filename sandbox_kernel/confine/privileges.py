@@ -25,7 +25,7 @@ import pwd
 import stat
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -99,12 +99,21 @@ def _interpreter_needs(executable: str, search_path: tuple[str, ...]) -> tuple[s
     return tuple(dict.fromkeys(os.path.realpath(path) for path in needed))
 
 
+def remember_reachable(paths: Iterable[str] = ()) -> None:
+    """In a pool's zygote: the directories above the interpreter's paths and the given ones
+    (the scratch's, the grants'), noted for the view's check in each process it forks (see
+    view.remember: whether any uid of --uid-range may enter each, from its mode bits)."""
+    needed = [*interpreter_needs(), *(os.path.realpath(path) for path in paths)]
+    view.remember({directory for path in needed for directory in view.ancestors(path)})
+
+
 def prepare() -> None:
     """In a fork server: work out once what every kernel it forks would work out alike."""
     interpreter_needs()
     accounts_ids()
     _libc()
     _last_capability()
+    view.prepare()
 
 
 def parse_range(text: str) -> range:
@@ -380,7 +389,10 @@ def _chown_tree(top: str, uid: int, gid: int) -> None:
 
 @functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name in ("prctl", "syscall"):  # made once (prepare): CDLL keeps the functions it made
+        getattr(libc, name)
+    return libc
 
 
 @functools.cache

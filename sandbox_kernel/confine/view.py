@@ -11,9 +11,12 @@ changing mounts).
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import os
+import stat
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from .errors import ConfinementError
 
@@ -68,16 +71,80 @@ def covers_for(needed: Iterable[str], uid: int, gid: int) -> list[str]:
 
     Covering those makes every needed path reachable. The paths share most of their
     ancestors (one prefix, one site-packages): each directory is checked once, outermost
-    first, and nothing under a blocked one is checked at all.
+    first, and nothing under a blocked one is checked at all. A directory a zygote remembered
+    is answered from its mode bits (see remember); any other is asked of the kernel as uid:gid.
     """
     above = {directory for path in needed for directory in ancestors(path)}
     blocked: list[str] = []
-    with as_user(uid, gid):
+    switched = False
+    with ExitStack() as as_them:
         for directory in sorted(above, key=lambda path: (path.count(os.sep), path)):
-            if not any(is_within(directory, cover) for cover in blocked) \
-                    and not os.access(directory, os.X_OK, effective_ids=True):
+            if any(is_within(directory, cover) for cover in blocked):
+                continue
+            enterable = _remembered(directory, uid, gid)
+            if enterable is None:
+                if not switched:  # the ids switched once, for the first directory asked
+                    as_them.enter_context(as_user(uid, gid))
+                    switched = True
+                enterable = os.access(directory, os.X_OK, effective_ids=True)
+            if not enterable:
                 blocked.append(directory)
     return blocked
+
+
+# Directories a zygote looked at before forking (remember): path -> (owner, group, whether
+# the mode lets others search it).
+_searchable_by_others: dict[str, tuple[int, int, bool]] = {}
+
+
+def remember(directories: Iterable[str]) -> None:
+    """In a zygote: note whether a uid of neither a directory's owner nor its group may enter
+    it, for covers_for in every process it forks (their uids differ; this answer does not).
+
+    Only where the mode bits alone decide: a directory with an ACL (or any system xattr, such
+    as an NFSv4 ACL) is left to the live check, as is one the uid or gid owns. A directory
+    changed since is answered as it was: at worst a cover made that the change made needless
+    (it shows only the needed paths), or none where one is now needed, which can_run_as's live
+    check then refuses, naming the path (privileges.py).
+    """
+    for directory in directories:
+        try:
+            info = os.stat(directory)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode) and not _has_acl(directory):
+            _searchable_by_others[directory] = (info.st_uid, info.st_gid,
+                                                bool(info.st_mode & stat.S_IXOTH))
+
+
+def _has_acl(directory: str) -> bool:
+    try:
+        names = os.listxattr(directory)
+    except OSError as exc:
+        return exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP)  # no xattrs: no ACL
+    return any(name.startswith("system.") for name in names)
+
+
+def _remembered(directory: str, uid: int, gid: int) -> bool | None:
+    """Whether uid:gid may enter directory, as remembered; None when that does not tell."""
+    known = _searchable_by_others.get(directory)
+    if known is None or uid == 0 or uid == known[0] or gid == known[1]:
+        return None
+    return known[2]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """libc with the calls made here looked up once (prepare: in a zygote, for each child)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name in ("unshare", "mount"):
+        getattr(libc, name)  # CDLL keeps each function it made: none is made again
+    return libc
+
+
+def prepare() -> None:
+    """In a fork server or a zygote: what each process it forks would build alike."""
+    _libc()
 
 
 def _check(result: int, what: str) -> None:
@@ -98,7 +165,7 @@ def private_namespace() -> None:
     global _namespace_of
     if _namespace_of == os.getpid():
         return
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     _check(libc.unshare(_CLONE_NEWNS), "no private mount namespace (unshare)")
     _check(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None),
            "cannot make the mount namespace private")
@@ -124,7 +191,7 @@ def expose(needed: Sequence[str], also_visible: Iterable[str], uid: int, gid: in
 
 
 def _cover(directory: str, shown: list[str]) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc()
     # Take hold of each source before the tmpfs hides it, then bind it back from its fd.
     handles = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in shown}
     try:

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..confine import denials, paths, privileges
+from ..confine import denials, paths, privileges, scratch
 from . import file_ops
 from . import oneshot_wire as wire
 from .budget import BUDGET
@@ -244,9 +244,11 @@ def warm_grants(policy: SandboxPolicy) -> None:
     """Work out in the zygote, once, what every pooled process's confinement works out alike
     from the host's paths (cached for the processes it forks, as a fork server caches them
     for its kernels): the interpreter's paths its uid must reach, the system's read-only
-    grants, their real paths. The grants are still checked, and each layer applied, in each
-    process."""
-    privileges.interpreter_needs()
+    grants, their real paths, whether the directories above them are open to the uids of
+    --uid-range (the scratch's: scratch.root, fixed per zygote). The grants are still checked,
+    and each layer applied, in each process."""
+    privileges.remember_reachable([os.path.join(scratch.root(), "kernel"),
+                                   *policy.read_paths, *policy.write_paths])
     try:
         read_only = paths.read_only(paths.check_grants(policy.read_paths))
     except (OSError, ValueError):
