@@ -211,6 +211,9 @@ CASES = [
          EPERM, "seccomp"),
     Case("P19", "process", "fork from another thread", "in_thread(os.fork)", DENIED,
          "seccomp (TSYNC: every thread)"),
+    Case("P20", "process", "exec a setuid-root binary to gain root's capabilities",
+         "trap(lambda: os.execv('/usr/bin/su', ['su', '-c', 'id']))", DENIED,
+         "seccomp: execve; the empty bounding set besides (test_privileges)"),
     # --- network ---
     Case("N17", "network", "connect out through one of the kernel's own TCP sockets",
          "sorted({trap(lambda: socket.socket(fileno=os.dup(fd)).connect(('127.0.0.1', {port})))"

@@ -7,12 +7,15 @@ second to build). Each kernel started from it must run as a uid of its own, reac
 interpreter through its private mount namespace, and see nothing else there.
 """
 
+import errno
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -285,3 +288,87 @@ def test_loader_variables_in_pass_env_are_refused(tmp_path, planted_library, mon
     assert done.returncode == 3, done
     assert "--env/--pass-env PYTHONSTARTUP" in done.stderr and "--allow-loader-env" in done.stderr
     assert list(marks.iterdir()) == []
+
+
+# The capability sets of the process this prints ("CapPrm:\t...", "CapEff:\t...").
+CAPABILITY_LINES = ("CapPrm:", "CapEff:")
+DAC_OVERRIDE = 1 << 1  # CAP_DAC_OVERRIDE
+
+
+def _file_capability(capabilities):
+    """A security.capability value (VFS_CAP_REVISION_2, effective): these permitted caps."""
+    return struct.pack("<IIIII", 0x02000000 | 1, capabilities, 0, 0, 0)
+
+
+def _exec_as_pooled(binary, empty_in_zygote):
+    """Fork a 'zygote' (the bounding set emptied as lean_zygote.prepare does, or not), which
+    forks a 'pooled process' that checks its set as plan does, takes a uid of the range and
+    execs binary on its own /proc status; that status's capability lines (or the exec's errno)."""
+    read, write = os.pipe()
+    zygote = os.fork()
+    if zygote == 0:
+        code = 1
+        try:
+            os.close(read)
+            if empty_in_zygote:
+                privileges.drop_bounding_set()
+            pooled = os.fork()
+            if pooled == 0:
+                try:
+                    assert privileges.bounding_set_is_empty() == empty_in_zygote
+                    os.dup2(write, 1)
+                    os.setgroups([])
+                    os.setresgid(RANGE[-2], RANGE[-2], RANGE[-2])
+                    os.setresuid(RANGE[-2], RANGE[-2], RANGE[-2])
+                    os.execv(binary, [binary, "/proc/self/status"])
+                except OSError as exc:
+                    os.write(write, f"errno {exc.errno}\n".encode())
+                finally:
+                    os._exit(3)
+            code = os.waitstatus_to_exitcode(os.waitpid(pooled, 0)[1])
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as output:
+        text = output.read()
+    os.waitpid(zygote, 0)
+    if text.startswith("errno"):
+        return text.strip()
+    return [line.split()[1] for line in text.splitlines() if line.startswith(CAPABILITY_LINES)]
+
+
+@pytest.fixture
+def binaries_dir():
+    """A directory any uid may enter (pytest's tmp_path is under a 0700 one)."""
+    path = Path(tempfile.mkdtemp(prefix="sandbox-kernel-exec-", dir="/tmp"))  # noqa: S108
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_an_inherited_empty_bounding_set_grants_no_capability_on_execve(binaries_dir):
+    """What a lean zygote's children inherit holds as a drop of their own would: a setuid-root
+    binary and a file-capability one, exec'd with no seccomp filter, grant no capability."""
+    tmp_path = binaries_dir
+    setuid_root = tmp_path / "setuid-cat"
+    shutil.copy("/bin/cat", setuid_root)
+    os.chown(setuid_root, 0, 0)
+    setuid_root.chmod(0o4755)
+    with_capability = tmp_path / "cap-cat"
+    shutil.copy("/bin/cat", with_capability)
+    with_capability.chmod(0o755)
+    try:
+        os.setxattr(with_capability, "security.capability", _file_capability(DAC_OVERRIDE))
+    except OSError:
+        pytest.skip("this file system keeps no file capabilities")
+    # Without the drop the binaries do grant capabilities here (else this proves nothing).
+    gained = _exec_as_pooled(str(setuid_root), empty_in_zygote=False)
+    if gained == ["0000000000000000"] * 2:
+        pytest.skip("this file system ignores setuid bits (nosuid)")
+    assert isinstance(gained, list) and len(gained) == 2 and int(gained[1], 16) != 0, gained
+    assert _exec_as_pooled(str(with_capability), empty_in_zygote=False) == \
+        [f"{DAC_OVERRIDE:016x}"] * 2
+    # Inherited empty: nothing gained (the file-capability exec may also be refused outright).
+    assert _exec_as_pooled(str(setuid_root), empty_in_zygote=True) == ["0000000000000000"] * 2
+    assert _exec_as_pooled(str(with_capability), empty_in_zygote=True) in (
+        ["0000000000000000"] * 2, f"errno {errno.EPERM}")

@@ -16,6 +16,7 @@ interpreter's paths, accounts, seccomp templates) and serves zygote.py's protoco
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib
 import json
@@ -70,6 +71,12 @@ def prepare() -> None:
     paths.interpreter_paths()
     privileges.prepare()
     seccomp.precompile()
+    if os.geteuid() == 0:
+        # The bounding set only limits what an execve could gain: this process never execs,
+        # and each it forks inherits the empty set and checks it in one read (privileges.plan;
+        # SECURITY.md). Where root may not drop it, each process tries and refuses as before.
+        with contextlib.suppress(privileges.PrivilegeError):
+            privileges.drop_bounding_set()
 
 
 def exec_in_child(control: socket.socket, listener: socket.socket, registry: int) -> None:
