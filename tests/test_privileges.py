@@ -320,7 +320,7 @@ def _exec_as_pooled(binary, empty_in_zygote):
                     os.setgroups([])
                     os.setresgid(RANGE[-2], RANGE[-2], RANGE[-2])
                     os.setresuid(RANGE[-2], RANGE[-2], RANGE[-2])
-                    os.execv(binary, [binary, "/proc/self/status"])
+                    os.execv(binary, [binary, "/proc/self/status"])  # noqa: S606 - the test binary
                 except OSError as exc:
                     os.write(write, f"errno {exc.errno}\n".encode())
                 finally:
@@ -340,7 +340,7 @@ def _exec_as_pooled(binary, empty_in_zygote):
 @pytest.fixture
 def binaries_dir():
     """A directory any uid may enter (pytest's tmp_path is under a 0700 one)."""
-    path = Path(tempfile.mkdtemp(prefix="sandbox-kernel-exec-", dir="/tmp"))  # noqa: S108
+    path = Path(tempfile.mkdtemp(prefix="sandbox-kernel-exec-", dir="/tmp"))
     path.chmod(0o755)
     yield path
     shutil.rmtree(path)

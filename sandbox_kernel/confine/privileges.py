@@ -103,8 +103,10 @@ def remember_reachable(paths: Iterable[str] = ()) -> None:
     """In a pool's zygote: the directories above the interpreter's paths and the given ones
     (the scratch's, the grants'), noted for the view's check in each process it forks (see
     view.remember: whether any uid of --uid-range may enter each, from its mode bits)."""
-    needed = [*interpreter_needs(), *(os.path.realpath(path) for path in paths)]
-    view.remember({directory for path in needed for directory in view.ancestors(path)})
+    interpreter = _interpreter_needs(sys.executable, tuple(sys.path))
+    needed = [*interpreter, *(os.path.realpath(path) for path in paths)]
+    view.remember({directory for path in needed for directory in view.ancestors(path)},
+                  interpreter)
 
 
 def prepare() -> None:
@@ -486,9 +488,10 @@ def plan(run_as: str, uid_range: str, grants: list[str], visible: list[str],
 
 
 def _make_reachable(uid: int, gid: int, grants: list[str], visible: list[str]) -> list[str]:
-    needed = [*interpreter_needs(), *dict.fromkeys(os.path.realpath(path) for path in grants)]
+    interpreter = _interpreter_needs(sys.executable, tuple(sys.path))  # the zygote's, cached
+    granted = [*dict.fromkeys(os.path.realpath(path) for path in grants)]
     try:
-        covered = view.expose(needed, visible, uid, gid)
+        covered = view.expose(interpreter, visible, uid, gid, granted)
     except view.ViewError as exc:
         raise PrivilegeError(f"uid {uid} cannot read the interpreter and {exc}; start the "
                              "kernel with --run-as root to run as root without capabilities, "

@@ -74,7 +74,11 @@ def covers_for(needed: Iterable[str], uid: int, gid: int) -> list[str]:
     first, and nothing under a blocked one is checked at all. A directory a zygote remembered
     is answered from its mode bits (see remember); any other is asked of the kernel as uid:gid.
     """
-    above = {directory for path in needed for directory in ancestors(path)}
+    paths = tuple(needed)
+    answer = _answer_for_others(paths)
+    if answer is not None and uid != 0 and uid not in answer[1] and gid not in answer[2]:
+        return list(answer[0])
+    above = {directory for path in paths for directory in ancestors(path)}
     blocked: list[str] = []
     switched = False
     with ExitStack() as as_them:
@@ -97,7 +101,33 @@ def covers_for(needed: Iterable[str], uid: int, gid: int) -> list[str]:
 _searchable_by_others: dict[str, tuple[int, int, bool]] = {}
 
 
-def remember(directories: Iterable[str]) -> None:
+@functools.lru_cache(maxsize=8)
+def _answer_for_others(needed: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[int],
+                                                         frozenset[int]] | None:
+    """covers_for's answer for a uid and gid that own none of the directories above needed,
+    from remembered facts alone, with those directories' owners and groups; None unless every
+    one was remembered. Worked out once per list (the interpreter's: in the zygote)."""
+    above = {directory for path in needed for directory in ancestors(path)}
+    facts = [_searchable_by_others.get(directory) for directory in above]
+    if None in facts:
+        return None
+    blocked: list[str] = []
+    for directory in sorted(above, key=lambda path: (path.count(os.sep), path)):
+        if not any(is_within(directory, cover) for cover in blocked) \
+                and not _searchable_by_others[directory][2]:
+            blocked.append(directory)
+    known = [fact for fact in facts if fact is not None]
+    return (tuple(blocked), frozenset(fact[0] for fact in known),
+            frozenset(fact[1] for fact in known))
+
+
+def forget() -> None:
+    """Drop what remember noted (tests; a zygote never needs to)."""
+    _searchable_by_others.clear()
+    _answer_for_others.cache_clear()
+
+
+def remember(directories: Iterable[str], needed: Sequence[str] = ()) -> None:
     """In a zygote: note whether a uid of neither a directory's owner nor its group may enter
     it, for covers_for in every process it forks (their uids differ; this answer does not).
 
@@ -105,7 +135,8 @@ def remember(directories: Iterable[str]) -> None:
     as an NFSv4 ACL) is left to the live check, as is one the uid or gid owns. A directory
     changed since is answered as it was: at worst a cover made that the change made needless
     (it shows only the needed paths), or none where one is now needed, which can_run_as's live
-    check then refuses, naming the path (privileges.py).
+    check then refuses, naming the path (privileges.py). needed: the paths every process
+    forked asks about alike (the interpreter's), whose answer is worked out here once.
     """
     for directory in directories:
         try:
@@ -115,6 +146,8 @@ def remember(directories: Iterable[str]) -> None:
         if stat.S_ISDIR(info.st_mode) and not _has_acl(directory):
             _searchable_by_others[directory] = (info.st_uid, info.st_gid,
                                                 bool(info.st_mode & stat.S_IXOTH))
+    _answer_for_others.cache_clear()
+    _answer_for_others(tuple(needed))  # needed: the paths every process asks covers_for about
 
 
 def _has_acl(directory: str) -> bool:
@@ -172,18 +205,24 @@ def private_namespace() -> None:
     _namespace_of = os.getpid()
 
 
-def expose(needed: Sequence[str], also_visible: Iterable[str], uid: int, gid: int) -> list[str]:
+def expose(needed: Sequence[str], also_visible: Iterable[str], uid: int, gid: int,
+           also_needed: Sequence[str] = ()) -> list[str]:
     """Cover what keeps uid:gid from the needed paths; return the covered directories.
 
-    needed: real paths (the caller resolves them, a fork server once for all its kernels).
+    needed: real paths (the caller resolves them, a fork server once for all its kernels);
+    also_needed: more real paths, per process (the scratch, the grants): asked about apart, as
+    the same needed list's answer is worked out once (covers_for; a directory's answer depends
+    only on it and those above it, so the covers of both lists are those of either).
     Under each cover only the needed and also_visible paths (the connection file, grants)
     appear, bind-mounted from the host, with their own permissions.
     """
     covers = covers_for(needed, uid, gid)
+    if also_needed:
+        covers = outermost([*covers, *covers_for(also_needed, uid, gid)])
     if not covers:
         return []
     private_namespace()
-    visible = [*needed, *(os.path.realpath(path) for path in also_visible)]
+    visible = [*needed, *also_needed, *(os.path.realpath(path) for path in also_visible)]
     for cover in covers:
         _cover(cover, outermost(p for p in visible if is_within(p, cover) and p != cover
                                 and os.path.exists(p)))
