@@ -19,8 +19,13 @@ MAX_FDS = 4
 
 def hand_over(channel: int, request: dict[str, Any], fds: list[int]) -> None:
     """Kernel side: send the reaper a request and descriptors it keeps from now on."""
-    with socket.socket(fileno=os.dup(channel)) as sock:
+    # The channel's kind given, and the caller's fd borrowed rather than dup'd: no system call
+    # but the send (a socket made from a bare fd asks the kernel its family, type and protocol).
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, 0, fileno=channel)
+    try:
         socket.send_fds(sock, [json.dumps(request).encode()], fds)
+    finally:
+        sock.detach()
 
 
 def ask(channel: int, request: dict[str, Any], limit: int = 16384) -> bytes:

@@ -86,6 +86,12 @@ def _needed_paths_of(executable: str, search_path: tuple[str, ...]) -> tuple[str
     return (executable, str(stdlib), *[p for p in search_path if p and os.path.isdir(p)])
 
 
+@functools.cache
+def _each_once(paths: tuple[str, ...]) -> tuple[str, ...]:
+    # The stdlib and the working directory come twice in _needed_paths: one access() each.
+    return tuple(dict.fromkeys(paths))
+
+
 def interpreter_needs() -> list[str]:
     """Real paths the kernel's uid must reach: interpreter paths and what _needed_paths lists."""
     return list(_interpreter_needs(sys.executable, tuple(sys.path)))
@@ -112,6 +118,7 @@ def remember_reachable(paths: Iterable[str] = ()) -> None:
 def prepare() -> None:
     """In a fork server: work out once what every kernel it forks would work out alike."""
     interpreter_needs()
+    _each_once(_needed_paths_of(sys.executable, tuple(sys.path)))
     accounts_ids()
     _libc()
     _last_capability()
@@ -376,7 +383,7 @@ def _first_owned(top: str, uid: int) -> str | None:
 def can_run_as(uid: int, gid: int) -> str | None:
     """None when uid:gid can read the interpreter and its libraries; otherwise the first miss."""
     with view.as_user(uid, gid):
-        for path in _needed_paths():
+        for path in _each_once(_needed_paths_of(sys.executable, tuple(sys.path))):
             if not os.access(path, os.R_OK | os.X_OK, effective_ids=True):
                 return path
         return None
