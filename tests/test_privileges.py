@@ -372,3 +372,19 @@ def test_an_inherited_empty_bounding_set_grants_no_capability_on_execve(binaries
     assert _exec_as_pooled(str(setuid_root), empty_in_zygote=True) == ["0000000000000000"] * 2
     assert _exec_as_pooled(str(with_capability), empty_in_zygote=True) in (
         ["0000000000000000"] * 2, f"errno {errno.EPERM}")
+
+
+def test_a_bounding_set_missing_only_the_probed_capability_is_still_emptied():
+    """drop_bounding_set skips the drops only when the whole set reads empty, not one bit."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            libc = privileges._libc()
+            assert libc.prctl(24, 0, 0, 0, 0) == 0  # PR_CAPBSET_DROP of CAP_CHOWN alone
+            assert not privileges.bounding_set_is_empty()
+            privileges.drop_bounding_set()
+            code = 0 if privileges.bounding_set_is_empty() else 2
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

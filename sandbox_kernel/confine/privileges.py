@@ -48,6 +48,7 @@ SYSTEMD_USER_DIRS = ("/run/systemd/userdb", "/run/systemd/dynamic-uid", "/etc/us
                      "/run/userdb", "/run/host/userdb", "/usr/local/lib/userdb", "/usr/lib/userdb")
 _RACY_SECONDS = 2  # a file changed this recently may change again with the same mtime
 _PR_SET_DUMPABLE = 4
+_PR_CAPBSET_READ = 23
 _PR_CAPBSET_DROP = 24
 _CAP_VERSION_3 = 0x20080522
 _SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
@@ -434,9 +435,11 @@ def drop_bounding_set() -> None:
     inherit the empty set (fork copies it; nothing can add to it again): they find it empty
     here in one read, rather than dropping each capability once more.
     """
-    if bounding_set_is_empty():
-        return
     libc = _libc()
+    # CAP_CHOWN still in the set: not emptied (a kernel's start, the kernel-based zygote's
+    # children), dropped at once as before; else the whole set is read, never the one bit.
+    if libc.prctl(_PR_CAPBSET_READ, 0, 0, 0, 0) != 1 and bounding_set_is_empty():
+        return
     for cap in range(_last_capability() + 1):
         if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             why = os.strerror(ctypes.get_errno())
