@@ -7,18 +7,21 @@ image; bench's own imports are a few stdlib modules), with a companion of its ow
 zygote.py's `_become_pooled` exactly as a pool's does (every layer, one request), connects to
 it as a caller, sends a Dify-shaped main() request and reads the answer. Each part of the child
 is timed inside it (CPU: time.process_time; minor faults: getrusage), wrapped here before the
-forks, and the child reports its parts as a line of its stdout. Its exit and teardown: the
-child's whole CPU (wait4's rusage) minus what it measured. Medians are printed, as JSON with
---json.
+forks; the child adds its figures into memory it shares with this process (a few stores: no
+message of its own, nothing serialized), up to its `os._exit`. Its exit and teardown: the
+child's whole CPU (wait4's rusage) minus what it measured until then. Medians are printed, as
+JSON with --json.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import resource
 import socket
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -29,21 +32,29 @@ if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
     del sys.path[0]  # bench's modules must not shadow anything the kernel imports
 
 from sandbox_kernel.confine import companion, environment, sequence
-from sandbox_kernel.kernel import lean, messages, oneshot_io
+from sandbox_kernel.kernel import lean, lean_shell, messages, oneshot_io
 from sandbox_kernel.kernel import oneshot_wire as wire
 from sandbox_kernel.launch.forkserver import child, lean_zygote, zygote
 
-MARKER = "BENCH-PARTS "
 CODE = "def main(a: int, b: int) -> dict:\n    return {'result': a + b}\n"
-PARTS: dict[str, list[float]] = {}  # in the child: label -> [cpu seconds, minor faults]
-ZYGOTE_MODULES: set[str] = set()  # what the zygote had imported: the child reports the rest
+FORK_RETURN = "the fork's return in the child"
+UNTIL_ANSWER = "child until the answer"
+FINISH = "the answer's end (streams, written files, done)"
+EXIT = "exit and teardown (whole CPU after os._exit)"
+WHOLE = "whole child (wait4)"
+# The child's figures, in memory shared with this process: per label (WRAPPED's, then the
+# child's own marks) its CPU seconds, minor faults and when it first ended (for the order).
+SLOT = struct.Struct("ddq")
+SHARED = mmap.mmap(-1, 1 << 16)
+IMPORTED_AT = 1 << 15  # where the child writes the names of modules it imported (JSON)
+LABELS: list[str] = []
+ZYGOTE_MODULES = [0]  # how many modules the zygote had imported: the child reports the rest
 # What the child's parts are, in order: (owner, attribute, label).
 WRAPPED = (
     (environment, "prepare", "prepare (scratch, companion channel, fds)"),
     (companion, "register", "  of which: the companion's channel"),
     (child, "forget_environment", "forget the environment"),
     (child, "reseed", "reseed"),
-    (lean.ProfileDir, "create_profile_dir_by_name", "profile dir"),
     (sequence.Confinement, "open_audit", "audit file"),
     (sequence.Confinement, "apply_identity", "identity"),
     (sequence.Confinement, "apply_network", "network namespace"),
@@ -51,7 +62,8 @@ WRAPPED = (
     (sequence.Confinement, "apply_landlock", "Landlock"),
     (sequence.Confinement, "before_threads", "before_threads (all of the above but prepare)"),
     (oneshot_io, "capture_fds", "capture fds"),
-    (lean.LeanOneShot, "renew", "renew (ids, shell)"),
+    (lean_shell, "make_profile_dir", "  of which: the profile dir"),
+    (lean.LeanOneShot, "renew", "renew (ids, shell, profile dir)"),
     (sequence.Confinement, "switch_user", "uid switch"),
     (sequence.Confinement, "apply_seccomp", "seccomp"),
     (lean.LeanOneShot, "hand_to_user_code", "hand to user code"),
@@ -66,15 +78,24 @@ def _sample() -> tuple[float, int]:
     return time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _slot(label: str) -> int:
+    if label not in LABELS:
+        LABELS.append(label)
+    return LABELS.index(label) * SLOT.size
+
+
+def _add(slot: int, cpu: float, faults: int) -> None:
+    """In the child: add to a label's figures (its first end numbers its place)."""
+    was_cpu, was_faults, order = SLOT.unpack_from(SHARED, slot)
+    if not order:
+        order = SHARED[IMPORTED_AT - 1] = SHARED[IMPORTED_AT - 1] + 1
+    SLOT.pack_into(SHARED, slot, was_cpu + cpu, was_faults + faults, order)
+
+
 def _wrap(owner: Any, name: str, label: str) -> None:
     original: Callable[..., Any] = getattr(owner, name)
     is_async = name == "execute"
-
-    def add(start: tuple[float, int]) -> None:
-        cpu, faults = _sample()
-        total = PARTS.setdefault(label, [0.0, 0])
-        total[0] += cpu - start[0]
-        total[1] += faults - start[1]
+    slot, first = _slot(label), _slot(FORK_RETURN)
 
     if is_async:
         async def timed_async(*args: Any, **kwargs: Any) -> Any:
@@ -82,18 +103,20 @@ def _wrap(owner: Any, name: str, label: str) -> None:
             try:
                 return await original(*args, **kwargs)
             finally:
-                add(start)
+                cpu, faults = _sample()
+                _add(slot, cpu - start[0], faults - start[1])
         setattr(owner, name, timed_async)
         return
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         start = _sample()
-        if not PARTS:  # the child's first part: what it spent since the fork
-            PARTS["the fork's return in the child"] = [start[0], start[1]]
+        if not SLOT.unpack_from(SHARED, first)[2]:  # the child's first part: since the fork
+            _add(first, *start)
         try:
             return original(*args, **kwargs)
         finally:
-            add(start)
+            cpu, faults = _sample()
+            _add(slot, cpu - start[0], faults - start[1])
     if isinstance(owner, type) and isinstance(vars(owner).get(name), staticmethod):
         setattr(owner, name, staticmethod(timed))
     elif isinstance(owner, type) and isinstance(vars(owner).get(name), classmethod):
@@ -102,17 +125,38 @@ def _wrap(owner: Any, name: str, label: str) -> None:
         setattr(owner, name, timed)
 
 
-def _report_before_finishing() -> None:
-    """In the child: its parts as one stdout line of the run, before the run's last records."""
-    finish = oneshot_io.finish_run
+def _mark_the_end() -> None:
+    """In the child: the figures when the answer is complete (finish_run's start), and at
+    os._exit (after the streams' rest, the written files and DONE); the modules imported."""
+    finish, real_exit = oneshot_io.finish_run, os._exit
+    until, end = _slot(UNTIL_ANSWER), _slot(FINISH)
 
     def reporting(channel: Any, conn: Any, request: Any) -> Any:
-        cpu, faults = _sample()
-        PARTS["child until the answer"] = [cpu, faults]
-        imported = sorted(set(sys.modules) - ZYGOTE_MODULES)
-        sys.stdout.write(MARKER + json.dumps({**PARTS, "imported": imported}) + "\n")
+        _add(until, *_sample())
+        if len(sys.modules) != ZYGOTE_MODULES[0]:  # new names come last in sys.modules
+            names = json.dumps(list(sys.modules)[ZYGOTE_MODULES[0]:]).encode()[:IMPORTED_AT]
+            SHARED[IMPORTED_AT:IMPORTED_AT + len(names)] = names
         return finish(channel, conn, request)
+
+    def exiting(code: int) -> Any:
+        _add(end, *_sample())
+        real_exit(code)
     oneshot_io.finish_run = reporting  # type: ignore[assignment]
+    os._exit = exiting  # type: ignore[assignment]
+
+
+def _child_parts() -> tuple[dict[str, list[float]], list[str]]:
+    """After the child's exit: its figures by label, in the order their parts first ended,
+    and the modules it imported; the shared memory cleared for the next."""
+    found = []
+    for index, label in enumerate(LABELS):
+        cpu, faults, order = SLOT.unpack_from(SHARED, index * SLOT.size)
+        if order:
+            found.append((order, label, [cpu, faults]))
+    end = SHARED.find(b"\0", IMPORTED_AT)
+    imported = json.loads(SHARED[IMPORTED_AT:end]) if end > IMPORTED_AT else []
+    SHARED[:] = bytes(len(SHARED))
+    return {label: figures for _, label, figures in sorted(found)}, imported
 
 
 def _request() -> bytes:
@@ -124,29 +168,20 @@ def _request() -> bytes:
     return wire.record(wire.REQUEST, wire.pack_frames(messages.serialize(msg)))
 
 
-def _call(path: str) -> dict[str, Any]:
-    """Be the caller: connect, send the request, read to DONE; the child's reported parts."""
+def _call(path: str) -> None:
+    """Be the caller: connect, send the request, read to DONE."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     conn.sendall(_request())
-    records, parts, done = wire.Records(), None, False
+    records, done = wire.Records(), False
     while not done:
         data = conn.recv(1 << 16)
         if not data:
             break
-        for kind, payload in records.feed(data):
-            if kind == wire.MESSAGE:
-                _, frames = messages.split_identities(wire.unpack_frames(payload))
-                msg = messages.deserialize(frames)
-                text = msg["content"].get("text", "") if msg["msg_type"] == "stream" else ""
-                for line in text.splitlines():
-                    if line.startswith(MARKER):
-                        parts = json.loads(line[len(MARKER):])
-            done = done or kind == wire.DONE
+        done = any(kind == wire.DONE for kind, _ in records.feed(data))
     conn.close()
-    if parts is None:
-        raise RuntimeError("the pooled process reported no parts (see its stderr)")
-    return parts
+    if not done:
+        raise RuntimeError("the pooled process ended before DONE (see its stderr)")
 
 
 def run(runs: int, network: bool) -> dict[str, Any]:
@@ -161,10 +196,12 @@ def run(runs: int, network: bool) -> dict[str, Any]:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(8)
+    for label in (FORK_RETURN, *(label for _, _, label in WRAPPED), UNTIL_ANSWER, FINISH):
+        _slot(label)
     for owner, name, label in WRAPPED:
         _wrap(owner, name, label)
-    _report_before_finishing()
-    ZYGOTE_MODULES.update(sys.modules)
+    _mark_the_end()
+    ZYGOTE_MODULES[0] = len(sys.modules)
     samples: list[dict[str, Any]] = []
     try:
         for _ in range(runs):
@@ -175,15 +212,17 @@ def run(runs: int, network: bool) -> dict[str, Any]:
                 zygote._become_pooled(process, listener, registry, taken_write, argv, env,
                                       os.getuid(), [])
             os.close(taken_write)
-            parts = _call(path)
-            imported = parts.pop("imported")
+            _call(path)
             _, _, usage = os.wait4(pid, 0)
             os.close(taken_read)
-            whole = usage.ru_utime + usage.ru_stime
-            parts["exit and teardown (whole CPU minus the measured)"] = [
-                whole - parts["child until the answer"][0],
-                usage.ru_minflt - parts["child until the answer"][1]]
-            parts["whole child (wait4)"] = [whole, usage.ru_minflt]
+            parts, imported = _child_parts()
+            if FINISH not in parts:
+                raise RuntimeError("the pooled process did not reach os._exit (see its stderr)")
+            whole, at_exit = usage.ru_utime + usage.ru_stime, parts[FINISH]
+            parts[FINISH] = [at_exit[0] - parts[UNTIL_ANSWER][0],
+                             at_exit[1] - parts[UNTIL_ANSWER][1]]
+            parts[EXIT] = [whole - at_exit[0], usage.ru_minflt - at_exit[1]]
+            parts[WHOLE] = [whole, usage.ru_minflt]
             samples.append(parts)
     finally:
         os.unlink(path)

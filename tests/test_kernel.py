@@ -224,6 +224,19 @@ class _CountingShell:
         return raw_cell.upper()
 
 
+class _JudgingShell(_CountingShell):
+    """...whose should_run_async counts its calls too (a cell awaits if it says await)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.judged: list[tuple[str, str]] = []
+
+    def should_run_async(self, raw_cell: str, *, transformed_cell=None,
+                         preprocessing_exc_tuple=None) -> bool:
+        self.judged.append((raw_cell, transformed_cell))
+        return preprocessing_exc_tuple is None and "AWAIT" in transformed_cell
+
+
 def test_a_cell_is_transformed_once_per_execution():
     from sandbox_kernel.kernel.runner import _transformed_once
 
@@ -247,6 +260,44 @@ def test_a_cell_is_transformed_once_per_execution():
     worker.start()
     worker.join()
     assert seen == [False]
+
+
+def test_a_cell_is_judged_once_per_execution():
+    """Whether the cell runs as a coroutine: ipykernel's (or the lean process's) call, then
+    IPython's run_cell's, one real decision; anything else decided as before."""
+    from sandbox_kernel.kernel.runner import _transformed_once
+
+    shell = _JudgingShell()
+    for code, awaits in (("await x", True), ("x = 1", False)):
+        with _transformed_once(shell, code):
+            cell = shell.transform_cell(code)
+            assert shell.should_run_async(code, transformed_cell=cell) is awaits
+            assert shell.should_run_async(code, transformed_cell=cell) is awaits
+            assert shell.judged == [(code, cell)]
+            assert shell.should_run_async(code, transformed_cell=cell) is awaits  # once only
+            assert shell.should_run_async(code, transformed_cell="other") is False
+            assert shell.should_run_async("y", transformed_cell="AWAIT y") is True
+            assert shell.should_run_async(code, transformed_cell=cell,
+                                          preprocessing_exc_tuple=(1, 2, 3)) is False
+            assert len(shell.judged) == 5
+        assert "should_run_async" not in vars(shell)  # the class's method again
+        shell.judged.clear()
+
+
+def test_a_cell_that_cannot_await_is_judged_without_compiling_it():
+    """IPython's should_run_async compiles the cell to find a top-level await; a cell whose
+    text says neither await nor async cannot have one: whatever IPython finds, this finds."""
+    from IPython.core.async_helpers import _should_be_async
+
+    from sandbox_kernel.kernel.runner import _may_await
+
+    cells = ["x = 1", "await x", "async with a:\n    pass", "[i async for i in x]",
+             "async def f():\n    pass", "def f():\n    await x", "print('await')",
+             "x = 1\nawait asyncio.sleep(0)\n", "async for i in x:\n    pass",
+             "f(await g())", "(await x for x in y)", "lambda: (yield)", "return 1",
+             "x = [await y for y in z]", "import asyncio\nasyncio.run(main())"]
+    for cell in cells:
+        assert not _should_be_async(cell) or _may_await(cell), cell
 
 
 def _in_context(shell):

@@ -342,3 +342,44 @@ def test_only_notebook_cells_keep_ipykernels_pause_before_the_reply(sandbox):
     reading = f"def main():\n    return {{'pause': {pause}}}"
     assert ok(sandbox.run(reading, inputs={})).result == {"pause": 0.0}
     assert ok(sandbox.run(pause)).text == "0.0005"
+
+
+def test_a_plain_functions_parameters_are_read_as_inspect_reads_them():
+    """check_signature reads a plain function's parameters off its code object: the same
+    names, defaults and kinds inspect.signature gives, for every shape of parameter list;
+    anything else (wrapped, a partial, a class) goes to inspect itself."""
+    import functools
+    import inspect
+
+    from sandbox_kernel.kernel.main_call import _parameters
+
+    def by_inspect(func):
+        params = list(inspect.signature(func).parameters.values())
+        return ([(p.name, p.default is not p.empty) for p in params
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)],
+                any(p.kind is p.VAR_KEYWORD for p in params),
+                [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty])
+
+    shapes = ["()", "(a, b)", "(a, b=1)", "(a, /, b, *, c, d=2)", "(a=1, /, b=2, *args, c, **kw)",
+              "(*args)", "(**kw)", "(a, b, /, c=3, *, d)", "(a, b=2, /)", "(x, *, y=1)"]
+    for shape in shapes:
+        namespace: dict = {}
+        exec(f"def f{shape}:\n    inner = 1\n    return lambda: inner\n", namespace)
+        assert _parameters(namespace["f"]) == by_inspect(namespace["f"]), shape
+        exec(f"async def g{shape}:\n    pass\n", namespace)
+        assert _parameters(namespace["g"]) == by_inspect(namespace["g"]), shape
+    f = namespace["f"]
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args, **kwargs)
+
+    class Main:
+        def __init__(self, numbers, label="n"):
+            pass
+
+    for other in (wrapper, functools.partial(f, 1), Main):
+        assert _parameters(other) == by_inspect(other)
+    f.__signature__ = inspect.Signature()  # said by the function itself: inspect reads it
+    assert _parameters(f) == ([], False, [])
+    assert _parameters(len) == by_inspect(len)

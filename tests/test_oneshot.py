@@ -833,3 +833,40 @@ def test_a_display_and_a_main_result_arrive_as_on_the_kernel_process():
                            code, {"n": 1})) for process in ("shell", "kernel")]
     assert seen[0] == seen[1]
     assert seen[0]["result"] == {"n": 2} and seen[0]["displays"][0]["text/html"] == "<b>1</b>"
+
+
+def test_the_runs_last_records_go_out_in_one_write_in_the_order_written(monkeypatch):
+    """Channel.hold: what the run writes once its user code is over (result, reply, idle)
+    goes out with DONE, in one write, in order; not while another thread could be waiting
+    for an answer to a record it wrote (a tool call)."""
+    from sandbox_kernel.kernel import oneshot_io
+
+    threads = [1]  # this test process's other threads are not the run's
+    monkeypatch.setattr(oneshot_io.threading, "active_count", lambda: threads[0])
+    ours, callers = socket.socketpair()
+    callers.setblocking(False)
+    try:
+        channel = oneshot_io.Channel()
+        channel.hold()  # no caller yet (the zygote's warm-up): nothing held, nothing written
+        assert channel.held is None
+        channel.conn = ours
+        channel.write(wire.MESSAGE, b"busy")
+        assert list(wire.Records().feed(callers.recv(1 << 16))) == [(wire.MESSAGE, b"busy")]
+        channel.hold()
+        for payload in (b"result", b"reply", b"idle"):
+            channel.write(wire.MESSAGE, payload)
+        channel.write(wire.DONE, b"")
+        with pytest.raises(BlockingIOError):
+            callers.recv(1 << 16)
+        channel.release()
+        assert list(wire.Records().feed(callers.recv(1 << 16))) == [
+            (wire.MESSAGE, b"result"), (wire.MESSAGE, b"reply"), (wire.MESSAGE, b"idle"),
+            (wire.DONE, b"")]
+        threads[0] = 2  # a thread the run left behind
+        channel.hold()
+        channel.write(wire.MESSAGE, b"tool request")
+        assert list(wire.Records().feed(callers.recv(1 << 16))) == [
+            (wire.MESSAGE, b"tool request")]
+    finally:
+        ours.close()
+        callers.close()

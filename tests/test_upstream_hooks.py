@@ -262,3 +262,56 @@ def test_a_session_made_before_a_fork_is_the_forks_once_its_pid_and_count_are_re
     assert session.check_pid and session.pid == os.getpid()
     session.session, session.message_count = "renewed", 0
     assert session.msg_id == f"renewed_{os.getpid()}_0" and session.message_count == 1
+
+
+def test_a_profile_dir_made_in_few_calls_is_the_one_ipython_makes(tmp_path, monkeypatch):
+    """kernel/lean_shell.py's make_profile_dir: the folders, modes and startup README that
+    get_ipython_dir() and ProfileDir.create_profile_dir_by_name make, and a ProfileDir whose
+    traits (in `_trait_values`, set without its observers) name them."""
+    from IPython.core.profiledir import ProfileDir
+    from IPython.paths import get_ipython_dir
+
+    from sandbox_kernel.kernel import lean_shell
+
+    def tree(top):
+        return sorted((os.path.relpath(os.path.join(folder, name), top),
+                       os.lstat(os.path.join(folder, name)).st_mode,
+                       open(os.path.join(folder, name), "rb").read() if name in files else b"")
+                      for folder, folders, files in os.walk(top) for name in folders + files)
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython" / ".ipython"))
+    (tmp_path / "ipython").mkdir()
+    ipythons = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), "default")
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ours" / ".ipython"))
+    (tmp_path / "ours").mkdir()
+    zygotes = ProfileDir(location=str(tmp_path / "zygote"))
+    ipython_dir, ours = lean_shell.make_profile_dir(zygotes)
+    assert ours is zygotes and ipython_dir == str(tmp_path / "ours" / ".ipython")
+    assert tree(tmp_path / "ours") == tree(tmp_path / "ipython")
+    for trait in ("location", "security_dir", "log_dir", "startup_dir", "pid_dir", "static_dir"):
+        assert getattr(ours, trait) == getattr(ipythons, trait).replace(
+            str(tmp_path / "ipython"), str(tmp_path / "ours"))
+    # IPYTHONDIR there already: IPython's own lookup and ProfileDir, as before
+    again_dir, again = lean_shell.make_profile_dir(zygotes)
+    assert again_dir == ipython_dir and again is not zygotes
+    assert again.location == ours.location
+    with pytest.raises(RuntimeError):  # the location is still set once only
+        ours.location = str(tmp_path)
+
+
+def test_the_lean_compilers_cell_names_are_ipykernels():
+    """kernel/lean_shell.py replaces ipykernel's murmur2_x86 (a cell's file name) in its copy
+    of ipykernel's compiler module with one computing the same hash faster."""
+    import random
+
+    from ipykernel.compiler import murmur2_x86
+
+    from sandbox_kernel.kernel import lean_shell
+
+    assert lean_shell.cell_compiler().murmur2_x86 is lean_shell.murmur2_x86
+    rng = random.Random(48)
+    alphabet = "abc xyz\n\t=()[]{}:;,.'\"é中𝄞\x00\x7f"
+    for length in [*range(40), 100, 1000, 4099]:
+        for _ in range(20):
+            text = "".join(rng.choice(alphabet) for _ in range(length))
+            assert lean_shell.murmur2_x86(text, 0xC70F6907) == murmur2_x86(text, 0xC70F6907)

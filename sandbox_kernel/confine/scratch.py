@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import stat
@@ -16,6 +17,7 @@ DEFAULT_SCRATCH_SIZE = 2**30  # at most; by default a quarter of the memory limi
 AUTO_SIZE = -1  # --scratch-size's default: planned_size chooses
 DEFAULT_SCRATCH_FILES = 32768  # inodes: each costs the host ~1 KiB of kernel memory
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
+_MOUNT = ctypes.CDLL(None, use_errno=True).mount  # made once (a fork server's or zygote's)
 
 
 class ScratchError(ConfinementError):
@@ -26,25 +28,33 @@ class ScratchError(ConfinementError):
 
 def root() -> Path:
     """Where every scratch directory of this user lives (one per kernel)."""
-    return Path(tempfile.gettempdir()) / _root_name()
+    return Path(_root_path())
+
+
+def _root_path() -> str:
+    return os.path.join(tempfile.gettempdir(), _root_name())
 
 
 def _root_name() -> str:
     return f"sandbox-kernel-{os.geteuid()}"
 
 
-def _safe_root() -> Path:
-    base = root()
+def _safe_root() -> str:
+    base = _root_path()
     try:
-        base.mkdir(mode=0o711)
-    except FileExistsError:
-        pass
-    info = base.lstat()
+        info = os.lstat(base)  # there already, but for the first kernel of this user
+    except FileNotFoundError:
+        try:
+            os.mkdir(base, 0o711)
+        except FileExistsError:
+            pass
+        info = os.lstat(base)
     # Someone else could have planted the directory (or a link) in the shared /tmp.
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
         raise ScratchError(f"{base} is not a directory owned by uid {os.geteuid()} and "
                            "writable only by it; remove it and start the kernel again")
-    os.chmod(base, 0o711)  # others may reach their own scratch after a privilege drop, not list
+    if stat.S_IMODE(info.st_mode) != 0o711:
+        os.chmod(base, 0o711)  # others may reach their own scratch after a privilege drop, not list
     return base
 
 
@@ -58,15 +68,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale(base: Path) -> list[str]:
+def remove_stale(base: Path | str) -> list[str]:
     """Remove the scratch directories of kernels that are no longer running."""
     removed = []
-    for entry in base.iterdir():
-        parts = entry.name.split("-")
+    for name in os.listdir(base):
+        parts = name.split("-")
         if len(parts) == 3 and parts[0] == "kernel" and parts[1].isdigit():
             if not _alive(int(parts[1])):
+                entry = os.path.join(base, name)
                 shutil.rmtree(entry, ignore_errors=True)
-                removed.append(str(entry))
+                removed.append(entry)
     return removed
 
 
@@ -74,7 +85,22 @@ def create() -> str:
     """A new scratch directory for this process, after sweeping away stale ones."""
     base = _safe_root()
     remove_stale(base)
-    return tempfile.mkdtemp(prefix=f"kernel-{os.getpid()}-", dir=base)
+    return _make_own(base)
+
+
+def _make_own(base: str) -> str:
+    """A new folder `kernel-<pid>-<8 random hex digits>` of base, mode 0700, as
+    tempfile.mkdtemp makes one: a random name, taken only if it did not exist (tempfile's
+    names need a random.Random seeded anew in each forked process; os.urandom does not)."""
+    prefix = os.path.join(base, f"kernel-{os.getpid()}-")
+    for _ in range(tempfile.TMP_MAX):
+        path = prefix + os.urandom(4).hex()
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(errno.EEXIST, "no usable scratch directory name found")
 
 
 def is_own(path: str) -> bool:
@@ -115,9 +141,8 @@ def mount_quota(path: str, size: int, files: int = DEFAULT_SCRATCH_FILES) -> boo
         view.private_namespace()
     except view.ViewError as exc:
         raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: {exc}") from None
-    libc = ctypes.CDLL(None, use_errno=True)
     options = f"size={size},nr_inodes={files or 0},mode=0700".encode()
-    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
+    if _MOUNT(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
         raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: "
                            f"{os.strerror(ctypes.get_errno())}")
     return True
@@ -136,7 +161,9 @@ def quotas(path: str) -> tuple[int | None, int | None]:
 
 
 def _tmpfs_stats(path: str) -> os.statvfs_result | None:
-    for line in Path("/proc/self/mounts").read_text().splitlines():
+    with open("/proc/self/mounts") as mounts:  # as Path.read_text reads it
+        table = mounts.read()
+    for line in table.splitlines():
         _, mount_point, fs_type, *_ = line.split()
         if mount_point == path and fs_type == "tmpfs":
             return os.statvfs(path)

@@ -10,9 +10,9 @@ CPython, IPython's shell (lean_shell.py), the runner (runner.py: every execution
 message builder (messages.py) and the confinement's precomputed inputs, nothing else.
 
 Per pooled process, the same steps as oneshot.py's, through the same functions (oneshot_io.py;
-confine/sequence.py's Confinement, in kernel/app.py's order): its per-process parts (profile dir
-in the scratch, captured fds, the shell renewed), `before_threads`, the uid switch, the check
-that the server is its parent, `finish` (seccomp), `hand_to_user_code`; then one request: read
+confine/sequence.py's Confinement, in kernel/app.py's order): `before_threads`, its per-process
+parts (captured fds, the shell renewed with its profile dir in the scratch), the uid switch, the
+check that the server is its parent, `finish` (seccomp), `hand_to_user_code`; then one request: read
 (oneshot_wire records), run through `Runner.execute` on the shell's `run_cell` (its async
 variant for top-level await), and answered with the messages a kernel sends: status busy, the
 run's output, execute_reply (with `metadata.sandbox.usage`), status idle; then the written
@@ -44,7 +44,6 @@ from typing import Any, NoReturn
 
 from IPython.core.error import StdinNotImplementedError
 from IPython.core.profiledir import ProfileDir
-from IPython.paths import get_ipython_dir
 from traitlets.config import Config
 
 from ..confine.errors import ConfinementError
@@ -67,17 +66,30 @@ REFUSED_PIP = ("%pip cannot run in a one-shot run: its process ends with the run
                "it installed would be kept; install into the runtime, or use a session")
 
 
-def run_on_a_loop(coroutine: Any) -> Any:
+def run_on_a_loop(coroutine: Any, close: bool = True) -> Any:
     """Run coroutine on an event loop of its own, leaving SIGINT to the code it runs: an
     interrupt is a KeyboardInterrupt in the cell (an awaiting cell's is a cancellation:
-    `cancel_on_sigint`), as in a kernel; asyncio.run would cancel the whole request instead."""
+    `cancel_on_sigint`), as in a kernel; asyncio.run would cancel the whole request instead.
+    close=False: the process ends after this run (`os._exit`, which runs no finalizer): the
+    loop is left as it is, as closing it would leave it for nobody (its tasks are dropped
+    either way; its executor's threads end with the process)."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         return loop.run_until_complete(coroutine)
     finally:
-        asyncio.set_event_loop(None)
-        loop.close()
+        if close:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def new_uuid4() -> str:
+    """str(uuid.uuid4()), without running uuid.UUID's constructor in each pooled process."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    text = raw.hex()
+    return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def _no_stdin(*_: Any, **__: Any) -> str:
@@ -114,7 +126,7 @@ class LeanOneShot:
                              tool_transport=self.tool_transport)
         self.confinement: Confinement | None = None
         self.not_granted = ""
-        self.sandbox_info: dict[str, Any] = {}  # the policy and layers, once confined
+        self._sandbox_info: dict[str, Any] | None = {}  # None once confined: made when read
         # get_ipython().kernel: this process, as a kernel's shell names its kernel (its
         # session, parent request, tool transport and sandbox_info, as a kernel's are named)
         self.shell.kernel = self
@@ -153,7 +165,9 @@ class LeanOneShot:
         return frame.f_code.co_filename.startswith(self.compiler.get_tmp_directory())
 
     def publish_result(self, content: bytes) -> None:
-        """A main() result's execute_result (its content packed already: main_call.py)."""
+        """A main() result's execute_result (its content packed already: main_call.py): the
+        run's user code is over, its last records go out together (Channel.hold)."""
+        self.channel.hold()
         self.messages.send(self.channel, "execute_result", content,  # type: ignore[arg-type]
                            parent=self.outbox.parent, ident=self.outbox.topic("execute_result"))
 
@@ -186,6 +200,20 @@ class LeanOneShot:
         What is sent here passes no cap of the kernel's; the caller caps it (its output cap)."""
         return self.channel
 
+    @property
+    def sandbox_info(self) -> dict[str, Any]:
+        """The policy and layers, once confined (a kernel's kernel_info `sandbox`): made when
+        first read, from what they are then (nothing changes them once user code runs); {}
+        before."""
+        if self._sandbox_info is None:
+            assert self.confinement is not None
+            self._sandbox_info = self.confinement.info()
+        return self._sandbox_info
+
+    @sandbox_info.setter
+    def sandbox_info(self, info: dict[str, Any]) -> None:
+        self._sandbox_info = info
+
     def get_parent(self) -> dict[str, Any]:
         """The request being answered (a kernel's get_parent)."""
         return self.outbox.parent
@@ -214,12 +242,11 @@ class LeanOneShot:
         os.environ.setdefault("MPLBACKEND", INLINE_BACKEND)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the caller's interrupt
         try:
-            profile = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), "default")
             self.confinement = Confinement(self.policy, Channels(), oneshot_io.kernel_id())
             self.confinement.before_threads()
             self.not_granted = oneshot_io.cwd_refusal(self.confinement.layers)
             oneshot_io.capture_fds(self.channel)
-            self.renew(profile)
+            self.renew()
             self.confinement.switch_user()
             if not oneshot_io.die_with_server(self.server_pid):
                 self.refuse_to_start("the fork server that started this one-shot process "
@@ -229,13 +256,14 @@ class LeanOneShot:
             self.refuse_to_start(exc.refusal())
         self.hand_to_user_code()
 
-    def renew(self, profile: ProfileDir) -> None:
+    def renew(self) -> None:
         """What the zygote built that is per process: ids, usage, the shell's directories
-        (lean_shell's `relocate`; its namespaces are the zygote's clean ones, forked)."""
-        self.ident = self.outbox.ident = str(uuid.uuid4())
+        (lean_shell's `relocate`: its IPython and profile dirs made in the scratch; its
+        namespaces are the zygote's clean ones, forked)."""
+        self.ident = self.outbox.ident = new_uuid4()
         self.messages.renew()
         self.runner.renew()
-        self.shell.relocate(profile)
+        self.shell.relocate()
         session_name = os.environ.get("JPY_SESSION_NAME")
         if session_name:
             self.shell.user_ns["__session__"] = session_name
@@ -249,7 +277,13 @@ class LeanOneShot:
         confinement.hand_to_user_code()
         self.runner.file_access = confinement.file_access
         self.runner.usage.refusals = confinement.refusals
-        self.sandbox_info = confinement.info()
+        self._sandbox_info = None  # sandbox_info: made when first read
+        # tempfile's folder, as its first use would find it: TMPDIR, the scratch (unless the
+        # policy's environment named another), which user code's uid may write. Its check, a
+        # file written and removed there, was every run's (the cell compiler names cells in it).
+        scratch_dir = confinement.layers["scratch"]["path"]
+        if os.environ.get("TMPDIR") == scratch_dir:
+            tempfile.tempdir = os.path.abspath(scratch_dir)
 
     def serve_one(self, listener: socket.socket, taken: int, server_uid: int) -> NoReturn:
         """Take exactly one connection, run its request, answer and exit."""
@@ -264,7 +298,7 @@ class LeanOneShot:
         except (ValueError, TypeError, KeyError) as exc:
             oneshot_io.refuse_request(conn, f"the request could not be read: {exc}")
         try:
-            run_on_a_loop(self.execute(request, idents))
+            run_on_a_loop(self.execute(request, idents), close=False)  # the process ends next
         except OSError:
             os._exit(0)  # the caller left: nobody to answer
         oneshot_io.finish_run(self.channel, conn, request)
@@ -293,6 +327,7 @@ class LeanOneShot:
         run_cell = partial(self.run_cell, code, silent, content.get("user_expressions") or {})
         reply = await self.runner.execute(run_cell, code, request, silent=silent,
                                           store_history=store_history)
+        self.channel.hold()  # user code is over: the rest goes out with DONE (finish_run)
         for stream in self.streams:
             stream.flush()
         metadata["status"] = reply["status"]

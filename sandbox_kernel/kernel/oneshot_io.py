@@ -36,6 +36,7 @@ REQUEST_TIMEOUT = 10.0  # seconds a caller has to send its request once connecte
 FLUSH_AFTER = 0.05  # seconds between a stream's messages while output keeps coming
 FLUSH_SIZE = 64 * 1024  # characters a stream keeps before sending them
 _PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # made once, in the zygote: not per process
 
 
 def _overflow_uid() -> int:
@@ -84,6 +85,7 @@ class Channel:
         self.lock = threading.Lock()  # a record at a time: tool calls come from any thread
         self.streams: list[CapturedStream] = []
         self.sending_output = False  # a stream's own message is being sent
+        self.held: list[bytes] | None = None  # records kept for one write (hold, release)
 
     def send_multipart(self, frames: list[Any], copy: bool = True, **_: Any) -> None:
         """Session.send's call: write the message's frames as one record."""
@@ -95,8 +97,30 @@ class Channel:
     def write(self, kind: int, payload: bytes) -> None:
         """One record to the caller; nothing before it connected (no caller, no message)."""
         if self.conn is not None:
+            record = wire.record(kind, payload)
             with self.lock:
-                self.conn.sendall(wire.record(kind, payload))
+                if self.held is not None:
+                    self.held.append(record)
+                else:
+                    self.conn.sendall(record)
+
+    def hold(self) -> None:
+        """Keep the records written from now on for one write (`release`): the run's last
+        ones, which no user code runs between (its result, the reply, idle, done), reach the
+        caller together, in order, as written, with one call and one wake-up of the caller.
+        Only while this is the one thread: a thread the run left behind could be waiting for
+        an answer to what it writes (a tool call), which a held record would never get."""
+        if self.conn is not None and threading.active_count() == 1:
+            with self.lock:
+                if self.held is None:
+                    self.held = []
+
+    def release(self) -> None:
+        """Write what `hold` kept, in one call."""
+        with self.lock:
+            held, self.held = self.held, None
+            if held and self.conn is not None:
+                self.conn.sendall(b"".join(held))
 
     def flush(self, *_: Any) -> None:
         """ZMQStream's flush: every record is written when it is sent."""
@@ -273,8 +297,7 @@ def die_with_server(server_pid: int) -> bool:
     A pooled process waits for a request its server answers for; with the server gone
     (retired, stopped, killed) nobody will hand it one. A process that took its request no
     longer needs the server (take_connection)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 \
+    return _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0 \
         and os.getppid() == server_pid
 
 
@@ -290,7 +313,7 @@ def take_connection(listener: socket.socket, taken: int, server_uid: int) -> soc
     # The run is the caller's now and outlives the server (its companion serves it on):
     # one killed mid-run takes with it only the processes still waiting. Killed before
     # this line, the process hangs up before its pid record, and the caller asks again.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    _PRCTL(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
     listener.close()
     try:
         os.write(taken, b"+")  # the server starts this one's successor now
@@ -348,14 +371,20 @@ def refuse_request(conn: socket.socket, reason: str) -> NoReturn:
     os._exit(4)
 
 
+def keep_files_asked(request: dict[str, Any]) -> dict[str, Any] | None:
+    """The request's keep_files (what the caller asked to keep of the written files), if any."""
+    sandbox = request.get("metadata", {}).get("sandbox")
+    asked = sandbox.get("keep_files") if isinstance(sandbox, dict) else None
+    return asked if isinstance(asked, dict) else None
+
+
 def written_files(request: dict[str, Any]) -> bytes | None:
     """The files the run wrote, if the request asked to keep them (JSON), else None: this
     scratch ends with the process, where a ZMQ kernel's caller asks for them in further runs.
     Listed and read by the code those runs send (kernel/file_ops.py), in this process, after
     the run: what user code could reach, and no more trusted than its output."""
-    sandbox = request.get("metadata", {}).get("sandbox")
-    asked = sandbox.get("keep_files") if isinstance(sandbox, dict) else None
-    if not isinstance(asked, dict):
+    asked = keep_files_asked(request)
+    if asked is None:
         return None
     inputs = {key: asked[key] for key in KEEP_INPUTS if key in asked}
     try:
@@ -366,16 +395,20 @@ def written_files(request: dict[str, Any]) -> bytes | None:
 
 
 def finish_run(channel: Channel, conn: socket.socket, request: dict[str, Any]) -> NoReturn:
-    """After the reply: the streams' rest, the written files if asked, DONE; then wait until
-    the caller hangs up (it kills this process then: it reads the host's figures of the run
-    from /proc meanwhile, as it does for a ZMQ kernel), and exit."""
+    """After the reply: the streams' rest, the written files if asked, DONE (in one write with
+    the records the run held: Channel.hold); then wait until the caller hangs up (it kills
+    this process then: it reads the host's figures of the run from /proc meanwhile, as it
+    does for a ZMQ kernel), and exit."""
     try:
         for stream in channel.streams:
             stream.flush()
+        if keep_files_asked(request) is not None:
+            channel.release()  # the reply first: listing and reading the files takes a while
         kept = written_files(request)
         if kept is not None:
             channel.write(wire.FILES, kept)
         channel.write(wire.DONE, b"")
+        channel.release()
         conn.settimeout(REQUEST_TIMEOUT)
         conn.recv(1)
     except OSError:

@@ -15,7 +15,8 @@ the cell itself; a one-shot kernel (oneshot.py) is that kernel on another channe
   about (a refused call names the policy, its traceback ends at the user's frame);
 - usage (usage.py): what an execution cost, reported by the transport's reply;
 - the warm-up: a silent execution that leaves no trace for user code to read;
-- the cell's code transformed once where IPython would transform it twice.
+- the cell's code transformed and judged (coroutine or not) once where IPython would do each
+  twice.
 
 It imports no ipykernel: the transport hands it the shell, how to tell the user's frames, how
 to publish a result's content, how to cancel a coroutine on SIGINT, and its session and the
@@ -33,6 +34,8 @@ from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from types import FrameType
 from typing import TYPE_CHECKING, Any
+
+from IPython.core.interactiveshell import InteractiveShell
 
 from .. import jsonwire
 from ..confine import denials
@@ -80,21 +83,28 @@ def _no_trace(shell: Any) -> Iterator[None]:
 
 @contextmanager
 def _transformed_once(shell: Any, code: str) -> Iterator[None]:
-    """Transform the cell's code once for its execution, where IPython would do it twice.
+    """Transform the cell's code once for its execution, and decide once whether it runs as a
+    coroutine, where IPython would do each twice.
 
-    ipykernel transforms the cell to decide whether it must run as a coroutine, then IPython's
-    run_cell transforms the same text again: a pure-Python tokenizer pass over the whole cell
-    (about 0.5 ms for ten lines). The second call for this code takes the first one's result,
-    once; every other call (and a transform that raised) computes as before. Main thread
-    only: cells of subshells run in threads of their own, beside it, on the same shell.
+    ipykernel (and the lean process) transform the cell to decide whether it must run as a
+    coroutine, then IPython's run_cell transforms the same text again and decides again: a
+    pure-Python tokenizer pass over the whole cell (about 0.5 ms for ten lines) and a compile
+    of it. The second call of each for this code takes the first one's result, once; a cell
+    whose text says neither await nor async is not compiled to be judged at all (IPython's
+    compile could find no top-level await in it: `_may_await`); every other call (and a
+    transform that raised) computes as before. Main thread only: cells of subshells run in
+    threads of their own, beside it, on the same shell.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    own = shell.__dict__.get("transform_cell")  # an instance override, restored after
-    transform = shell.transform_cell
-    calls = 0  # of this code: the first one's result serves the second, once
+    names = [name for name in ("transform_cell", "should_run_async") if hasattr(shell, name)]
+    own = {name: shell.__dict__.get(name) for name in names}  # instance overrides, put back
+    transform, decide = shell.transform_cell, getattr(shell, "should_run_async", None)
+    ipythons = getattr(type(shell), "should_run_async", None) is InteractiveShell.should_run_async
+    calls = decisions = 0  # of this code: the first one's result serves the second, once
     first: str | None = None
+    decided: tuple[str, bool] | None = None  # the transformed cell judged first, and how
 
     def transform_cell(raw_cell: str) -> str:
         nonlocal calls, first
@@ -107,14 +117,41 @@ def _transformed_once(shell: Any, code: str) -> Iterator[None]:
         first = result if calls == 1 else None
         return result
 
+    def should_run_async(raw_cell: str, *, transformed_cell: Any = None,
+                         preprocessing_exc_tuple: Any = None) -> bool:
+        nonlocal decisions, decided
+        assert decide is not None
+        if raw_cell != code or preprocessing_exc_tuple is not None:
+            decision: bool = decide(raw_cell, transformed_cell=transformed_cell,
+                                    preprocessing_exc_tuple=preprocessing_exc_tuple)
+            return decision
+        if ipythons and isinstance(transformed_cell, str) and not _may_await(transformed_cell):
+            return False  # what IPython's compile would find, without compiling the cell
+        decisions += 1
+        if decisions == 2 and decided is not None and decided[0] == transformed_cell:
+            return decided[1]
+        result: bool = decide(raw_cell, transformed_cell=transformed_cell)
+        decided = (transformed_cell, result) if decisions == 1 else None
+        return result
+
     shell.transform_cell = transform_cell
+    if decide is not None:
+        shell.should_run_async = should_run_async
     try:
         yield
     finally:
-        if own is None:
-            del shell.transform_cell
-        else:
-            shell.transform_cell = own
+        for name, override in own.items():
+            if override is None:
+                delattr(shell, name)
+            else:
+                setattr(shell, name, override)
+
+
+def _may_await(cell: str) -> bool:
+    """Whether a cell's text could make it a coroutine: IPython's should_run_async compiles the
+    cell and looks for CO_COROUTINE, which only a top-level await, async for, async with or
+    async comprehension sets, each spelled with "await" or "async"."""
+    return "await" in cell or "async" in cell
 
 
 class Runner:

@@ -171,8 +171,7 @@ def _become_pooled(app: Any, listener: socket.socket, registry: int, taken: int,
         kernel_env = prepare(argv, dict(env), companion=register,
                              kept=(listener.fileno(), taken, app.launcher_stderr))
         fontcache.copy_lists(fonts, kernel_env.get("MPLCONFIGDIR", ""))
-        os.environ.clear()
-        os.environ.update(kernel_env)
+        replace_environment(kernel_env)
         forget_environment()
         reseed()
         app.confine()
@@ -185,6 +184,20 @@ def _become_pooled(app: Any, listener: socket.socket, registry: int, taken: int,
         with contextlib.suppress(OSError, ValueError):
             os.write(app.launcher_stderr, traceback.format_exc().encode())
     os._exit(code)
+
+
+def replace_environment(env: dict[str, str]) -> None:
+    """os.environ becomes exactly env, keys in env's order, as clear() then update(env) make
+    it: only the variables that differ from the zygote's are unset or set (each one a call
+    into libc's environment, on pages the zygote's process holds)."""
+    for name in [name for name in os.environ if name not in env]:
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+    if list(os.environ) != list(env):  # the zygote's order differed: env's, as update makes
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def _say(line: str) -> None:
