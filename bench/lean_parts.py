@@ -2,7 +2,8 @@
 
 Usage: python -I -m bench.lean_parts [RUNS] [--network]. This process becomes a pool's lean
 zygote as launch/forkserver/lean_zygote.py makes one (the same preparation and build: a small
-image; bench's own imports are a few stdlib modules), with a companion of its own
+image; bench's own imports are a few stdlib modules; the seccomp programs compiled in a
+short-lived process, as a fork server hands them over), with a companion of its own
 (confine/companion.py). For each of RUNS (default 200) it forks a pooled process that runs
 zygote.py's `_become_pooled` exactly as a pool's does (every layer, one request), connects to
 it as a caller, sends a Dify-shaped main() request and reads the answer. Each part of the child
@@ -22,6 +23,7 @@ import resource
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -184,10 +186,20 @@ def _call(path: str) -> None:
         raise RuntimeError("the pooled process ended before DONE (see its stderr)")
 
 
+def _server_programs() -> dict[str, Any]:
+    """The seccomp programs a fork server hands its lean zygotes (seccomp.handover), compiled
+    in a short-lived process: this one, like a real zygote, never loads libseccomp."""
+    code = "import json; from sandbox_kernel.confine import seccomp; " \
+           "print(json.dumps(seccomp.handover()))"
+    made = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          check=True)
+    return json.loads(made.stdout)  # type: ignore[no-any-return]
+
+
 def run(runs: int, network: bool) -> dict[str, Any]:
     argv = ["--SandboxPolicy.network=on"] if network else []
     env = {name: value for name, value in os.environ.items() if name in ("PATH", "LANG")}
-    lean_zygote.prepare()
+    lean_zygote.prepare(_server_programs())
     process = zygote._build(argv, env, lean.build)
     process.server_pid = os.getpid()  # the forks' parent here: they die with this process
     rss_kb = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024

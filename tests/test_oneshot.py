@@ -802,16 +802,19 @@ def test_top_level_await_runs_as_in_a_zmq_kernel(pool):
 
 
 IMAGE = ("import sys\nprint(sorted({name.split('.')[0] for name in sys.modules}"
-         " & {'ipykernel', 'zmq', 'jupyter_client', 'tornado', 'aiohttp', 'h11'}))\n"
+         " & {'ipykernel', 'zmq', 'jupyter_client', 'tornado', 'aiohttp', 'h11', 'pyseccomp'}))\n"
          "print(type(get_ipython()).__name__, sys.modules['sandbox_kernel.kernel.lean']"
          ".PROCESS.built_by)")
-KERNEL_LIBRARIES = ("libzmq", "/zmq/", "/ipykernel/", "/jupyter_client/", "/tornado/")
+# libseccomp neither: the zygote loads the programs its fork server compiled (seccomp.adopt).
+KERNEL_LIBRARIES = ("libzmq", "/zmq/", "/ipykernel/", "/jupyter_client/", "/tornado/",
+                    "libseccomp", "pyseccomp")
 
 
 def test_the_lean_zygote_holds_no_ipykernel_zmq_or_jupyter_client():
-    """The lean process's image: no module of ipykernel, ZMQ, jupyter_client or the egress
-    proxy's libraries in a pooled process (what its zygote had, plus the run's own imports),
-    and no such file mapped in the zygote; the shell keeps ipykernel's shell's name."""
+    """The lean process's image: no module of ipykernel, ZMQ, jupyter_client, the egress
+    proxy's libraries or libseccomp's binding in a pooled process (what its zygote had, plus
+    the run's own imports), and no such file mapped in the zygote; the shell keeps ipykernel's
+    shell's name."""
     pool = OneShotPool(SandboxPolicy(**POLICY), size=1, process="shell")
     modules, origin = one_shot(pool, IMAGE).stdout.splitlines()
     shell_name, zygote = origin.split()

@@ -2,15 +2,18 @@
 
 The server compiles the seccomp denylists (they name no process) and the allowlist for a
 placeholder pid, and works out the interpreter's read grants before it forks; its kernels load
-and use those copies, writing their own pid into the allowlist. These tests prove the copies
-are the very programs and list a kernel computes afresh (for every setting and for pids that
-equal any constant of the filter), that the filters a process holds are those programs, that
-the server itself stays unfiltered, and that a fork-served kernel is confined by both filters.
+and use those copies, writing their own pid into the allowlist. A lean zygote (a fresh
+interpreter) is handed the server's programs in its pool spec and loads them without libseccomp.
+These tests prove the copies are the very programs and list a kernel computes afresh (for every
+setting and for pids that equal any constant of the filter), handed over or not, that the
+filters a process holds are those programs, that the server itself stays unfiltered, and that a
+fork-served kernel is confined by both filters.
 """
 
 import ctypes
 import errno
 import itertools
+import json
 import os
 import random
 import subprocess
@@ -86,6 +89,63 @@ def test_pid_zero_is_compiled_because_libseccomp_merges_it_with_the_rules_for_ze
     assert bpf.allowlist(0, False, 7, notify) == _compiled_allowlist(0, False, 7, notify)
 
 
+# A process handed the server's programs (a lean zygote): it answers with what it would load.
+HANDED = """
+import json, sys
+from sandbox_kernel.confine import seccomp
+from sandbox_kernel.confine.seccomp import program
+seccomp.adopt(json.load(sys.stdin))
+pids, settings = {pids}, {settings}
+print(json.dumps({{
+    "available": seccomp.available(),
+    "denylists": [program.denylist(net).hex() for net in (False, True)],
+    "allowlists": [[program.allowlist(pid, *setting).hex() for pid in pids]
+                   for setting in settings],
+    "libseccomp": sorted(name for name in sys.modules if "seccomp" in name and "." not in name)
+                  + [line.split()[-1] for line in open("/proc/self/maps") if "libseccomp" in line],
+}}))
+"""
+
+
+def _handed(handover, code):
+    made = subprocess.run([sys.executable, "-I", "-c", code], input=json.dumps(handover),
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    return json.loads(made.stdout)
+
+
+def test_a_process_handed_the_programs_loads_the_very_programs_without_libseccomp():
+    pids = [1, 2, 8, 317, 4242, 32768, PID_MAX_LIMIT]
+    seen = _handed(seccomp.handover(), HANDED.format(pids=pids, settings=SETTINGS))
+    assert seen["available"] is None and seen["libseccomp"] == []
+    assert seen["denylists"] == [_bpf(bpf.compile_rules(seccomp.denylist_rules(network),
+                                                        pyseccomp.ALLOW)).hex()
+                                 for network in (False, True)]
+    for setting, programs in zip(SETTINGS, seen["allowlists"], strict=True):
+        assert programs == [_compiled_allowlist(pid, *setting).hex() for pid in pids], setting
+
+
+def test_a_handed_over_reason_is_the_processes_reason_and_installing_is_refused():
+    code = ("import json, sys\nfrom sandbox_kernel.confine import seccomp\n"
+            "seccomp.adopt(json.load(sys.stdin))\n"
+            "try:\n    seccomp.install(1, False)\nexcept seccomp.SeccompError as exc:\n"
+            "    print(json.dumps([seccomp.available(), str(exc)]))\n")
+    reason = "libseccomp is not usable (the test's reason)"
+    assert _handed({"available": reason}, code) == [reason, reason]
+
+
+def test_a_handed_over_template_must_put_the_pid_on_a_comparison():
+    template = bpf.templates.get((False, True, False)) or (seccomp.precompile() or
+                                                           bpf.templates[False, True, False])
+    program = bpf._encoded(template.program)
+    assert bpf._handed_template(program, list(template.pid_offsets), 0) == template
+    for offsets in ([], [0], [len(template.program) + 4], [template.pid_offsets[0] + 1]):
+        with pytest.raises(ValueError, match="pid offsets"):
+            bpf._handed_template(program, offsets, 0)
+    with pytest.raises(ValueError, match="BPF program of 3 bytes"):
+        bpf._handed_template(bpf._encoded(b"\x00" * 3), [4], 0)
+
+
 def _instructions(*ks, code=bpf.JEQ_K):
     return b"".join(bpf.INSTRUCTION.pack(code, 1, 2, k) for k in ks)
 
@@ -127,15 +187,18 @@ def test_a_program_larger_than_the_export_pipe_is_refused_not_hung():
 
 # Loads both filters (from another thread too) and waits, as a kernel would, to be inspected.
 FILTERED_CHILD = """
-import os, sys, threading
+import json, os, sys, threading
 from sandbox_kernel.confine import seccomp
-if {prepared}:  # as a fork server does: the allowlist then has the pid written in
+if {prepared} == "precompiled":  # as a fork server does: the pid is written in the allowlist
     seccomp.precompile()
+elif {prepared} == "handed":  # as a lean zygote is: the server's programs, no libseccomp
+    seccomp.adopt(json.loads(sys.stdin.readline()))
 done = threading.Event()
 threading.Thread(target=done.wait).start()
 listener = seccomp.install(os.getpid(), {allow_network}, landlock_abi={landlock_abi},
                            notify={notify})
-print(listener is not None and os.readlink(f"/proc/self/fd/{{listener}}"), flush=True)
+print(listener is not None and os.readlink(f"/proc/self/fd/{{listener}}"),
+      "pyseccomp" in sys.modules, flush=True)
 sys.stdin.read()
 """
 PTRACE_ATTACH, PTRACE_DETACH, PTRACE_SECCOMP_GET_FILTER = 16, 17, 0x420C
@@ -169,15 +232,19 @@ def _attached(pid):
 
 
 @pytest.mark.parametrize(("allow_network", "notify"), [(False, True), (True, False)])
-@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize("prepared", ["precompiled", "handed", "compiled"])
 def test_a_process_holds_exactly_the_programs_libseccomp_compiles(allow_network, notify, prepared):
     code = FILTERED_CHILD.format(allow_network=allow_network, landlock_abi=7, notify=notify,
-                                 prepared=prepared)
+                                 prepared=repr(prepared))
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
-        listener = child.stdout.readline().strip()
+        if prepared == "handed":
+            child.stdin.write(json.dumps(seccomp.handover()) + "\n")
+            child.stdin.flush()
+        listener, imported = child.stdout.readline().rsplit(maxsplit=1)
         assert listener == ("anon_inode:seccomp notify" if notify else "False")
+        assert imported == str(prepared != "handed")  # loaded without libseccomp when handed
         libc = _attached(child.pid)
         try:
             held = _loaded_filters(child.pid)

@@ -2,18 +2,19 @@
 
 Porcelain over three plumbing modules, after the `landlock` package's split:
 rules.py (the policy as data, and what it keeps), program.py (the rules compiled to BPF, ahead
-of time in a fork server) and syscall.py (libseccomp and the raw seccomp(2) load). Both filters
-are loaded with TSYNC so every thread of the kernel gets them.
+of time in a fork server, and handed over to a lean zygote) and syscall.py (libseccomp, imported
+only to compile, and the raw seccomp(2) load). Both filters are loaded with TSYNC so every
+thread of the kernel gets them.
 """
 
 from __future__ import annotations
 
-from .program import allowlist, denylist, precompile
+from .program import adopt, allowlist, denylist, handover, precompile
 from .rules import ALLOWED, NEVER, allowlist_rules, denylist_rules, describe
 from .syscall import SeccompError, available, load, thread_modes
 
-__all__ = ["ALLOWED", "NEVER", "SeccompError", "allowlist_rules", "available", "denylist_rules",
-           "describe", "install", "precompile", "thread_modes"]
+__all__ = ["ALLOWED", "NEVER", "SeccompError", "adopt", "allowlist_rules", "available",
+           "denylist_rules", "describe", "handover", "install", "precompile", "thread_modes"]
 
 
 def install(pid: int, allow_network: bool, *, landlock_abi: int = 0,

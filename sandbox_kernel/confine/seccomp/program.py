@@ -3,14 +3,17 @@
 libseccomp compiles each filter to a BPF program. A fork server compiles them once for all its
 kernels (precompile): the denylist names no process and is kept as it is; the allowlist, which
 names the kernel's pid, is compiled for a placeholder pid, and each kernel writes its own pid
-into the instructions found to hold it (Template.for_pid).
+into the instructions found to hold it (Template.for_pid). A lean zygote, a fresh interpreter,
+is handed the server's programs (handover, adopt): it loads them without ever importing
+libseccomp, whose binding and compilation are ~0.9 MB its every fork would copy.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
-import functools
+import itertools
 import os
 import struct
 from collections.abc import Iterable
@@ -18,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rules as _rules
+from . import syscall
 from .rules import LANDLOCK_TRUNCATE_ABI, Rule, allowlist_rules, denylist_rules
-from .syscall import INSTRUCTION_SIZE, SeccompError, available, sc, tsync_flags
+from .syscall import INSTRUCTION_SIZE, SeccompError, available, libseccomp, tsync_flags
 
 # struct sock_filter (linux/filter.h): code, jt, jf, k. A pid is compared by a
 # BPF_JMP | BPF_JEQ | BPF_K instruction, in its k.
@@ -34,7 +38,7 @@ PLACEHOLDERS = (0x5EC0_1D00, 0x2BAD_F00D)
 
 def compile_rules(rules: Iterable[Rule], default: int) -> Any:
     """A libseccomp filter of these rules over a default action."""
-    assert sc is not None
+    sc = libseccomp()
     actions = {"allow": sc.ALLOW, "eperm": sc.ERRNO(errno.EPERM),
                "enosys": sc.ERRNO(errno.ENOSYS)}
     flt = sc.SyscallFilter(default)
@@ -75,16 +79,22 @@ def export(compiled: Any) -> bytes:
 
 def default_action(notify: bool) -> int:
     """The allowlist's verdict on every call it does not name: EPERM, or ask the listener."""
-    assert sc is not None
-    return sc.NOTIFY if notify else sc.ERRNO(errno.EPERM)
+    sc = libseccomp()
+    return int(sc.NOTIFY if notify else sc.ERRNO(errno.EPERM))
 
 
-@functools.cache
+# The denylists, by allow_network: compiled once per process (they name no process), or
+# handed over (adopt). A fork server's kernels load the server's copies.
+denylists: dict[bool, bytes] = {}
+
+
 def denylist(allow_network: bool) -> bytes:
-    """The denylist program, compiled once per process (it names no process): a fork server's
-    kernels load the server's copy."""
-    assert sc is not None
-    return export(compile_rules(denylist_rules(allow_network), sc.ALLOW))
+    """The denylist program for this setting."""
+    program = denylists.get(allow_network)
+    if program is None:
+        rules = denylist_rules(allow_network)
+        program = denylists[allow_network] = export(compile_rules(rules, libseccomp().ALLOW))
+    return program
 
 
 @dataclass(frozen=True)
@@ -146,9 +156,13 @@ def allowlist_template(allow_network: bool, truncate: bool, notify: bool) -> Tem
     return Template(first, offsets, floor)
 
 
-# The templates precompile() made, by (allow_network, truncate, notify). Only a process that
-# forks kernels makes them: for a single kernel, two compiles would cost more than its own one.
-templates: dict[tuple[bool, bool, bool], Template | None] = {}
+# The templates precompile() made (or adopt() was handed), by (allow_network, truncate,
+# notify). Only a process that forks kernels makes them: for a single kernel, two compiles
+# would cost more than its own one.
+Settings = tuple[bool, bool, bool]
+templates: dict[Settings, Template | None] = {}
+SETTINGS: tuple[Settings, ...] = tuple(itertools.product((False, True), (False, True),
+                                                         (False, True)))
 
 
 def allowlist(pid: int, allow_network: bool, landlock_abi: int, notify: bool) -> bytes:
@@ -168,14 +182,84 @@ def precompile() -> None:
         return
     for allow_network in (False, True):
         denylist(allow_network)
-        for truncate in (False, True):
-            # What the rules keep, and their description: each kernel states both.
-            abi = LANDLOCK_TRUNCATE_ABI if truncate else 0
+    for settings in SETTINGS:
+        if settings not in templates:
+            templates[settings] = allowlist_template(*settings)
+    tsync_flags()
+    _describe_every_setting()
+
+
+def _describe_every_setting() -> None:
+    """What the rules keep, and their description, for every setting: each kernel states both
+    (pure Python, read once before the forks)."""
+    for allow_network in (False, True):
+        for abi in (0, LANDLOCK_TRUNCATE_ABI):
             _rules.keeps("processes", allow_network, abi)
             for notify in (False, True):
                 _rules.describe(allow_network, notify, landlock_abi=abi)
-            for notify in (False, True):
-                settings = (allow_network, truncate, notify)
-                if settings not in templates:
-                    templates[settings] = allowlist_template(*settings)
-    tsync_flags()
+
+
+def _encoded(program: bytes) -> str:
+    return base64.b64encode(program).decode("ascii")
+
+
+def _decoded(text: str) -> bytes:
+    program = base64.b64decode(text, validate=True)
+    if not program or len(program) % INSTRUCTION.size:
+        raise ValueError(f"a handed-over BPF program of {len(program)} bytes")
+    return program
+
+
+def _handed_template(program: str, offsets: list[int], floor: int) -> Template:
+    template = Template(_decoded(program), tuple(int(offset) for offset in offsets), int(floor))
+    size = len(template.program)
+    if not template.pid_offsets or any(
+            offset % INSTRUCTION.size != _K_OFFSET or offset >= size
+            for offset in template.pid_offsets):
+        raise ValueError(f"handed-over pid offsets {template.pid_offsets} do not fall on the k "
+                         f"fields of a program of {size} bytes")
+    return template
+
+
+def handover() -> dict[str, Any]:
+    """What precompile() made and found out, as JSON, for a process that is to load these
+    programs without libseccomp: a fork server puts it in a lean zygote's pool spec."""
+    reason = available()
+    if reason is not None:
+        return {"available": reason}
+    precompile()
+    return {
+        "available": None,
+        "seccomp": syscall.seccomp_number(),
+        "tsync_flags": tsync_flags(),
+        "denylists": [[allow_network, _encoded(denylist(allow_network))]
+                      for allow_network in (False, True)],
+        "templates": [[*settings, None if template is None else
+                       [_encoded(template.program), list(template.pid_offsets), template.floor]]
+                      for settings, template in templates.items()],
+    }
+
+
+def adopt(handed: dict[str, Any]) -> None:
+    """Load, from now on, the programs another process compiled (handover()), and take its
+    findings: this process imports neither pyseccomp nor libseccomp for them. ValueError (or
+    KeyError, TypeError) when what was handed is not such a thing."""
+    told = {"available": handed["available"]}
+    if handed["available"] is None:
+        told.update(seccomp=int(handed["seccomp"]), tsync_flags=int(handed["tsync_flags"]))
+        handed_denylists = {bool(net): _decoded(program) for net, program in handed["denylists"]}
+        handed_templates = {(bool(allow_network), bool(truncate), bool(notify)):
+                            None if template is None else _handed_template(*template)
+                            for allow_network, truncate, notify, template in handed["templates"]}
+        denylists.update(handed_denylists)
+        templates.update(handed_templates)
+    syscall.told.update(told)
+    for cached in (available, syscall.seccomp_number, tsync_flags):
+        cached.cache_clear()
+    if handed["available"] is not None:
+        return
+    _describe_every_setting()
+    if any(templates.get(settings) is None for settings in SETTINGS):
+        # An allowlist without a template is compiled by each kernel for its pid, as a fork
+        # server's kernels do: with libseccomp loaded now, not imported by a confined kernel.
+        libseccomp()

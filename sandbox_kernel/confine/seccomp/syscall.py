@@ -3,6 +3,10 @@
 Raw calls rather than libseccomp's own load: a fork server's kernels load programs the server
 compiled (program.py), which libseccomp can only load from the filter context that built them.
 The flags are those libseccomp would choose (TSYNC, with TSYNC_ESRCH where Linux has it).
+
+libseccomp (through pyseccomp) is imported on first use, by a process that compiles. A lean
+zygote compiles nothing: its fork server hands it the programs and the two facts below that
+libseccomp found out (`told`), so neither the binding nor the library is in its image.
 """
 
 from __future__ import annotations
@@ -16,14 +20,6 @@ from typing import Any
 
 from ..errors import ConfinementError, waiver
 
-try:
-    import pyseccomp as sc
-except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: libseccomp not found
-    sc = None
-    _IMPORT_ERROR: BaseException | None = exc
-else:
-    _IMPORT_ERROR = None
-
 
 class SeccompError(ConfinementError):
     """The filter could not be built, loaded or verified."""
@@ -32,13 +28,41 @@ class SeccompError(ConfinementError):
     fix = waiver("a system-call filter", "--no-seccomp")
 
 
+# What a process that compiled the programs found out, told to one that loads them without
+# libseccomp (program.adopt): "available" (why seccomp cannot be used, or None), "seccomp"
+# (seccomp(2)'s number) and "tsync_flags". Empty in a process that asks libseccomp itself.
+told: dict[str, Any] = {}
+
+
+@functools.cache
+def _binding() -> tuple[Any, str | None]:
+    """pyseccomp, imported on first use; or why it cannot be."""
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: libseccomp not found
+        return None, (f"libseccomp is not usable ({exc}); install the system package "
+                      "libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2)")
+    return pyseccomp, None
+
+
+def libseccomp() -> Any:
+    """The pyseccomp module, to compile with (SeccompError when libseccomp is not usable)."""
+    module, reason = _binding()
+    if module is None:
+        raise SeccompError(reason)
+    return module
+
+
 @functools.cache
 def available() -> str | None:
     """None when seccomp can be used here; otherwise why not (a fact of the running Linux
-    and libseccomp: found out once per process, by a fork server for all its kernels)."""
-    if sc is None:
-        return (f"libseccomp is not usable ({_IMPORT_ERROR}); install the system package "
-                "libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2)")
+    and libseccomp: found out once per process, by a fork server for all its kernels and
+    for its lean zygotes, which are told it)."""
+    if "available" in told:
+        return told["available"]  # type: ignore[no-any-return]
+    _, reason = _binding()
+    if reason is not None:
+        return reason
     status = Path("/proc/self/status").read_text()
     if "Seccomp:" not in status:
         return "this Linux kernel was built without seccomp support"
@@ -67,15 +91,18 @@ def _libc() -> ctypes.CDLL:
 
 
 @functools.cache
-def _seccomp_number() -> int:
-    """seccomp(2)'s number here, looked up once (a fork server's kernels inherit it)."""
-    assert sc is not None
+def seccomp_number() -> int:
+    """seccomp(2)'s number here, looked up once (a fork server's kernels inherit it, a lean
+    zygote is told it)."""
+    if "seccomp" in told:
+        return int(told["seccomp"])
+    sc = libseccomp()
     return int(sc.resolve_syscall(sc.Arch.NATIVE, "seccomp"))
 
 
 def _seccomp(flags: int, program: Any) -> int:
     """seccomp(SECCOMP_SET_MODE_FILTER, flags, program); OSError when it fails."""
-    number = _seccomp_number()
+    number = seccomp_number()
     result = _libc().syscall(ctypes.c_long(number), ctypes.c_long(_SECCOMP_SET_MODE_FILTER),
                              ctypes.c_long(flags), program)
     if result < 0:
@@ -91,6 +118,8 @@ def tsync_flags() -> int:
     TSYNC_ESRCH makes a failed synchronisation an ESRCH error instead of a thread id, which is
     what lets TSYNC and the notification listener (whose fd is the result) go together.
     """
+    if "tsync_flags" in told:
+        return int(told["tsync_flags"])
     try:  # a NULL program: EFAULT if the flags are understood, EINVAL if not
         _seccomp(_FLAG_TSYNC | _FLAG_TSYNC_ESRCH, None)
     except OSError as exc:

@@ -8,10 +8,11 @@ sandbox_kernel.launch.forkserver.lean_zygote`, and imports only what its process
 
 What the forked zygote inherits, this one is handed: the control socket (fd CONTROL_FD), the
 pool's listener (LISTENER_FD), the companion's registry (REGISTRY_FD), fd 2 the server's log,
-and, as the control socket's first message, the pool's argv and environment, the server's uid
-and its preload (the modules a preload-set pool's code imports, launch/imports.py). It then
-does what the server does for its children once (the confinement's inputs precomputed: the
-interpreter's paths, accounts, seccomp templates) and serves zygote.py's protocol unchanged.
+and, as the control socket's first message, the pool's argv and environment, the server's uid,
+its preload (the modules a preload-set pool's code imports, launch/imports.py) and the seccomp
+programs it compiled (seccomp.handover: this image never loads libseccomp). It then does what
+the server does for its children once (the confinement's inputs precomputed: the interpreter's
+paths, accounts) and serves zygote.py's protocol unchanged.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import json
 import os
 import socket
 import sys
+from typing import Any
+
+from sandbox_kernel.confine import seccomp
 
 from . import zygote
 
@@ -38,6 +42,7 @@ def main() -> None:
         spec = json.loads(control.recv(1 << 20))
         argv, env, server_uid = list(spec["argv"]), dict(spec["env"]), int(spec["server_uid"])
         preload = list(spec.get("preload", ()))
+        programs = dict(spec["seccomp"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         _say(f"no pool spec on the control socket: {exc}")
         os._exit(1)
@@ -48,7 +53,11 @@ def main() -> None:
         except ImportError as exc:
             _say(f"cannot preload {name}: {exc}")
             os._exit(1)
-    prepare()
+    try:
+        prepare(programs)
+    except (ValueError, KeyError, TypeError) as exc:
+        _say(f"the pool spec's seccomp programs cannot be loaded: {exc}")
+        os._exit(1)
     from sandbox_kernel.kernel import lean
 
     zygote.serve(control, listener, REGISTRY_FD, argv, env, server_uid, build=lean.build)
@@ -60,17 +69,17 @@ POOLED_IMPORTS = ("sandbox_kernel.confine.companion", "sandbox_kernel.confine.en
                   "sandbox_kernel.launch.forkserver.child", "IPython.core.logger")
 
 
-def prepare() -> None:
+def prepare(seccomp_programs: dict[str, Any]) -> None:
     """Policy-independent work every pooled process would repeat, done once (as the fork
-    server's `prepare` does for its children): its imports, interpreter paths, accounts,
-    seccomp's precompiled templates."""
-    from sandbox_kernel.confine import paths, privileges, seccomp
+    server's `prepare` does for its children): its imports, interpreter paths, accounts, and
+    the seccomp programs the server compiled taken as this process's (seccomp.adopt)."""
+    from sandbox_kernel.confine import paths, privileges
 
     for name in POOLED_IMPORTS:
         importlib.import_module(name)
     paths.interpreter_paths()
     privileges.prepare()
-    seccomp.precompile()
+    seccomp.adopt(seccomp_programs)
     if os.geteuid() == 0:
         # The bounding set only limits what an execve could gain: this process never execs,
         # and each it forks inherits the empty set and checks it in one read (privileges.plan;
@@ -92,9 +101,10 @@ def exec_in_child(control: socket.socket, listener: socket.socket, registry: int
 
 def send_spec(control: socket.socket, argv: list[str], env: dict[str, str],
               preload: list[str]) -> None:
-    """In the server: the pool's spec, the lean zygote's first message."""
+    """In the server: the pool's spec, the lean zygote's first message (~35 kB, most of it the
+    seccomp programs the server compiled in its `prepare`)."""
     control.send(json.dumps({"argv": argv, "env": env, "server_uid": os.getuid(),
-                             "preload": preload}).encode())
+                             "preload": preload, "seccomp": seccomp.handover()}).encode())
 
 
 def _say(line: str) -> None:
