@@ -19,13 +19,14 @@ uid 0 is exempt from RLIMIT_NPROC, so it bounds nothing there.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import re
 import resource
 import signal
 from typing import Any
+
+from .libc import libc as _libc
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 DEFAULT_MEMORY_LIMIT = 4 * 2**30  # the kernel's whole memory: heap and scratch tmpfs together
@@ -118,7 +119,7 @@ def _one_malloc_arena() -> None:
     """
     M_ARENA_MAX = -8  # malloc.h
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to do
-        ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)
+        _libc().mallopt(M_ARENA_MAX, 1)
 
 
 def heap_limit(memory: int, scratch_quota: int | None) -> int:

@@ -27,6 +27,7 @@ import struct
 from typing import Any
 
 from .errors import ConfinementError
+from .libc import libc as _libc
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
@@ -37,10 +38,6 @@ _PR_SET_DUMPABLE = 4
 
 class NamespaceError(OSError):
     """A private network namespace cannot be made here."""
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 # What makes a namespace possible where enter() finds none: said by `check` and by a kernel
@@ -140,7 +137,7 @@ def _try_enter(switch_to: tuple[int, int] | None) -> str:
     os.setuid(switch_to[0])
     # As privileges.switch does for a uid of the kernel's own: /proc/self is ours again, and
     # with it the user namespace's uid_map.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+    _libc().prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
     return f"{enter()['owner']} of uid {switch_to[0]}"
 
 

@@ -29,8 +29,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import limits, paths, view
+from . import libc, limits, paths, view
 from .errors import ConfinementError
+from .libc import libc as _libc
 
 NOBODY = 65534
 DEFAULT_UID_RANGE = "200000-265535"
@@ -121,9 +122,8 @@ def prepare() -> None:
     interpreter_needs()
     _each_once(_needed_paths_of(sys.executable, tuple(sys.path)))
     accounts_ids()
-    _libc()
+    libc.prepare()
     _last_capability()
-    view.prepare()
 
 
 def parse_range(text: str) -> range:
@@ -395,14 +395,6 @@ def _chown_tree(top: str, uid: int, gid: int) -> None:
         os.chown(directory, uid, gid)
         for name in files:
             os.chown(os.path.join(directory, name), uid, gid, follow_symlinks=False)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    for name in ("prctl", "syscall"):  # made once (prepare): CDLL keeps the functions it made
-        getattr(libc, name)
-    return libc
 
 
 @functools.cache

@@ -12,12 +12,12 @@ from pathlib import Path
 
 from . import view
 from .errors import ConfinementError
+from .libc import libc as _libc
 
 DEFAULT_SCRATCH_SIZE = 2**30  # at most; by default a quarter of the memory limit (planned_size)
 AUTO_SIZE = -1  # --scratch-size's default: planned_size chooses
 DEFAULT_SCRATCH_FILES = 32768  # inodes: each costs the host ~1 KiB of kernel memory
 _MS_NOSUID, _MS_NODEV = 0x2, 0x4
-_MOUNT = ctypes.CDLL(None, use_errno=True).mount  # made once (a fork server's or zygote's)
 
 
 class ScratchError(ConfinementError):
@@ -142,7 +142,7 @@ def mount_quota(path: str, size: int, files: int = DEFAULT_SCRATCH_FILES) -> boo
     except view.ViewError as exc:
         raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: {exc}") from None
     options = f"size={size},nr_inodes={files or 0},mode=0700".encode()
-    if _MOUNT(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
+    if _libc().mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options):
         raise ScratchError(f"could not mount a {size}-byte tmpfs on {path}: "
                            f"{os.strerror(ctypes.get_errno())}")
     return True

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 
 from .errors import ConfinementError
+from .libc import libc as _libc
 
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x1000, 0x4000, 0x40000
@@ -164,20 +165,6 @@ def _remembered(directory: str, uid: int, gid: int) -> bool | None:
     if known is None or uid == 0 or uid == known[0] or gid == known[1]:
         return None
     return known[2]
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    """libc with the calls made here looked up once (prepare: in a zygote, for each child)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for name in ("unshare", "mount"):
-        getattr(libc, name)  # CDLL keeps each function it made: none is made again
-    return libc
-
-
-def prepare() -> None:
-    """In a fork server or a zygote: what each process it forks would build alike."""
-    _libc()
 
 
 def _check(result: int, what: str) -> None:
